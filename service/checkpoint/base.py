@@ -1,0 +1,89 @@
+"""What every checkpoint reader offers: tensor metadata up front, data one tensor (or chunk) at a time.
+
+Readers never hold more than the tensor being read; callers that need bounded memory for a huge
+tensor use :meth:`WeightReader.iter_chunks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    """The file holding the data (a shard)."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """Where a tensor's raw little-endian bytes lie in a file (safetensors: referenced in place)."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+class WeightReader(Protocol):
+    def tensor_infos(self) -> list[TensorInfo]:
+        """Every stored tensor, in storage order (reading in this order is sequential I/O)."""
+        ...
+
+    def aliases(self) -> dict[str, str]:
+        """Names whose data is another stored tensor's (tied weights): alias -> canonical name."""
+        ...
+
+    def read(self, name: str) -> torch.Tensor:
+        """A fresh CPU tensor owned by the caller; no file pages stay resident because of it."""
+        ...
+
+    def iter_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]:
+        """The tensor's elements, flattened, in pieces of at most ``max_bytes``."""
+        ...
+
+    def region(self, name: str) -> FileRegion | None:
+        """The tensor's bytes in a file when they can be used in place, else None."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Checkpoint:
+    """A local checkpoint: weights plus the files that travel with them."""
+
+    root: Path
+    format: Literal["safetensors", "pickle"]
+    weight_files: list[Path]
+    reader: WeightReader
+    config: dict[str, Any] | None = None
+    aux_files: list[Path] = field(default_factory=list)
+    """config.json, generation_config.json, tokenizer files: carried over to exports."""
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,242 @@
+"""The one exception tree of modelprep.
+
+Every error the service raises on purpose derives from :class:`ServiceError`. Each class has a
+stable ``code`` (the ``error.type`` of a failed job and the ``type`` suffix of a problem+json
+body) and an HTTP ``status`` used only by ``service.api.errors``. Subclasses also inherit the
+matching builtin so callers can catch precisely (``except FileNotFoundError`` still works).
+
+A failed job stores ``code`` and the message; the message must never contain a secret.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ServiceError(Exception):
+    """Root of every deliberate modelprep error."""
+
+    code: ClassVar[str] = "service_error"
+    status: ClassVar[int] = 500
+    title: ClassVar[str] = "Internal service error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class InvalidRequest(ValueError, ServiceError):
+    """The request is well-formed JSON but asks for something impossible."""
+
+    code = "invalid_request"
+    status = 422
+    title = "Invalid request"
+
+
+class UnsupportedDtype(InvalidRequest):
+    code = "unsupported_dtype"
+    title = "Unsupported dtype"
+
+
+class UnsupportedExport(InvalidRequest):
+    """The export format, or the architecture for that format, is not supported."""
+
+    code = "unsupported_export"
+    title = "Unsupported export"
+
+
+class NotFound(LookupError, ServiceError):
+    code = "not_found"
+    status = 404
+    title = "Not found"
+
+
+class JobNotFound(NotFound):
+    code = "job_not_found"
+    title = "Job not found"
+
+
+class ArtifactNotFound(NotFound):
+    code = "artifact_not_found"
+    title = "Artifact not found"
+
+
+class Conflict(ServiceError):
+    code = "conflict"
+    status = 409
+    title = "Conflict"
+
+
+class QueueFull(ServiceError):
+    """Back-pressure: too many jobs are waiting."""
+
+    code = "queue_full"
+    status = 429
+    title = "Too many queued jobs"
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unauthorized(PermissionError, ServiceError):
+    code = "unauthorized"
+    status = 401
+    title = "Unauthorized"
+
+
+class PathOutsideRoot(PermissionError, ServiceError):
+    """A path (source, artifact) resolves outside the root it must stay in."""
+
+    code = "path_outside_root"
+    status = 403
+    title = "Path outside allowed root"
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+
+class SourceError(ServiceError):
+    """The checkpoint could not be obtained."""
+
+    code = "source_error"
+    status = 422
+    title = "Source error"
+
+
+class SourceNotAllowed(PermissionError, SourceError):
+    code = "source_not_allowed"
+    status = 422
+    title = "Source not allowed"
+
+
+class SourceNotFound(FileNotFoundError, SourceError):
+    code = "source_not_found"
+    status = 422
+    title = "Source not found"
+
+
+class RepositoryNotFound(SourceNotFound):
+    code = "repository_not_found"
+    title = "Repository not found"
+
+
+class RevisionNotFound(SourceNotFound):
+    code = "revision_not_found"
+    title = "Revision not found"
+
+
+class SourceUnauthorized(PermissionError, SourceError):
+    """Gated or private repository, or a rejected token."""
+
+    code = "source_unauthorized"
+    title = "Source refused access"
+
+
+class NoWeightFiles(SourceError):
+    code = "no_weight_files"
+    title = "No weight files"
+
+
+class DownloadFailed(ConnectionError, SourceError):
+    """Network failure that retries did not overcome."""
+
+    code = "download_failed"
+    title = "Download failed"
+
+
+class ChecksumMismatch(SourceError):
+    code = "checksum_mismatch"
+    title = "Checksum mismatch"
+
+
+class DownloadTooLarge(SourceError):
+    code = "download_too_large"
+    title = "Download too large"
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+class CheckpointError(ValueError, ServiceError):
+    """The checkpoint's files are unreadable or inconsistent."""
+
+    code = "checkpoint_error"
+    status = 422
+    title = "Invalid checkpoint"
+
+
+class CorruptCheckpoint(CheckpointError):
+    """Truncated file, header lying about offsets/sizes, malformed JSON."""
+
+    code = "corrupt_checkpoint"
+    title = "Corrupt checkpoint"
+
+
+class UnsafePickle(CheckpointError):
+    """A pickle holds something other than tensors; refused by ``weights_only=True``."""
+
+    code = "unsafe_pickle"
+    title = "Unsafe pickle"
+
+
+class MissingShard(CheckpointError):
+    code = "missing_shard"
+    title = "Missing shard"
+
+
+class NoModelConfig(CheckpointError):
+    """A module is needed (verification, graph export) but there is no usable config.json."""
+
+    code = "no_model_config"
+    title = "No usable model config"
+
+
+# --- execution ---------------------------------------------------------------------------------
+
+
+class JobFailed(ServiceError):
+    code = "job_failed"
+    title = "Job failed"
+
+
+class JobCancelled(JobFailed):
+    code = "job_cancelled"
+    title = "Job cancelled"
+
+
+class WorkerCrashed(JobFailed):
+    """The job's process died without reporting (signal, OOM kill)."""
+
+    code = "worker_crashed"
+    title = "Job process crashed"
+
+
+class JobInterrupted(JobFailed):
+    """The service stopped while the job ran and it could not be retried."""
+
+    code = "job_interrupted"
+    title = "Job interrupted"
+
+
+class OffloadQuotaExceeded(JobFailed):
+    code = "offload_quota_exceeded"
+    title = "Offload quota exceeded"
+
+
+class DiskFull(OSError, JobFailed):
+    code = "disk_full"
+    title = "Disk full"
+
+
+class ExportFailed(JobFailed):
+    code = "export_failed"
+    title = "Export failed"
+
+
+class VerificationFailed(JobFailed):
+    code = "verification_failed"
+    title = "Verification failed"
