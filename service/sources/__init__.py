@@ -1,0 +1,33 @@
+"""Source fetchers by URI scheme."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from service.config import Settings
+from service.errors import InvalidRequest
+from service.jobs.context import JobContext
+from service.sources.base import ResolvedSource, SourceFetcher, SourceRequest
+from service.sources.local import LocalFetcher
+
+_FETCHERS: list[SourceFetcher] = [LocalFetcher()]
+
+
+def fetcher_for(uri: str) -> SourceFetcher:
+    scheme = urlparse(uri).scheme
+    for fetcher in _FETCHERS:
+        if scheme in fetcher.schemes:
+            return fetcher
+    known = sorted(s for f in _FETCHERS for s in f.schemes)
+    raise InvalidRequest(f"unsupported source scheme {scheme!r}; use one of {known}")
+
+
+def check_source(request: SourceRequest, settings: Settings) -> None:
+    fetcher_for(request.uri).check(request, settings)
+
+
+def fetch_source(request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
+    return fetcher_for(request.uri).fetch(request, settings, ctx)
+
+
+__all__ = ["ResolvedSource", "SourceRequest", "check_source", "fetch_source", "fetcher_for"]

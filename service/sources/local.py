@@ -1,0 +1,42 @@
+"""``file://`` sources: a checkpoint directory or a weights file under an allowed local root."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from service.config import Settings
+from service.errors import SourceNotAllowed, SourceNotFound
+from service.jobs.context import JobContext
+from service.sources.base import ResolvedSource, SourceRequest
+
+
+def resolve_under_roots(path: Path, roots: list[Path]) -> Path:
+    """The real path of ``path`` if it lies under one of ``roots``; symlinks are followed first,
+    so a link that points out of a root is refused."""
+    if not path.is_absolute():
+        raise SourceNotAllowed(f"local source path must be absolute: {path}")
+    real = path.resolve()
+    for root in roots:
+        if real == root or real.is_relative_to(root):
+            return real
+    raise SourceNotAllowed(f"source {path} is not under an allowed local root")
+
+
+class LocalFetcher:
+    schemes = ("file",)
+
+    def _path(self, request: SourceRequest, settings: Settings) -> Path:
+        parsed = urlparse(request.uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise SourceNotAllowed(f"file:// source must be local, got host {parsed.netloc!r}")
+        real = resolve_under_roots(Path(unquote(parsed.path)), settings.local_roots)
+        if not real.exists():
+            raise SourceNotFound(f"source {parsed.path} does not exist")
+        return real
+
+    def check(self, request: SourceRequest, settings: Settings) -> None:
+        self._path(request, settings)
+
+    def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
+        return ResolvedSource(path=self._path(request, settings), uri=request.uri)
