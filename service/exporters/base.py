@@ -38,6 +38,8 @@ class ExportResult:
     """Paths written, relative to the export's output directory."""
     summary: dict[str, Any] = field(default_factory=dict)
     """Goes into manifest.json under this export: recipe, counts, verification errors."""
+    digests: dict[str, str] = field(default_factory=dict)
+    """sha256 of files hashed while being written, so finalize need not read them again."""
 
 
 class Exporter(Protocol):
