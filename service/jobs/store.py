@@ -1,0 +1,382 @@
+"""The job store: SQLAlchemy Core over SQLite (default) or PostgreSQL, one table.
+
+Every state change is a single UPDATE guarded by the expected current status, so the API
+process, the local pool and job child processes (each with its own engine) can write
+concurrently without lost updates: claiming a job, finishing it and cancelling it race
+safely. Secrets are never written here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Engine,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    and_,
+    create_engine,
+    event,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection, RowMapping
+
+from service.errors import Conflict, JobNotFound, QueueFull
+from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, Progress
+
+metadata = MetaData()
+
+jobs_table = Table(
+    "jobs",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("status", String(16), nullable=False, index=True),
+    Column("phase", String(16), nullable=False),
+    Column("spec", JSON, nullable=False),
+    Column("tenant", String(64), nullable=True, index=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, index=True),
+    Column("started_at", DateTime(timezone=True), nullable=True),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    Column("progress_done", BigInteger, nullable=False, default=0),
+    Column("progress_total", BigInteger, nullable=True),
+    Column("progress_unit", String(16), nullable=False, default="bytes"),
+    Column("error_type", String(64), nullable=True),
+    Column("error_message", Text, nullable=True),
+    Column("artifacts", JSON, nullable=False, default=list),
+    Column("metrics", JSON, nullable=False, default=dict),
+    Column("details", JSON, nullable=False, default=dict),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("cancel_requested", Boolean, nullable=False, default=False),
+    Column("worker", String(128), nullable=True),
+    Column("heartbeat_at", DateTime(timezone=True), nullable=True),
+)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    # SQLite returns naive datetimes; every datetime the store hands out is UTC-aware.
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+def _to_job(row: RowMapping) -> Job:
+    error = (
+        JobError(type=row["error_type"], message=row["error_message"] or "")
+        if row["error_type"]
+        else None
+    )
+    created = _aware(row["created_at"])
+    assert created is not None
+    return Job(
+        id=row["id"],
+        status=JobStatus(row["status"]),
+        phase=Phase(row["phase"]),
+        spec=row["spec"],
+        tenant=row["tenant"],
+        created_at=created,
+        started_at=_aware(row["started_at"]),
+        finished_at=_aware(row["finished_at"]),
+        progress=Progress(
+            done=row["progress_done"], total=row["progress_total"], unit=row["progress_unit"]
+        ),
+        error=error,
+        artifacts=tuple(Artifact(**a) for a in row["artifacts"] or []),
+        metrics=dict(row["metrics"] or {}),
+        details=dict(row["details"] or {}),
+        attempts=row["attempts"],
+        cancel_requested=row["cancel_requested"],
+    )
+
+
+def make_engine(url: str) -> Engine:
+    """An engine tuned for several processes sharing one database."""
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url,
+            connect_args={"timeout": 30, "check_same_thread": False},
+            json_serializer=json.dumps,
+        )
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+class JobStore:
+    """Jobs persisted in one table; see the module docstring for the concurrency rules."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def from_url(cls, url: str) -> JobStore:
+        return cls(make_engine(url))
+
+    def create_schema(self) -> None:
+        metadata.create_all(self.engine)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    # --- reads -------------------------------------------------------------------------------
+
+    def get(self, job_id: str, tenant: str | None = None) -> Job:
+        """The job, or JobNotFound (also when it belongs to another tenant)."""
+        query = select(jobs_table).where(jobs_table.c.id == job_id)
+        if tenant is not None:
+            query = query.where(jobs_table.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            row = conn.execute(query).mappings().first()
+        if row is None:
+            raise JobNotFound(f"no job {job_id}")
+        return _to_job(row)
+
+    def page(
+        self,
+        status: JobStatus | None = None,
+        tenant: str | None = None,
+        limit: int = 50,
+        before: tuple[datetime, str] | None = None,
+    ) -> list[Job]:
+        """Newest first; ``before`` is the (created_at, id) of the last job of the previous page."""
+        query = select(jobs_table).order_by(
+            jobs_table.c.created_at.desc(), jobs_table.c.id.desc()
+        )
+        if status is not None:
+            query = query.where(jobs_table.c.status == status.value)
+        if tenant is not None:
+            query = query.where(jobs_table.c.tenant == tenant)
+        if before is not None:
+            created, job_id = before
+            query = query.where(
+                (jobs_table.c.created_at < created)
+                | (and_(jobs_table.c.created_at == created, jobs_table.c.id < job_id))
+            )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query.limit(limit)).mappings().all()
+        return [_to_job(r) for r in rows]
+
+    def count(self, status: JobStatus, tenant: str | None = None) -> int:
+        query = select(func.count()).select_from(jobs_table).where(
+            jobs_table.c.status == status.value
+        )
+        if tenant is not None:
+            query = query.where(jobs_table.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def ids_with_status(self, statuses: Sequence[JobStatus]) -> list[str]:
+        query = select(jobs_table.c.id).where(
+            jobs_table.c.status.in_([s.value for s in statuses])
+        )
+        with self.engine.connect() as conn:
+            return [r[0] for r in conn.execute(query)]
+
+    # --- writes ------------------------------------------------------------------------------
+
+    def create(self, job: Job, max_queued: int | None = None) -> Job:
+        """Insert a queued job; QueueFull when ``max_queued`` jobs already wait."""
+        with self._tx() as conn:
+            if max_queued is not None:
+                waiting = conn.execute(
+                    select(func.count())
+                    .select_from(jobs_table)
+                    .where(jobs_table.c.status == JobStatus.QUEUED.value)
+                ).scalar_one()
+                if waiting >= max_queued:
+                    raise QueueFull(f"{waiting} jobs are already queued; retry later")
+            conn.execute(jobs_table.insert().values(**self._row(job)))
+        return job
+
+    def insert_in(self, conn: Connection, job: Job) -> None:
+        """Insert within a caller's transaction (a distributed executor enqueues in the same one)."""
+        conn.execute(jobs_table.insert().values(**self._row(job)))
+
+    @staticmethod
+    def _row(job: Job) -> dict[str, Any]:
+        return {
+            "id": job.id,
+            "status": job.status.value,
+            "phase": job.phase.value,
+            "spec": job.spec,
+            "tenant": job.tenant,
+            "created_at": job.created_at,
+            "updated_at": job.created_at,
+            "progress_done": job.progress.done,
+            "progress_total": job.progress.total,
+            "progress_unit": job.progress.unit,
+            "artifacts": [asdict(a) for a in job.artifacts],
+            "metrics": job.metrics,
+            "details": job.details,
+            "attempts": job.attempts,
+            "cancel_requested": job.cancel_requested,
+        }
+
+    def claim(self, job_id: str, worker: str) -> Job | None:
+        """Move a queued job to running for ``worker``; None if someone else got it first."""
+        now = utcnow()
+        with self._tx() as conn:
+            result = conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id, jobs_table.c.status == JobStatus.QUEUED.value)
+                .values(
+                    status=JobStatus.RUNNING.value,
+                    started_at=now,
+                    updated_at=now,
+                    heartbeat_at=now,
+                    worker=worker,
+                    attempts=jobs_table.c.attempts + 1,
+                )
+            )
+        return self.get(job_id) if result.rowcount == 1 else None
+
+    def next_queued(self, limit: int) -> list[str]:
+        """Oldest queued job ids first (FIFO)."""
+        query = (
+            select(jobs_table.c.id)
+            .where(jobs_table.c.status == JobStatus.QUEUED.value)
+            .order_by(jobs_table.c.created_at, jobs_table.c.id)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [r[0] for r in conn.execute(query)]
+
+    def report(
+        self,
+        job_id: str,
+        *,
+        phase: Phase | None = None,
+        progress: Progress | None = None,
+        metrics: dict[str, Any] | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> bool:
+        """Record progress of a running job; False once it is no longer running (cancelled)."""
+        values: dict[str, Any] = {"updated_at": utcnow(), "heartbeat_at": utcnow()}
+        if phase is not None:
+            values["phase"] = phase.value
+        if progress is not None:
+            values.update(
+                progress_done=progress.done,
+                progress_total=progress.total,
+                progress_unit=progress.unit,
+            )
+        if metrics is not None:
+            values["metrics"] = metrics
+        if details is not None:
+            values["details"] = details
+        with self._tx() as conn:
+            result = conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id, jobs_table.c.status == JobStatus.RUNNING.value)
+                .values(**values)
+            )
+        return result.rowcount == 1
+
+    def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        error: JobError | None = None,
+        artifacts: Sequence[Artifact] | None = None,
+        metrics: dict[str, Any] | None = None,
+        details: dict[str, Any] | None = None,
+        from_statuses: Sequence[JobStatus] = (JobStatus.RUNNING,),
+    ) -> bool:
+        """Move a job to a terminal status; False if it was not in ``from_statuses``."""
+        assert status.terminal
+        now = utcnow()
+        values: dict[str, Any] = {
+            "status": status.value,
+            "finished_at": now,
+            "updated_at": now,
+            "error_type": error.type if error else None,
+            "error_message": error.message if error else None,
+        }
+        if status is JobStatus.SUCCEEDED:
+            values["phase"] = Phase.DONE.value
+        if artifacts is not None:
+            values["artifacts"] = [asdict(a) for a in artifacts]
+        if metrics is not None:
+            values["metrics"] = metrics
+        if details is not None:
+            values["details"] = details
+        with self._tx() as conn:
+            result = conn.execute(
+                update(jobs_table)
+                .where(
+                    jobs_table.c.id == job_id,
+                    jobs_table.c.status.in_([s.value for s in from_statuses]),
+                )
+                .values(**values)
+            )
+        return result.rowcount == 1
+
+    def request_cancel(self, job_id: str, tenant: str | None = None) -> Job:
+        """Cancel a queued job at once; flag a running one for its executor to stop."""
+        job = self.get(job_id, tenant)
+        if job.status.terminal:
+            raise Conflict(f"job {job_id} is already {job.status.value}")
+        if job.status is JobStatus.QUEUED and self.finish(
+            job_id,
+            JobStatus.CANCELLED,
+            error=JobError("job_cancelled", "cancelled before it started"),
+            from_statuses=(JobStatus.QUEUED,),
+        ):
+            return self.get(job_id)
+        with self._tx() as conn:
+            conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id)
+                .values(cancel_requested=True, updated_at=utcnow())
+            )
+        return self.get(job_id)
+
+    def requeue(self, job_id: str) -> bool:
+        """Put an interrupted running job back in the queue, progress reset."""
+        with self._tx() as conn:
+            result = conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id, jobs_table.c.status == JobStatus.RUNNING.value)
+                .values(
+                    status=JobStatus.QUEUED.value,
+                    phase=Phase.QUEUED.value,
+                    progress_done=0,
+                    progress_total=None,
+                    worker=None,
+                    updated_at=utcnow(),
+                )
+            )
+        return result.rowcount == 1
