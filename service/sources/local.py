@@ -24,9 +24,10 @@ def resolve_under_roots(path: Path, roots: list[Path]) -> Path:
 
 
 class LocalFetcher:
-    schemes = ("file",)
+    schemes: tuple[str, ...] = ("file",)
 
-    def _path(self, request: SourceRequest, settings: Settings) -> Path:
+    def path(self, request: SourceRequest, settings: Settings) -> Path:
+        """The real local path of the source, checked against the allowed roots."""
         parsed = urlparse(request.uri)
         if parsed.netloc not in ("", "localhost"):
             raise SourceNotAllowed(f"file:// source must be local, got host {parsed.netloc!r}")
@@ -36,7 +37,7 @@ class LocalFetcher:
         return real
 
     def check(self, request: SourceRequest, settings: Settings) -> None:
-        self._path(request, settings)
+        self.path(request, settings)
 
     def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
-        return ResolvedSource(path=self._path(request, settings), uri=request.uri)
+        return ResolvedSource(path=self.path(request, settings), uri=request.uri)

@@ -1,0 +1,27 @@
+"""What the API needs of whatever runs jobs: accept, cancel, start and stop."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from service.jobs.model import Job
+
+
+class Executor(Protocol):
+    def start(self) -> None:
+        """Begin running queued jobs (after recovery of interrupted ones)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop taking jobs; running ones are stopped and left for recovery to re-queue."""
+        ...
+
+    def submit(self, job: Job, secrets: dict[str, str]) -> Job:
+        """Persist ``job`` as queued and arrange for it to run; QueueFull under back-pressure.
+
+        ``secrets`` (per-job tokens) are kept in memory only and handed to the job process."""
+        ...
+
+    def cancel(self, job_id: str, tenant: str | None = None) -> Job:
+        """Cancel a queued or running job; a running job's process is gone within seconds."""
+        ...

@@ -1,0 +1,162 @@
+"""One job, one child process: the entry point an executor spawns, and its store-backed context.
+
+The child owns its job from start to terminal status: it opens its own database engine, runs the
+pipeline and writes the outcome. If it dies without writing one (signal, OOM kill), the executor
+that spawned it marks the job failed. Only the job id, the settings and per-job secrets cross
+the process boundary; no torch object ever does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from service.config import Settings
+from service.errors import JobCancelled, ServiceError
+from service.jobs.layout import JobLayout
+from service.jobs.model import JobError, JobStatus, Phase, Progress
+from service.jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process and of the children it waited for."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) * 1024
+
+
+@dataclass
+class StoreContext:
+    """A :class:`JobContext` that reports to the job store, throttled so that byte-level
+    progress costs a database write at most every ``settings.progress_interval_seconds``."""
+
+    job_id: str
+    settings: Settings
+    work_dir: Path
+    store: JobStore
+    phase: Phase = Phase.QUEUED
+    done: int = 0
+    total: int | None = None
+    unit: str = "bytes"
+    metrics: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    _last_flush: float = 0.0
+    _cancelled: bool = False
+
+    def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None:
+        self.phase, self.total, self.unit, self.done = phase, total, unit, 0
+        log.info("phase %s", phase.value, extra={"job_id": self.job_id, "phase": phase.value})
+        self.flush(force=True)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self.flush()
+
+    def check_abort(self) -> None:
+        self.flush()
+        if self._cancelled:
+            raise JobCancelled(f"job {self.job_id} was cancelled")
+
+    def add_metric(self, key: str, value: float) -> None:
+        self.metrics[key] = self.metrics.get(key, 0) + value
+
+    def set_metric(self, key: str, value: Any) -> None:
+        self.metrics[key] = value
+
+    def set_detail(self, section: str, value: Any) -> None:
+        self.details[section] = value
+        self.flush(force=True)
+
+    def flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_flush < self.settings.progress_interval_seconds:
+            return
+        self._last_flush = now
+        self.metrics["peak_rss_bytes"] = peak_rss_bytes()
+        still_running = self.store.report(
+            self.job_id,
+            phase=self.phase,
+            progress=Progress(self.done, self.total, self.unit),
+            metrics=self.metrics,
+            details=self.details,
+        )
+        if not still_running:
+            self._cancelled = True
+        elif self.store.get(self.job_id).cancel_requested:
+            self._cancelled = True
+
+
+def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
+    """Child-process entry point: run job ``job_id`` to a terminal status."""
+    os.setsid()  # own process group: the executor kills the job and all it started at once
+    from service.logs import configure_logging
+
+    configure_logging(settings, job_id=job_id)
+    store = JobStore.from_url(settings.sqlalchemy_url)
+    layout = JobLayout.for_job(settings, job_id)
+    layout.prepare()
+    # Libraries that call tempfile.mkdtemp (torch-to-nnef) then leave nothing outside the job.
+    os.environ["TMPDIR"] = str(layout.tmp)
+    tempfile.tempdir = str(layout.tmp)
+    ctx = StoreContext(job_id=job_id, settings=settings, work_dir=layout.work, store=store)
+    started = time.monotonic()
+    failed = True
+    try:
+        job = store.get(job_id)
+        from service.jobs.pipeline import run_pipeline
+        from service.jobs.spec import JobSpec
+
+        spec = JobSpec.model_validate({**job.spec, **secrets})
+        artifacts = run_pipeline(spec, ctx, layout)
+        ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
+        ctx.metrics["peak_rss_bytes"] = peak_rss_bytes()
+        store.finish(
+            job_id, JobStatus.SUCCEEDED, artifacts=artifacts, metrics=ctx.metrics,
+            details=ctx.details,
+        )
+        failed = False
+        log.info("succeeded", extra={"job_id": job_id})
+    except JobCancelled as exc:
+        _finish_failed(store, ctx, JobStatus.CANCELLED, exc, started)
+    except ServiceError as exc:
+        log.warning("failed: %s: %s", exc.code, exc.message, extra={"job_id": job_id})
+        _finish_failed(store, ctx, JobStatus.FAILED, exc, started)
+    except MemoryError as exc:
+        _finish_failed(store, ctx, JobStatus.FAILED, exc, started, code="out_of_memory")
+    except Exception as exc:  # the job fails with the cause; the service never does
+        log.error("internal error\n%s", traceback.format_exc(), extra={"job_id": job_id})
+        _finish_failed(store, ctx, JobStatus.FAILED, exc, started, code="internal_error")
+    finally:
+        if failed:
+            layout.discard(keep_offload=settings.keep_failed_offload)
+        else:
+            layout.clean()
+        store.dispose()
+
+
+def _finish_failed(
+    store: JobStore,
+    ctx: StoreContext,
+    status: JobStatus,
+    exc: BaseException,
+    started: float,
+    code: str | None = None,
+) -> None:
+    if isinstance(exc, ServiceError):
+        error = JobError(code or exc.code, exc.message)
+    else:
+        error = JobError(code or "internal_error", f"{type(exc).__name__}: {exc}")
+    ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
+    ctx.metrics["peak_rss_bytes"] = peak_rss_bytes()
+    store.finish(
+        ctx.job_id, status, error=error, metrics=ctx.metrics, details=ctx.details
+    )

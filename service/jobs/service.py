@@ -1,0 +1,80 @@
+"""The job operations the API (and the CLI) call; no HTTP here, no pipeline internals."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from service.config import Settings
+from service.errors import ArtifactNotFound, CheckpointError
+from service.jobs.executors.base import Executor
+from service.jobs.layout import JobLayout
+from service.jobs.model import Job, JobStatus, Phase
+from service.jobs.pipeline import check_spec
+from service.jobs.spec import JobSpec
+from service.jobs.store import JobStore, utcnow
+from service.sources import fetcher_for
+from service.sources.local import LocalFetcher
+
+
+@dataclass
+class JobService:
+    settings: Settings
+    store: JobStore
+    executor: Executor
+
+    def submit(self, spec: JobSpec, tenant: str | None = None) -> Job:
+        """Validate what can be known now (422 rather than a failed job), then queue."""
+        check_spec(spec, self.settings, self._local_config(spec))
+        job = Job(
+            id=uuid.uuid4().hex,
+            status=JobStatus.QUEUED,
+            phase=Phase.QUEUED,
+            spec=spec.stored(),
+            created_at=utcnow(),
+            tenant=tenant,
+        )
+        secrets = {"hf_token": spec.hf_token.get_secret_value()} if spec.hf_token else {}
+        return self.executor.submit(job, secrets)
+
+    def _local_config(self, spec: JobSpec) -> dict[str, Any] | None:
+        """config.json of a file:// source, so exporters can refuse an architecture at once."""
+        fetcher = fetcher_for(spec.source)
+        if not isinstance(fetcher, LocalFetcher):
+            return None
+        path = fetcher.path(spec.source_request(), self.settings)
+        config_path = path / "config.json" if path.is_dir() else path.parent / "config.json"
+        if not config_path.is_file():
+            return None
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"config.json is not valid JSON: {exc}") from exc
+        return config if isinstance(config, dict) else None
+
+    def get(self, job_id: str, tenant: str | None = None) -> Job:
+        return self.store.get(job_id, tenant)
+
+    def page(
+        self,
+        status: JobStatus | None,
+        limit: int,
+        before: tuple[datetime, str] | None,
+        tenant: str | None = None,
+    ) -> list[Job]:
+        return self.store.page(status=status, tenant=tenant, limit=limit, before=before)
+
+    def cancel(self, job_id: str, tenant: str | None = None) -> Job:
+        return self.executor.cancel(job_id, tenant)
+
+    def artifact(self, job_id: str, path: str, tenant: str | None = None) -> tuple[Job, Path]:
+        """The job and the file of one of its artifacts; only succeeded jobs have artifacts."""
+        job = self.store.get(job_id, tenant)
+        if job.status is not JobStatus.SUCCEEDED:
+            raise ArtifactNotFound(f"job {job_id} has no artifacts ({job.status.value})")
+        return job, JobLayout.for_job(self.settings, job_id).artifact(path)
+
