@@ -1,0 +1,50 @@
+"""The application factory: settings in, a ready FastAPI app out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service.api.errors import install_error_handlers
+from service.api.routes import artifacts, health, jobs
+from service.config import Settings
+from service.jobs.executors.local import LocalExecutor
+from service.jobs.recovery import recover_interrupted
+from service.jobs.service import JobService
+from service.jobs.store import JobStore
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; the only place (with the CLI) where settings are read."""
+    settings = settings or Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.jobs_dir.mkdir(parents=True, exist_ok=True)
+    store = JobStore.from_url(settings.sqlalchemy_url)
+    executor = LocalExecutor(settings, store)
+    job_service = JobService(settings=settings, store=store, executor=executor)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store.create_schema()
+        recover_interrupted(store, settings)
+        executor.start()
+        try:
+            yield
+        finally:
+            executor.stop()
+            store.dispose()
+
+    app = FastAPI(
+        title="modelprep",
+        version="1.0.0",
+        summary="Prepares very large model checkpoints for deployment with bounded memory.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.jobs = job_service
+    install_error_handlers(app)
+    for module in (jobs, artifacts, health):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,92 @@
+"""The one place where errors become HTTP: RFC 9457 ``application/problem+json`` for all."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.errors import QueueFull, ServiceError
+
+log = logging.getLogger(__name__)
+
+PROBLEM_JSON = "application/problem+json"
+TYPE_BASE = "https://modelprep.dev/problems/"
+
+
+def problem(
+    status: int,
+    code: str,
+    title: str,
+    detail: str,
+    instance: str | None = None,
+    errors: list[dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body: dict[str, Any] = {
+        "type": TYPE_BASE + code,
+        "title": title,
+        "status": status,
+        "detail": detail,
+    }
+    if instance:
+        body["instance"] = instance
+    if errors is not None:
+        body["errors"] = errors
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
+
+
+def _jsonable_errors(errors: Any) -> list[dict[str, Any]]:
+    out = []
+    for err in errors:
+        out.append(
+            {
+                "loc": [str(p) for p in err.get("loc", ())],
+                "msg": str(err.get("msg", "")),
+                "type": str(err.get("type", "")),
+            }
+        )
+    return out
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+        return problem(
+            exc.status, exc.code, exc.title, exc.message, request.url.path, headers=headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = _jsonable_errors(exc.errors())
+        malformed = any(e["type"] == "json_invalid" for e in errors)
+        if malformed:
+            return problem(
+                400, "malformed_json", "Malformed JSON", "the request body is not valid JSON",
+                request.url.path, errors,
+            )
+        summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors[:5])
+        return problem(
+            422, "invalid_request", "Invalid request", summary, request.url.path, errors
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return problem(
+            exc.status_code, code, str(exc.detail), str(exc.detail), request.url.path,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return problem(
+            500, "internal_error", "Internal error", "an unexpected error occurred",
+            request.url.path,
+        )

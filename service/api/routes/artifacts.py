@@ -1,0 +1,30 @@
+"""Artifact downloads: streamed from disk, with Range and a content-based ETag."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import FileResponse
+
+from service.api.deps import JobsDep
+from service.api.routes.jobs import PROBLEMS
+
+router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
+
+
+@router.get(
+    "/{job_id}/artifacts/{path:path}",
+    responses={**PROBLEMS, 200: {"content": {"application/octet-stream": {}}}, 206: {}, 304: {}},
+    response_class=FileResponse,
+)
+def download_artifact(job_id: str, path: str, jobs: JobsDep, request: Request) -> Response:
+    job, file = jobs.artifact(job_id, path)
+    digest = next((a.sha256 for a in job.artifacts if a.path == path), None)
+    headers = {}
+    if digest:
+        etag = f'"{digest}"'
+        headers["ETag"] = etag
+        if request.headers.get("if-none-match") in (etag, "*"):
+            return Response(status_code=304, headers=headers)
+    return FileResponse(
+        file, filename=file.name, media_type="application/octet-stream", headers=headers
+    )

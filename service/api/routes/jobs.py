@@ -1,0 +1,65 @@
+"""Jobs: submit, inspect, list, cancel."""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response, status
+
+from service.api.deps import JobsDep
+from service.api.schemas import JobCreate, JobOut, JobPage, Problem
+from service.errors import InvalidRequest
+from service.jobs.model import JobStatus
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+PROBLEMS: dict[int | str, dict[str, object]] = {
+    code: {"model": Problem, "content": {"application/problem+json": {}}}
+    for code in (400, 404, 409, 422, 429)
+}
+
+
+def _encode_cursor(created_at: datetime, job_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{created_at.isoformat()}|{job_id}".encode()).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        created, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        return datetime.fromisoformat(created), job_id
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("invalid cursor") from exc
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, responses=PROBLEMS)
+def submit_job(body: JobCreate, jobs: JobsDep, response: Response) -> JobOut:
+    job = jobs.submit(body)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return JobOut.from_job(job)
+
+
+@router.get("", responses=PROBLEMS)
+def list_jobs(
+    jobs: JobsDep,
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: str | None = None,
+) -> JobPage:
+    before = _decode_cursor(cursor) if cursor else None
+    page = jobs.page(status, limit, before)
+    next_cursor = (
+        _encode_cursor(page[-1].created_at, page[-1].id) if len(page) == limit else None
+    )
+    return JobPage(items=[JobOut.from_job(j) for j in page], next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", responses=PROBLEMS)
+def get_job(job_id: str, jobs: JobsDep) -> JobOut:
+    return JobOut.from_job(jobs.get(job_id))
+
+
+@router.delete("/{job_id}", status_code=status.HTTP_202_ACCEPTED, responses=PROBLEMS)
+def cancel_job(job_id: str, jobs: JobsDep) -> JobOut:
+    return JobOut.from_job(jobs.cancel(job_id))

@@ -1,0 +1,105 @@
+"""The wire contract of the HTTP API (v1). Field names here are the public promise."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.jobs.model import Job
+from service.jobs.spec import JobSpec
+
+
+class JobCreate(JobSpec):
+    """Body of ``POST /v1/jobs``."""
+
+
+class ProgressOut(BaseModel):
+    done: int
+    total: int | None
+    unit: str
+
+
+class ErrorOut(BaseModel):
+    type: str
+    message: str
+
+
+class ArtifactOut(BaseModel):
+    path: str
+    size: int
+    sha256: str
+    url: str
+
+
+class JobOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    status: str
+    phase: str
+    progress: ProgressOut
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: ErrorOut | None
+    artifacts: list[ArtifactOut]
+    metrics: dict[str, Any]
+    attempts: int
+    cancel_requested: bool
+    request: dict[str, Any] = Field(description="The job's spec as stored (never secrets).")
+    source: dict[str, Any] | None = None
+    model: dict[str, Any] | None = None
+
+    @classmethod
+    def from_job(cls, job: Job, base_path: str = "/v1/jobs") -> JobOut:
+        return cls(
+            id=job.id,
+            status=job.status.value,
+            phase=job.phase.value,
+            progress=ProgressOut(
+                done=job.progress.done, total=job.progress.total, unit=job.progress.unit
+            ),
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            error=ErrorOut(type=job.error.type, message=job.error.message) if job.error else None,
+            artifacts=[
+                ArtifactOut(
+                    path=a.path,
+                    size=a.size,
+                    sha256=a.sha256,
+                    url=f"{base_path}/{job.id}/artifacts/{a.path}",
+                )
+                for a in job.artifacts
+            ],
+            metrics=job.metrics,
+            attempts=job.attempts,
+            cancel_requested=job.cancel_requested,
+            request=job.spec,
+            **job.details,
+        )
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None = Field(
+        description="Pass as ?cursor= to get the next page; null on the last page."
+    )
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    errors: list[dict[str, Any]] | None = None
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,54 @@
+"""``modelprep`` command line: run the service, print its OpenAPI document."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.api.app import create_app
+    from service.config import Settings
+    from service.logs import configure_logging
+
+    settings = Settings()
+    configure_logging(settings)
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    return 0
+
+
+def _openapi(args: argparse.Namespace) -> int:
+    from service.api.openapi import openapi_document
+
+    json.dump(openapi_document(), sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelprep", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP service (settings from MODELPREP_*)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(func=_serve)
+
+    openapi = sub.add_parser("openapi", help="print the OpenAPI document")
+    openapi.set_defaults(func=_openapi)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
