@@ -1,0 +1,135 @@
+"""The job store against a real SQLite database (and PostgreSQL where the suite provides it)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from service.errors import Conflict, JobNotFound, QueueFull
+from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, Progress
+from service.jobs.store import JobStore, utcnow
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> JobStore:
+    store = JobStore.from_url(f"sqlite:///{tmp_path / 'jobs.db'}")
+    store.create_schema()
+    return store
+
+
+def new_job(offset_seconds: int = 0, tenant: str | None = None) -> Job:
+    return Job(
+        id=uuid.uuid4().hex,
+        status=JobStatus.QUEUED,
+        phase=Phase.QUEUED,
+        spec={"source": "file:///x", "exports": [{"format": "safetensors"}]},
+        created_at=utcnow() + timedelta(seconds=offset_seconds),
+        tenant=tenant,
+    )
+
+
+def test_created_job_reads_back_identical(store: JobStore) -> None:
+    job = store.create(new_job())
+    assert store.get(job.id) == job
+
+
+def test_unknown_job_is_not_found(store: JobStore) -> None:
+    with pytest.raises(JobNotFound):
+        store.get("0" * 32)
+
+
+def test_other_tenants_job_is_not_found(store: JobStore) -> None:
+    job = store.create(new_job(tenant="a"))
+    assert store.get(job.id, tenant="a").id == job.id
+    with pytest.raises(JobNotFound):
+        store.get(job.id, tenant="b")
+
+
+def test_queue_limit_refuses_beyond_max_queued(store: JobStore) -> None:
+    store.create(new_job(), max_queued=2)
+    store.create(new_job(), max_queued=2)
+    with pytest.raises(QueueFull):
+        store.create(new_job(), max_queued=2)
+
+
+def test_a_job_is_claimed_once(store: JobStore) -> None:
+    job = store.create(new_job())
+    first = store.claim(job.id, "w1")
+    assert first is not None and first.status is JobStatus.RUNNING and first.attempts == 1
+    assert first.started_at is not None
+    assert store.claim(job.id, "w2") is None
+
+
+def test_queue_is_fifo(store: JobStore) -> None:
+    later = store.create(new_job(offset_seconds=5))
+    earlier = store.create(new_job(offset_seconds=0))
+    assert store.next_queued(2) == [earlier.id, later.id]
+
+
+def test_progress_and_finish_are_recorded(store: JobStore) -> None:
+    job = store.create(new_job())
+    store.claim(job.id, "w")
+    assert store.report(
+        job.id, phase=Phase.EXPORT, progress=Progress(5, 10, "bytes"), metrics={"bytes_read": 5}
+    )
+    running = store.get(job.id)
+    assert (running.phase, running.progress, running.metrics) == (
+        Phase.EXPORT, Progress(5, 10, "bytes"), {"bytes_read": 5},
+    )
+    artifact = Artifact("manifest.json", 10, "ab" * 32)
+    assert store.finish(job.id, JobStatus.SUCCEEDED, artifacts=[artifact])
+    done = store.get(job.id)
+    assert done.status is JobStatus.SUCCEEDED and done.phase is Phase.DONE
+    assert done.artifacts == (artifact,) and done.finished_at is not None
+    # a finished job takes no more progress and cannot finish twice
+    assert not store.report(job.id, phase=Phase.EXPORT)
+    assert not store.finish(job.id, JobStatus.FAILED, error=JobError("x", "y"))
+
+
+def test_cancelling_a_queued_job_is_immediate(store: JobStore) -> None:
+    job = store.create(new_job())
+    cancelled = store.request_cancel(job.id)
+    assert cancelled.status is JobStatus.CANCELLED
+    with pytest.raises(Conflict):
+        store.request_cancel(job.id)
+
+
+def test_cancelling_a_running_job_flags_it(store: JobStore) -> None:
+    job = store.create(new_job())
+    store.claim(job.id, "w")
+    flagged = store.request_cancel(job.id)
+    assert flagged.status is JobStatus.RUNNING and flagged.cancel_requested
+
+
+def test_pages_walk_every_job_once_newest_first(store: JobStore) -> None:
+    ids = [store.create(new_job(offset_seconds=i)).id for i in range(7)]
+    seen: list[str] = []
+    before = None
+    while True:
+        page = store.page(limit=3, before=before)
+        seen += [j.id for j in page]
+        if len(page) < 3:
+            break
+        before = (page[-1].created_at, page[-1].id)
+    assert seen == list(reversed(ids))
+
+
+def test_status_filter(store: JobStore) -> None:
+    a = store.create(new_job())
+    store.create(new_job())
+    store.claim(a.id, "w")
+    assert [j.id for j in store.page(status=JobStatus.RUNNING)] == [a.id]
+    assert store.count(JobStatus.QUEUED) == 1
+
+
+def test_requeue_resets_an_interrupted_job(store: JobStore) -> None:
+    job = store.create(new_job())
+    store.claim(job.id, "w")
+    store.report(job.id, phase=Phase.EXPORT, progress=Progress(3, 9))
+    assert store.requeue(job.id)
+    again = store.get(job.id)
+    assert again.status is JobStatus.QUEUED and again.progress.done == 0
+    assert again.attempts == 1
