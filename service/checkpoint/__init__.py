@@ -1,0 +1,156 @@
+"""Open a local checkpoint (directory or single weights file) as a :class:`Checkpoint`.
+
+Which files are the weights, in order of preference (safetensors wins over pickles because it
+needs no unpickling and can be referenced in place):
+
+1. ``model.safetensors.index.json`` / ``model.safetensors``, then any other ``*.safetensors``
+   index or files;
+2. ``pytorch_model.bin.index.json`` / ``pytorch_model.bin``, then any other ``.bin``/``.pt``/
+   ``.pth`` index or files, except well-known trainer state (``training_args.bin``...).
+
+Files that travel with the weights (config, generation config, tokenizer) are collected as
+``aux_files``; ``config.json`` is parsed into ``Checkpoint.config`` when it is a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from service.checkpoint.base import Checkpoint, FileRegion, TensorInfo, WeightReader
+from service.checkpoint.index import ShardIndex, check_index_matches, load_index
+from service.checkpoint.safetensors import SafetensorsReader
+from service.checkpoint.torch_pickle import PickleReader
+from service.errors import CheckpointError, NoWeightFiles, SourceNotFound
+
+__all__ = [
+    "AUX_FILE_NAMES",
+    "Checkpoint",
+    "FileRegion",
+    "PickleReader",
+    "SafetensorsReader",
+    "TensorInfo",
+    "WeightReader",
+    "open_checkpoint",
+]
+
+AUX_FILE_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+
+Format = Literal["safetensors", "pickle"]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+NOT_WEIGHTS = frozenset(
+    {"training_args.bin", "optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt"}
+)
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """Open the checkpoint at ``path``; headers and indexes are validated now, data read later.
+
+    Raises :class:`NoWeightFiles` when there are no weights, :class:`MissingShard` when an index
+    names an absent shard, :class:`CorruptCheckpoint` for truncated or lying files and
+    :class:`UnsafePickle` for pickles holding arbitrary objects.
+    """
+    if not path.exists():
+        raise SourceNotFound(f"checkpoint path {path} does not exist")
+    root = path if path.is_dir() else path.parent
+    fmt, files, index = _weight_files(path)
+    reader: SafetensorsReader | PickleReader
+    if fmt == "safetensors":
+        reader = SafetensorsReader(files)
+    else:
+        reader = PickleReader(files)
+    try:
+        if index is not None:
+            stored = {i.name: i.file for i in reader.tensor_infos()}
+            stored.update({a: stored[c] for a, c in reader.aliases().items()})
+            check_index_matches(index, stored)
+    except CheckpointError:
+        reader.close()
+        raise
+    aux = [root / n for n in AUX_FILE_NAMES if (root / n).is_file()]
+    return Checkpoint(
+        root=root,
+        format=fmt,
+        weight_files=files,
+        reader=reader,
+        config=_load_config(root / "config.json"),
+        aux_files=aux,
+    )
+
+
+def _load_config(path: Path) -> dict[str, object] | None:
+    """The parsed ``config.json``, or None when absent or not a JSON object (weights still usable)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _weight_files(path: Path) -> tuple[Format, list[Path], ShardIndex | None]:
+    if path.is_file():
+        return _single_file(path)
+    found = _discover(path, (".safetensors",), "model.safetensors")
+    if found is not None:
+        return "safetensors", *found
+    found = _discover(path, PICKLE_SUFFIXES, "pytorch_model.bin")
+    if found is not None:
+        return "pickle", *found
+    raise NoWeightFiles(f"no safetensors or torch pickle weights in {path.name}")
+
+
+def _single_file(path: Path) -> tuple[Format, list[Path], ShardIndex | None]:
+    name = path.name
+    if name.endswith(".index.json"):
+        index = load_index(path)
+        inner = name.removesuffix(".index.json")
+        if inner.endswith(".safetensors"):
+            return "safetensors", index.shards, index
+        return "pickle", index.shards, index
+    if path.suffix == ".safetensors":
+        return "safetensors", [path], None
+    if path.suffix in PICKLE_SUFFIXES:
+        return "pickle", [path], None
+    raise NoWeightFiles(f"{name} is not a safetensors or torch pickle weights file")
+
+
+def _discover(
+    root: Path, suffixes: tuple[str, ...], preferred: str
+) -> tuple[list[Path], ShardIndex | None] | None:
+    preferred_index = root / f"{preferred}.index.json"
+    if preferred_index.is_file():
+        index = load_index(preferred_index)
+        return index.shards, index
+    if (root / preferred).is_file():
+        return [root / preferred], None
+    indexes = sorted(p for s in suffixes for p in root.glob(f"*{s}.index.json") if p.is_file())
+    if len(indexes) > 1:
+        names = ", ".join(p.name for p in indexes)
+        raise CheckpointError(f"several shard indexes in {root.name}, cannot choose: {names}")
+    if indexes:
+        index = load_index(indexes[0])
+        return index.shards, index
+    files = sorted(
+        p
+        for p in root.iterdir()
+        if p.suffix in suffixes and p.is_file() and p.name not in NOT_WEIGHTS
+    )
+    return (files, None) if files else None

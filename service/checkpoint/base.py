@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Self
 
 import torch
 
@@ -82,7 +82,7 @@ class Checkpoint:
     def close(self) -> None:
         self.reader.close()
 
-    def __enter__(self) -> Checkpoint:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
