@@ -240,3 +240,10 @@ class ExportFailed(JobFailed):
 class VerificationFailed(JobFailed):
     code = "verification_failed"
     title = "Verification failed"
+
+
+class WeightsMismatch(CheckpointError):
+    """The checkpoint lacks weights the model needs (a module cannot run without them)."""
+
+    code = "weights_mismatch"
+    title = "Checkpoint does not match the model"

@@ -1,0 +1,181 @@
+"""Fill a meta model from a checkpoint, tensor by tensor: RAM for ``"cpu"``, the store for ``"disk"``.
+
+The checkpoint is read in storage order (sequential I/O) and never more than one tensor is held:
+``"cpu"`` tensors become real parameters, ``"disk"`` tensors become :class:`OffloadedTensor`
+handles. Safetensors data is referenced in place (``WeightReader.region``: zero copy); other
+formats are streamed once into the store in chunks. Tied parameters share one handle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from service.checkpoint.base import TensorInfo, WeightReader
+from service.errors import WeightsMismatch
+from service.jobs.context import JobContext
+from service.jobs.model import Phase
+from service.offload.build import resolve_name, tied_names
+from service.offload.device_map import DeviceMap, placement_of
+from service.offload.quant import QuantEncoding, packed_nbytes
+from service.offload.store import OffloadStore
+from service.offload.tensor import OffloadedTensor
+
+CHUNK_BYTES = 64 << 20
+"""Largest piece of a tensor held while copying it into the store."""
+COMMIT_EVERY = 64
+"""Tensors between two index commits, so a crash loses little (the index is tiny to rewrite)."""
+
+
+@dataclass
+class DispatchResult:
+    model: nn.Module
+    device_map: DeviceMap
+    store: OffloadStore
+    placed: dict[str, int] = field(default_factory=dict)
+    """Tensors per placement: ``cpu``, ``disk_ref`` (in place), ``disk_owned`` (written)."""
+    missing: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {"placed": dict(self.placed), "missing": list(self.missing)}
+
+
+def _owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str, bool]]]:
+    """Tensor name -> every (module, attribute, is_parameter) slot holding it (tied included)."""
+    slots: dict[str, list[tuple[nn.Module, str, bool]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for attr, value in module._parameters.items():
+            if value is not None:
+                slots.setdefault(prefix + attr, []).append((module, attr, True))
+        for attr, value in module._buffers.items():
+            if value is not None:
+                slots.setdefault(prefix + attr, []).append((module, attr, False))
+    return slots
+
+
+def _assign(slots: list[tuple[nn.Module, str, bool]], value: torch.Tensor) -> None:
+    param = (
+        value if isinstance(value, OffloadedTensor) else nn.Parameter(value, requires_grad=False)
+    )
+    for module, attr, is_param in slots:
+        if is_param:
+            module._parameters[attr] = param  # type: ignore[assignment]
+        else:
+            module._buffers[attr] = value
+
+
+def _quantizable(info: TensorInfo, encoding: QuantEncoding | None) -> bool:
+    if encoding is None or len(info.shape) != 2 or not info.dtype.is_floating_point:
+        return False
+    try:
+        packed_nbytes(info.shape, encoding)
+    except ValueError:
+        return False
+    return True
+
+
+def dispatch_checkpoint(
+    model: nn.Module,
+    reader: WeightReader,
+    device_map: DeviceMap,
+    store: OffloadStore,
+    ctx: JobContext,
+    *,
+    quantization: QuantEncoding | None = None,
+    strict: bool = True,
+) -> DispatchResult:
+    """Load every checkpoint tensor into ``model`` (built on meta) per ``device_map``.
+
+    ``quantization`` packs 2-D float weights on disk as GGML q8_0/q4_0 blocks (they stay
+    offloaded, dequantized on each use). With ``strict``, a parameter left on meta (absent from
+    the checkpoint and not tied) raises :class:`WeightsMismatch`. Publishes the OFFLOAD phase
+    and ``details.offload``.
+    """
+    infos = reader.tensor_infos()
+    ctx.set_phase(Phase.OFFLOAD, total=sum(i.nbytes for i in infos), unit="bytes")
+    slots = _owners(model)
+    module_names = set(slots)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    tied = tied_names(model)
+    groups: dict[str, list[tuple[nn.Module, str, bool]]] = {}
+    for name, name_slots in slots.items():
+        groups.setdefault(tied.get(name, name), []).extend(name_slots)
+    done: dict[str, str] = {}  # module canonical name -> store key / "cpu"
+    placed = {"cpu": 0, "disk_ref": 0, "disk_owned": 0}
+    since_commit = 0
+
+    def load(info: TensorInfo, source_name: str, target: str) -> None:
+        nonlocal since_commit
+        canonical = tied.get(target, target)
+        if canonical in done:
+            return
+        slot = groups[canonical]
+        current = getattr(slot[0][0], slot[0][1])
+        dtype = current.dtype if current is not None else info.dtype
+        if tuple(current.shape) != tuple(info.shape):
+            raise WeightsMismatch(
+                f"{source_name} has shape {list(info.shape)}, the model expects "
+                f"{list(current.shape)} for {canonical}"
+            )
+        is_param = slot[0][2]
+        if not is_param or placement_of(canonical, device_map) != "disk":
+            _assign(slot, reader.read(source_name).to(dtype))
+            placed["cpu"] += 1
+            done[canonical] = "cpu"
+            return
+        region = reader.region(source_name)
+        if _quantizable(info, quantization):
+            assert quantization is not None
+            store.put_quantized(canonical, reader.read(source_name), quantization)
+            placed["disk_owned"] += 1
+        elif region is not None:
+            store.put_reference(canonical, region, info.dtype, tuple(info.shape))
+            placed["disk_ref"] += 1
+        else:
+            store.put_chunks(
+                canonical,
+                reader.iter_chunks(source_name, CHUNK_BYTES),
+                info.dtype,
+                tuple(info.shape),
+            )
+            placed["disk_owned"] += 1
+        _assign(slot, OffloadedTensor.from_store(store, canonical, dtype))
+        done[canonical] = canonical
+        since_commit += 1
+        if since_commit >= COMMIT_EVERY:
+            store.commit()
+            since_commit = 0
+
+    by_name = {i.name: i for i in infos}
+    for info in infos:
+        ctx.check_abort()
+        target = resolve_name(info.name, module_names, prefix)
+        if target is not None:
+            load(info, info.name, target)
+        ctx.advance(info.nbytes)
+    for alias, canonical_source in reader.aliases().items():
+        target = resolve_name(alias, module_names, prefix)
+        if target is not None and canonical_source in by_name:
+            load(by_name[canonical_source], canonical_source, target)
+    store.commit()
+
+    missing = [
+        name
+        for name, slot in slots.items()
+        if getattr(slot[0][0], slot[0][1]) is not None and getattr(slot[0][0], slot[0][1]).is_meta
+    ]
+    metrics = store.metrics()
+    ctx.set_detail("offload", {**metrics, "placed": placed})
+    ctx.set_metric("offload_bytes_written", metrics["bytes_written"])
+    ctx.set_metric("offload_bytes_referenced", metrics["bytes_referenced"])
+    if missing and strict:
+        raise WeightsMismatch(
+            f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+            + ", ".join(missing[:5])
+            + (" ..." if len(missing) > 5 else "")
+        )
+    return DispatchResult(model, device_map, store, placed, missing)
