@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     cache_max_bytes: int = 50 * 1024**3
     max_download_bytes: int = 500 * 1024**3
     download_retries: int = 5
+    download_backoff_seconds: float = Field(
+        default=1.0, ge=0, description="First retry delay of a download; doubles per retry."
+    )
 
     # model building and offload
     trust_remote_code: bool = False

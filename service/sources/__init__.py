@@ -8,9 +8,11 @@ from service.config import Settings
 from service.errors import InvalidRequest
 from service.jobs.context import JobContext
 from service.sources.base import ResolvedSource, SourceFetcher, SourceRequest
+from service.sources.http import HttpFetcher
+from service.sources.hub import HubFetcher
 from service.sources.local import LocalFetcher
 
-_FETCHERS: list[SourceFetcher] = [LocalFetcher()]
+_FETCHERS: list[SourceFetcher] = [LocalFetcher(), HubFetcher(), HttpFetcher()]
 
 
 def fetcher_for(uri: str) -> SourceFetcher:

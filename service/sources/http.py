@@ -1,0 +1,275 @@
+"""``http://`` and ``https://`` sources: one weights file, streamed to disk, resumed, verified.
+
+The body is never held in memory: it goes chunk by chunk to ``.<name>.part`` next to the
+destination, hashed on the way, and is renamed into place only when complete (and matching
+``sha256`` when one was given). A dropped connection is retried with exponential backoff and
+resumed with ``Range`` (guarded by ``If-Range`` so a file that changed meanwhile restarts from
+zero); a server that ignores ``Range`` restarts the body from zero too.
+
+With a ``sha256`` the file is content-addressed and goes to the shared download cache (two jobs
+of the same file download it once); without one it is downloaded into the job's work directory.
+The job's token is a Hub credential and is never sent to an arbitrary URL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote, urljoin, urlsplit
+
+import httpx
+
+from service.config import Settings
+from service.errors import (
+    ChecksumMismatch,
+    DownloadFailed,
+    DownloadTooLarge,
+    InvalidRequest,
+    SourceError,
+    SourceNotAllowed,
+    SourceNotFound,
+    SourceUnauthorized,
+)
+from service.jobs.context import JobContext
+from service.jobs.model import Phase
+from service.sources.base import ResolvedSource, SourceRequest
+from service.sources.cache import DownloadCache
+
+CHUNK_BYTES = 1024 * 1024
+ABORT_CHECK_BYTES = 8 * CHUNK_BYTES
+MAX_REDIRECTS = 10
+_SCHEMES = ("http", "https")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,200}$")
+_RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def public_url(url: str) -> str:
+    """The URL as it may appear in messages: no query string (presigned URLs carry secrets)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}" \
+        f"{parts.path}"
+
+
+def file_name_of(url: str) -> str:
+    """The last path segment, which names the file (its extension tells the checkpoint format)."""
+    name = PurePosixPath(unquote(urlsplit(url).path)).name
+    if not _FILE_NAME.match(name):
+        raise InvalidRequest(f"URL {public_url(url)} does not end with a usable file name")
+    return name
+
+
+def check_http_url(url: str) -> None:
+    """Submission-time checks that need no network."""
+    parts = urlsplit(url)
+    if parts.scheme not in _SCHEMES:
+        raise InvalidRequest(f"unsupported scheme {parts.scheme!r}")
+    if not parts.hostname:
+        raise InvalidRequest("URL has no host")
+    if parts.username or parts.password:
+        raise InvalidRequest("credentials in a source URL would be stored with the job; refused")
+    file_name_of(url)
+
+
+def check_sha256(sha256: str | None) -> str | None:
+    if sha256 is None:
+        return None
+    value = sha256.strip().lower()
+    if not _SHA256.match(value):
+        raise InvalidRequest("sha256 must be 64 hexadecimal characters")
+    return value
+
+
+@dataclass
+class _Attempt:
+    """What the first response told us, kept across retries to validate resumed bodies."""
+
+    total: int | None = None
+    validator: str | None = None  # ETag or Last-Modified, for If-Range
+
+
+def _final_response(
+    client: httpx.Client, url: str, headers: dict[str, str]
+) -> httpx.Response:
+    """GET ``url`` following redirects by hand, refusing any hop to a non-http(s) scheme."""
+    for _ in range(MAX_REDIRECTS + 1):
+        response = client.send(client.build_request("GET", url, headers=headers), stream=True)
+        if not response.is_redirect:
+            return response
+        location = response.headers.get("location", "")
+        response.close()
+        url = urljoin(url, location)
+        if urlsplit(url).scheme not in _SCHEMES:
+            raise SourceNotAllowed(f"redirect to a non-http(s) URL refused ({urlsplit(url).scheme})")
+    raise DownloadFailed(f"more than {MAX_REDIRECTS} redirects")
+
+
+def _raise_for_status(response: httpx.Response, url: str) -> None:
+    status = response.status_code
+    if status in (401, 403):
+        raise SourceUnauthorized(f"{public_url(url)} refused access (HTTP {status})")
+    if status in (404, 410):
+        raise SourceNotFound(f"{public_url(url)} not found (HTTP {status})")
+    raise SourceError(f"{public_url(url)} answered HTTP {status}")
+
+
+def download_file(
+    url: str, dest: Path, settings: Settings, ctx: JobContext, sha256: str | None = None,
+) -> int:
+    """Stream ``url`` to ``dest``; returns the bytes received over the network.
+
+    Raises DownloadTooLarge past ``settings.max_download_bytes``, ChecksumMismatch,
+    SourceNotFound / SourceUnauthorized for 404 / 401-403, DownloadFailed once
+    ``settings.download_retries`` consecutive attempts made no progress.
+    """
+    part = dest.with_name(f".{dest.name}.part")
+    digest = hashlib.sha256()
+    have = 0
+    if part.exists():  # left by an interrupted process: rehash and resume from its end
+        with part.open("rb") as f:
+            while block := f.read(8 * CHUNK_BYTES):
+                digest.update(block)
+                have += len(block)
+    received = 0
+    state = _Attempt()
+    failures = 0
+    timeout = httpx.Timeout(30.0, read=60.0)
+    with httpx.Client(follow_redirects=False, timeout=timeout) as client:
+        while True:
+            ctx.check_abort()
+            headers = {"Accept-Encoding": "identity"}
+            if have:
+                headers["Range"] = f"bytes={have}-"
+                if state.validator:
+                    headers["If-Range"] = state.validator
+            progressed = False
+            try:
+                response = _final_response(client, url, headers)
+                try:
+                    if response.status_code == 416 and have:
+                        match = re.match(r"bytes \*/(\d+)", response.headers.get("content-range", ""))
+                        if match is not None and int(match.group(1)) == have:
+                            break  # the part file is already complete
+                        have, digest = 0, hashlib.sha256()
+                        part.unlink(missing_ok=True)
+                        raise DownloadFailed("resume offset refused; restarting from zero")
+                    if response.status_code in _RETRY_STATUS:
+                        raise DownloadFailed(f"HTTP {response.status_code}")
+                    if response.status_code not in (200, 206):
+                        _raise_for_status(response, url)
+                    start, total = _body_range(response)
+                    if start != have:  # Range ignored or answered elsewhere: restart from zero
+                        have, digest = 0, hashlib.sha256()
+                        part.unlink(missing_ok=True)
+                        if start != 0:
+                            raise DownloadFailed("server answered an unexpected byte range")
+                    if total is not None and total > settings.max_download_bytes:
+                        raise DownloadTooLarge(
+                            f"{public_url(url)} is {total} bytes, more than the "
+                            f"{settings.max_download_bytes} allowed"
+                        )
+                    state.total = total
+                    state.validator = response.headers.get("etag") or response.headers.get(
+                        "last-modified"
+                    )
+                    ctx.set_phase(Phase.DOWNLOAD, total, "bytes")
+                    ctx.advance(have)
+                    since_check = 0
+                    with part.open("ab") as out:
+                        for chunk in response.iter_raw(CHUNK_BYTES):
+                            out.write(chunk)
+                            digest.update(chunk)
+                            have += len(chunk)
+                            received += len(chunk)
+                            progressed = True
+                            ctx.advance(len(chunk))
+                            if have > settings.max_download_bytes:
+                                raise DownloadTooLarge(
+                                    f"{public_url(url)} exceeds the {settings.max_download_bytes}"
+                                    " bytes allowed"
+                                )
+                            since_check += len(chunk)
+                            if since_check >= ABORT_CHECK_BYTES:
+                                ctx.check_abort()
+                                since_check = 0
+                        out.flush()
+                        os.fsync(out.fileno())
+                finally:
+                    response.close()
+                if total is None or have == total:
+                    break
+                raise DownloadFailed(f"body ended after {have} of {total} bytes")
+            except (httpx.TransportError, DownloadFailed) as exc:
+                failures = 0 if progressed else failures + 1
+                if failures > settings.download_retries:
+                    raise DownloadFailed(
+                        f"download of {public_url(url)} failed after {failures} attempts: "
+                        f"{type(exc).__name__}"
+                    ) from exc
+                time.sleep(settings.download_backoff_seconds * 2 ** max(failures - 1, 0))
+            except DownloadTooLarge:
+                part.unlink(missing_ok=True)
+                raise
+    if sha256 is not None and digest.hexdigest() != sha256:
+        part.unlink(missing_ok=True)
+        raise ChecksumMismatch(
+            f"{public_url(url)} has sha256 {digest.hexdigest()}, expected {sha256}"
+        )
+    os.replace(part, dest)
+    return received
+
+
+def _body_range(response: httpx.Response) -> tuple[int, int | None]:
+    """(first byte offset, total file size or None) of a 200 or 206 response."""
+    if response.status_code == 206:
+        match = re.match(r"bytes (\d+)-(\d+)/(\d+|\*)", response.headers.get("content-range", ""))
+        if match is None:
+            raise DownloadFailed("206 response without a usable Content-Range")
+        total = match.group(3)
+        return int(match.group(1)), (int(total) if total != "*" else None)
+    length = response.headers.get("content-length")
+    return 0, int(length) if length is not None and length.isdigit() else None
+
+
+class HttpFetcher:
+    schemes: tuple[str, ...] = _SCHEMES
+
+    def check(self, request: SourceRequest, settings: Settings) -> None:
+        check_http_url(request.uri)
+        check_sha256(request.sha256)
+
+    def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
+        check_http_url(request.uri)
+        sha256 = check_sha256(request.sha256)
+        name = file_name_of(request.uri)
+        ctx.set_phase(Phase.DOWNLOAD, None, "bytes")
+        if sha256 is None:
+            target_dir = ctx.work_dir / "source"
+            target_dir.mkdir(parents=True, exist_ok=True)
+            downloaded = download_file(request.uri, target_dir / name, settings, ctx)
+            path, hit = target_dir / name, False
+        else:
+            cache = DownloadCache.from_settings(settings)
+            entry = cache.acquire(
+                f"sha256--{sha256}",
+                lambda files: download_file(request.uri, files / name, settings, ctx, sha256),
+                source={"uri": public_url(request.uri), "sha256": sha256},
+            )
+            # The cached file may carry the name of the first URL it came from.
+            cached = sorted(p for p in entry.path.iterdir() if not p.name.startswith("."))
+            path, hit, downloaded = cached[0], entry.hit, entry.bytes_downloaded
+        ctx.set_metric("cache_hit", hit)
+        ctx.add_metric("bytes_downloaded", downloaded)
+        ctx.set_detail("source", {
+            "uri": public_url(request.uri),
+            "sha256": sha256,
+            "files": [path.name],
+            "bytes": path.stat().st_size,
+            "cache_hit": hit,
+        })
+        return ResolvedSource(path=path, uri=request.uri, cache_hit=hit,
+                              bytes_downloaded=downloaded)

@@ -1,0 +1,331 @@
+"""``hf://<org>/<repo>`` sources: the files a job needs from one commit of a Hugging Face repo.
+
+Everything goes through ``huggingface_hub`` against ``settings.hf_endpoint``. The revision
+(branch, tag or commit; ``main`` by default) is resolved to a commit sha first, with the job's
+token: that call is also what authorizes a job to use a cached copy of a gated or private repo,
+so it is made on cache hits too. Only the files a job needs are fetched, selected from the
+commit's file listing with the Hub's own pattern matching (``filter_repo_objects``, what
+``snapshot_download(allow_patterns=...)`` uses): config, tokenizer and generation config files,
+and ONE weight format (safetensors when present, else ``.bin``/``.pt``), the shards named by the
+index when sharded. Files land in the shared :class:`~service.sources.cache.DownloadCache`
+under the commit, so two jobs of one repo and commit download it once.
+
+The token (per job, else ``settings.hf_token``) is passed to ``huggingface_hub`` and nowhere
+else: it is not logged, not put in messages, details or the ResolvedSource.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Self, TypeVar, cast
+
+import httpx2
+from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub.errors import (
+    DisabledRepoError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils._paths import filter_repo_objects
+from huggingface_hub.utils._validators import validate_repo_id
+from pydantic import SecretStr
+
+from service.config import Settings
+from service.errors import (
+    DownloadFailed,
+    InvalidRequest,
+    NoWeightFiles,
+    RepositoryNotFound,
+    RevisionNotFound,
+    ServiceError,
+    SourceNotFound,
+    SourceUnauthorized,
+)
+from service.jobs.context import JobContext
+from service.jobs.model import Phase
+from service.sources.base import ResolvedSource, SourceRequest
+from service.sources.cache import DownloadCache
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+DEFAULT_REVISION = "main"
+
+AUX_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "*.tiktoken",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+"""Files that travel with the weights (exports carry them over); top level only."""
+
+SAFETENSORS_PATTERNS = ["*.safetensors"]
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+PICKLE_NOT_WEIGHTS = ["training_args.bin", "optimizer.*", "scheduler.*", "rng_state*", "*.index.json"]
+"""Trainer state saved next to checkpoints with weight-like extensions."""
+
+_URI = re.compile(r"^hf://(?P<repo_id>[^/?#@]+/[^/?#@]+)/?$")
+_REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]{0,254}$")
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo_id: str
+    revision: str
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """Which files of a commit a job downloads."""
+
+    format: Literal["safetensors", "pickle"]
+    aux: list[str]
+    index: str | None
+    weights: list[str]
+    """Every top-level file of the format; narrowed to the index's shards once it is read."""
+
+
+def parse_hf_uri(uri: str, revision: str | None) -> HubRef:
+    """``hf://org/repo`` + optional revision -> HubRef; raises InvalidRequest when malformed."""
+    match = _URI.match(uri)
+    if match is None:
+        raise InvalidRequest(f"malformed Hugging Face source {uri!r}; expected hf://<org>/<repo>")
+    repo_id = match.group("repo_id")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise InvalidRequest(f"malformed Hugging Face repo id {repo_id!r}") from exc
+    rev = DEFAULT_REVISION if revision is None else revision
+    if not _REVISION.match(rev) or ".." in rev or rev.endswith(("/", ".lock")):
+        raise InvalidRequest(f"malformed revision {rev!r}")
+    return HubRef(repo_id, rev)
+
+
+def plan_files(repo_files: list[str]) -> FilePlan:
+    """Pick the job's files from a commit's listing (top level only); raises NoWeightFiles."""
+    top = [f for f in repo_files if "/" not in f]
+    aux = sorted(filter_repo_objects(top, allow_patterns=AUX_PATTERNS))
+    safetensors = sorted(filter_repo_objects(top, allow_patterns=SAFETENSORS_PATTERNS))
+    if safetensors:
+        return FilePlan("safetensors", aux, _index_of(top, ".safetensors", "model"),
+                        _prefer(safetensors, "model.safetensors"))
+    pickles = sorted(filter_repo_objects(
+        top, allow_patterns=PICKLE_PATTERNS, ignore_patterns=PICKLE_NOT_WEIGHTS
+    ))
+    if pickles:
+        return FilePlan("pickle", aux, _index_of(top, ".bin", "pytorch_model"),
+                        _prefer(pickles, "pytorch_model.bin"))
+    raise NoWeightFiles("the repository has no .safetensors, .bin or .pt weight files")
+
+
+def _index_of(top: list[str], suffix: str, stem: str) -> str | None:
+    indexes = sorted(f for f in top if f.endswith(f"{suffix}.index.json"))
+    preferred = f"{stem}{suffix}.index.json"
+    return preferred if preferred in indexes else (indexes[0] if indexes else None)
+
+
+def _prefer(files: list[str], single: str) -> list[str]:
+    """A repo with both a single-file and other variants (fp16 copies, consolidated files):
+    the canonical single file is the checkpoint."""
+    return [single] if single in files else files
+
+
+def shards_of(index_file: Path, available: list[str]) -> list[str]:
+    """The shard files an index names; each must be a top-level file of the commit."""
+    try:
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise NoWeightFiles(f"unreadable weight index {index_file.name}") from exc
+    missing = [s for s in shards if not isinstance(s, str) or "/" in s or s not in available]
+    if missing or not shards:
+        raise NoWeightFiles(f"weight index {index_file.name} names shards not in the repository")
+    return shards
+
+
+def _secret(request: SourceRequest, settings: Settings) -> str | Literal[False]:
+    token: SecretStr | None = request.token or settings.hf_token
+    # False, not None: never fall back to a token found in the environment or ~/.cache.
+    return token.get_secret_value() if token is not None else False
+
+
+def _map_error(exc: Exception, ref: HubRef) -> ServiceError | None:
+    """The typed error for a hub failure, or None when it is worth retrying."""
+    what = f"{ref.repo_id}@{ref.revision}"
+    if isinstance(exc, GatedRepoError | DisabledRepoError):
+        return SourceUnauthorized(f"access to {ref.repo_id} refused (gated or disabled)")
+    if isinstance(exc, RevisionNotFoundError):
+        return RevisionNotFound(f"revision {ref.revision!r} not found in {ref.repo_id}")
+    if isinstance(exc, RepositoryNotFoundError):
+        return RepositoryNotFound(
+            f"repository {ref.repo_id} not found (or private/gated without a valid token)"
+        )
+    if isinstance(exc, RemoteEntryNotFoundError):
+        return SourceNotFound(f"a file of {what} vanished from the hub")
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):
+            return SourceUnauthorized(f"the hub refused access to {ref.repo_id} (HTTP {status})")
+        if status in _TRANSIENT_STATUS:
+            return None
+        return DownloadFailed(f"the hub answered HTTP {status} for {what}")
+    if isinstance(exc, httpx2.TransportError | LocalEntryNotFoundError | OSError):
+        return None
+    return DownloadFailed(f"fetching {what} failed: {type(exc).__name__}")
+
+
+def _with_retries(call: Callable[[], T], ref: HubRef, settings: Settings) -> T:
+    """Run a hub call, retrying network failures with exponential backoff."""
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except ServiceError:
+            raise
+        except Exception as exc:  # every failure is mapped below, none is swallowed
+            mapped = _map_error(exc, ref)
+            if mapped is not None:
+                raise mapped from exc
+            attempt += 1
+            if attempt > settings.download_retries:
+                raise DownloadFailed(
+                    f"fetching {ref.repo_id}@{ref.revision} failed after {attempt} attempts: "
+                    f"{type(exc).__name__}"
+                ) from exc
+            time.sleep(settings.download_backoff_seconds * 2 ** (attempt - 1))
+
+
+class _JobProgress:
+    """A duck-typed tqdm for ``huggingface_hub``: bytes go to the job's progress and every
+    chunk is a cancellation point."""
+
+    ctx: JobContext | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: float | None = 1) -> None:
+        if self.ctx is not None:
+            self.ctx.check_abort()
+            self.ctx.advance(int(n or 0))
+
+    def close(self) -> None:
+        return None
+
+    def refresh(self) -> None:
+        return None
+
+    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def set_description(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _progress_for(ctx: JobContext | None) -> type[_JobProgress]:
+    return type("JobProgress", (_JobProgress,), {"ctx": ctx})
+
+
+class HubFetcher:
+    schemes: tuple[str, ...] = ("hf",)
+
+    def check(self, request: SourceRequest, settings: Settings) -> None:
+        parse_hf_uri(request.uri, request.revision)
+
+    def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
+        ref = parse_hf_uri(request.uri, request.revision)
+        endpoint = (settings.hf_endpoint or DEFAULT_ENDPOINT).rstrip("/")
+        token = _secret(request, settings)
+        api = HfApi(endpoint=endpoint, token=token)
+        ctx.set_phase(Phase.DOWNLOAD, None, "bytes")
+
+        info = _with_retries(lambda: api.model_info(ref.repo_id, revision=ref.revision), ref,
+                             settings)
+        commit = info.sha
+        if commit is None:
+            raise RevisionNotFound(f"revision {ref.revision!r} of {ref.repo_id} has no commit")
+        at_commit = HubRef(ref.repo_id, commit)
+        tree = _with_retries(
+            lambda: [e for e in api.list_repo_tree(ref.repo_id, revision=commit, recursive=True)
+                     if isinstance(e, RepoFile)],
+            at_commit, settings,
+        )
+        sizes = {e.path: e.size for e in tree}
+        plan = plan_files(list(sizes))
+
+        def download(name: str, files: Path, progress: JobContext | None) -> int:
+            """Fetch one file into the entry; returns the bytes that came over the network."""
+            if (files / name).exists():
+                if progress is not None:
+                    progress.advance(sizes.get(name, 0))
+                return 0
+            _with_retries(lambda: hf_hub_download(
+                ref.repo_id, name, revision=commit, endpoint=endpoint, token=token,
+                local_dir=files, tqdm_class=cast(Any, _progress_for(progress)),
+            ), at_commit, settings)
+            return (files / name).stat().st_size
+
+        def fill(files: Path) -> int:
+            received = 0
+            for name in [*plan.aux, *([plan.index] if plan.index else [])]:
+                received += download(name, files, None)
+            weights = shards_of(files / plan.index, list(sizes)) if plan.index else plan.weights
+            ctx.set_phase(Phase.DOWNLOAD, sum(sizes.get(w, 0) for w in weights), "bytes")
+            for name in weights:
+                received += download(name, files, ctx)
+            # huggingface_hub's resume metadata; the entry is complete, a job must not see it.
+            shutil.rmtree(files / ".cache", ignore_errors=True)
+            return received
+
+        endpoint_id = hashlib.sha256(endpoint.encode()).hexdigest()[:8]
+        key = f"hub--{ref.repo_id.replace('/', '--')}--{commit}--{endpoint_id}"
+        entry = DownloadCache.from_settings(settings).acquire(
+            key, fill,
+            expected_bytes=sum(sizes.get(f, 0) for f in [*plan.aux, *plan.weights]),
+            source={"repo_id": ref.repo_id, "revision": commit, "endpoint": endpoint},
+        )
+        files = sorted(p.name for p in entry.path.iterdir() if not p.name.startswith("."))
+        ctx.set_metric("cache_hit", entry.hit)
+        ctx.add_metric("bytes_downloaded", entry.bytes_downloaded)
+        ctx.set_detail("source", {
+            "uri": request.uri,
+            "repo_id": ref.repo_id,
+            "requested_revision": ref.revision,
+            "revision": commit,
+            "format": plan.format,
+            "files": files,
+            "cache_hit": entry.hit,
+        })
+        return ResolvedSource(path=entry.path, uri=request.uri, revision=commit,
+                              cache_hit=entry.hit, bytes_downloaded=entry.bytes_downloaded)
