@@ -9,7 +9,7 @@ formats are streamed once into the store in chunks. Tied parameters share one ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -18,8 +18,8 @@ from service.checkpoint.base import TensorInfo, WeightReader
 from service.errors import WeightsMismatch
 from service.jobs.context import JobContext
 from service.jobs.model import Phase
-from service.offload.build import resolve_name, tied_names
-from service.offload.device_map import DeviceMap, placement_of
+from service.offload.build import BuiltModel, resolve_name, tied_names
+from service.offload.device_map import DeviceMap, placement_of, resolve_device_map
 from service.offload.quant import QuantEncoding, packed_nbytes
 from service.offload.store import OffloadStore
 from service.offload.tensor import OffloadedTensor
@@ -179,3 +179,40 @@ def dispatch_checkpoint(
             + (" ..." if len(missing) > 5 else "")
         )
     return DispatchResult(model, device_map, store, placed, missing)
+
+
+def dispatch_model(
+    built: BuiltModel,
+    reader: WeightReader,
+    store: OffloadStore,
+    ctx: JobContext,
+    *,
+    max_memory: int | str,
+    device_map: Literal["auto"] | dict[str, str] | None = "auto",
+    quantization: QuantEncoding | None = None,
+    strict: bool = True,
+) -> DispatchResult:
+    """The pipeline's OFFLOAD phase: plan the device map within ``max_memory``, then dispatch.
+
+    ``device_map`` is ``"auto"`` (whole ``no_split`` modules in RAM front to back, the rest on
+    disk) or an explicit ``{module: "cpu" | "disk"}``.
+    """
+    planned = resolve_device_map(
+        built.model, device_map, max_memory, built.no_split_module_classes, built.dtype
+    )
+    result = dispatch_checkpoint(
+        built.model, reader, planned, store, ctx, quantization=quantization, strict=strict
+    )
+    ctx.set_detail(
+        "offload",
+        {**store.metrics(), **result.summary(), "device_map": _summarize_map(planned)},
+    )
+    return result
+
+
+def _summarize_map(device_map: DeviceMap) -> dict[str, Any]:
+    """A device map small enough for the job JSON (a 70B map has ~100 entries)."""
+    counts = {"cpu": 0, "disk": 0}
+    for placement in device_map.values():
+        counts[placement] += 1
+    return {"modules": counts, "map": dict(device_map) if len(device_map) <= 64 else None}

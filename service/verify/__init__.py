@@ -1,0 +1,1 @@
+"""Numerical parity of exports against their source; see :mod:`service.verify.parity`."""

@@ -1,0 +1,241 @@
+"""Numerical parity of an export against its source, with bounded memory.
+
+Both sides run the same way: built on meta, dispatched to an offload store within a RAM budget,
+forward streamed module by module, on one fixed input, computing in float32. The figure kept is
+the largest absolute difference of the outputs (logits, or the last hidden state), and that
+difference relative to the largest reference magnitude; beyond the export dtype's tolerance the
+job fails with :class:`VerificationFailed`.
+
+Reusable pieces for other formats: :func:`fixed_input_ids`, :func:`reference_outputs` (the
+source's outputs) and :func:`compare_outputs`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.checkpoint.base import Checkpoint
+from service.config import Settings
+from service.errors import VerificationFailed
+from service.jobs.context import JobContext
+from service.offload.build import build_on_meta
+from service.offload.dispatch import dispatch_model
+from service.offload.store import OffloadStore
+from service.offload.streaming import streamed_forward
+
+SEQ_LEN = 8
+SEED = 0
+
+TOLERANCES: dict[str, float] = {
+    "float32": 1e-5,
+    "float16": 2e-2,
+    "bfloat16": 6e-2,
+    "q8_0": 6e-2,
+    "q4_0": 0.3,
+}
+"""Largest accepted ``max_abs_error / max |reference|`` per export dtype or quantization.
+
+float32 only absorbs summation-order noise; half precisions allow the rounding of every weight
+(2^-11 and 2^-8 relative) compounded through the layers; GGML blocks add their block error."""
+
+_verify_runs = itertools.count()
+
+
+def tolerance_for(dtype: torch.dtype | str) -> float:
+    """The accepted relative error for outputs of an export in ``dtype`` (or q8_0/q4_0)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    try:
+        return TOLERANCES[name]
+    except KeyError:
+        raise VerificationFailed(f"no verification tolerance for {name}") from None
+
+
+def fixed_input_ids(vocab_size: int, seq_len: int = SEQ_LEN, seed: int = SEED) -> torch.Tensor:
+    """A deterministic ``(1, seq_len)`` batch of token ids, the same for every job."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, max(1, vocab_size), (1, seq_len), generator=gen)
+
+
+def _inputs(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def streamed_outputs(
+    checkpoint: Checkpoint,
+    input_ids: torch.Tensor,
+    settings: Settings,
+    ctx: JobContext,
+    store_root: Path,
+    *,
+    max_memory: int | str | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Outputs of ``checkpoint``'s model on ``input_ids``, computed in float32 with weights
+    streamed from a temporary store at ``store_root`` (deleted afterwards, whatever happens).
+
+    Returns the output tensor and the run's figures (reloads, bytes read, peak paged bytes).
+    """
+    built = build_on_meta(checkpoint, settings, dtype=torch.float32)
+    store = OffloadStore(
+        store_root,
+        quota_bytes=settings.offload_quota_bytes,
+        allowed_roots=[checkpoint.root if checkpoint.root.is_dir() else checkpoint.root.parent],
+    )
+    try:
+        result = dispatch_model(
+            built,
+            checkpoint.reader,
+            store,
+            _QuietContext(ctx),
+            max_memory=max_memory or settings.default_max_memory,
+        )
+        ctx.check_abort()
+        started = time.perf_counter()
+        output, stats = streamed_forward(result.model, _inputs(input_ids))
+        figures = {
+            "architecture": built.architecture,
+            "forward_seconds": round(time.perf_counter() - started, 4),
+            "reloads": store.reloads,
+            "bytes_read": store.bytes_read,
+            "peak_paged_bytes": stats.peak_resident_bytes,
+            "placed": result.placed,
+        }
+        return output.float(), figures
+    finally:
+        store.destroy()
+
+
+def reference_outputs(
+    checkpoint: Checkpoint,
+    input_ids: torch.Tensor,
+    settings: Settings,
+    ctx: JobContext,
+    *,
+    max_memory: int | str | None = None,
+) -> torch.Tensor:
+    """The source model's outputs (float32) on ``input_ids``: what every export is held to."""
+    output, _ = streamed_outputs(
+        checkpoint, input_ids, settings, ctx, _scratch(ctx, "reference"), max_memory=max_memory
+    )
+    return output
+
+
+def compare_outputs(
+    reference: torch.Tensor, candidate: torch.Tensor, tolerance: float
+) -> dict[str, Any]:
+    """Max absolute and relative error of ``candidate`` against ``reference``."""
+    if reference.shape != candidate.shape:
+        return {
+            "passed": False,
+            "reason": f"output shape {list(candidate.shape)} != {list(reference.shape)}",
+        }
+    ref = reference.double()
+    diff = (candidate.double() - ref).abs()
+    scale = float(ref.abs().max()) or 1.0
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    finite = bool(torch.isfinite(candidate).all())
+    max_rel = max_abs / scale
+    return {
+        "passed": finite and max_rel <= tolerance,
+        "max_abs_error": max_abs,
+        "max_rel_error": max_rel,
+        "reference_max_abs": scale,
+        "tolerance": tolerance,
+        "finite": finite,
+    }
+
+
+def verify_safetensors_export(
+    source: Checkpoint,
+    export_dir: Path,
+    dtype: torch.dtype | str,
+    ctx: JobContext,
+    *,
+    reference: torch.Tensor | None = None,
+    max_memory: int | str | None = None,
+) -> dict[str, Any]:
+    """Check a safetensors export against its source; the dict goes into the manifest.
+
+    Both models are streamed (never fully in RAM). Pass ``reference`` (from
+    :func:`reference_outputs`) to reuse the source's outputs across several exports. Raises
+    :class:`VerificationFailed` beyond :func:`tolerance_for` ``(dtype)``.
+    """
+    from service.checkpoint import open_checkpoint
+
+    settings = ctx.settings
+    tolerance = tolerance_for(dtype)
+    vocab = int((source.config or {}).get("vocab_size", 0) or 0)
+    input_ids = fixed_input_ids(vocab)
+    started = time.perf_counter()
+    if reference is None:
+        reference = reference_outputs(source, input_ids, settings, ctx, max_memory=max_memory)
+    with open_checkpoint(export_dir) as exported:
+        if exported.config is None:
+            exported.config = source.config
+        candidate, figures = streamed_outputs(
+            exported,
+            input_ids,
+            settings,
+            ctx,
+            _scratch(ctx, "export"),
+            max_memory=max_memory,
+        )
+    result = compare_outputs(reference, candidate, tolerance)
+    summary = {
+        **result,
+        "input_shape": list(input_ids.shape),
+        "seed": SEED,
+        "dtype": dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+        "seconds": round(time.perf_counter() - started, 3),
+        "export_run": figures,
+    }
+    if not result["passed"]:
+        raise VerificationFailed(
+            f"export differs from its source beyond tolerance: "
+            f"{result.get('reason') or _describe(result)}"
+        )
+    return summary
+
+
+def _describe(result: dict[str, Any]) -> str:
+    return (
+        f"max abs error {result['max_abs_error']:.3g}, relative {result['max_rel_error']:.3g} "
+        f"> {result['tolerance']:.3g}" + ("" if result["finite"] else " (non-finite outputs)")
+    )
+
+
+def _scratch(ctx: JobContext, label: str) -> Path:
+    return ctx.work_dir / "verify" / f"{label}-{next(_verify_runs)}"
+
+
+class _QuietContext:
+    """Forwards cancellation, swallows phase/progress/detail: a verification's internal
+    dispatches must not overwrite the job's own OFFLOAD figures."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self._ctx = ctx
+        self.job_id = ctx.job_id
+        self.settings = ctx.settings
+        self.work_dir = ctx.work_dir
+
+    def set_phase(self, phase: Any, total: int | None = None, unit: str = "bytes") -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def check_abort(self) -> None:
+        self._ctx.check_abort()
+
+    def add_metric(self, key: str, value: float) -> None:
+        pass
+
+    def set_metric(self, key: str, value: Any) -> None:
+        pass
+
+    def set_detail(self, section: str, value: Any) -> None:
+        pass
