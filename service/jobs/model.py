@@ -74,6 +74,8 @@ class Job:
     attempts: int = 0
     tenant: str | None = None
     cancel_requested: bool = False
+    version: int = 0
+    """Grows with every stored change of the job."""
 
     def replace(self, **changes: Any) -> Job:
         return dataclasses.replace(self, **changes)

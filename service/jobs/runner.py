@@ -8,8 +8,10 @@ the process boundary; no torch object ever does.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import resource
 import tempfile
 import time
@@ -95,9 +97,28 @@ class StoreContext:
             self._cancelled = True
 
 
-def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the service dies, so no orphan job keeps writing
+    into a directory that recovery will hand to the next attempt."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def run_job(
+    job_id: str, settings: Settings, secrets: dict[str, str], parent_pid: int | None = None
+) -> None:
     """Child-process entry point: run job ``job_id`` to a terminal status."""
     os.setsid()  # own process group: the executor kills the job and all it started at once
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     from service.logs import configure_logging
 
     configure_logging(settings, job_id=job_id)

@@ -1,5 +1,8 @@
 """The job store: SQLAlchemy Core over SQLite (default) or PostgreSQL, one table.
 
+``version`` grows by one with every change of a row, so a watcher (the events stream) knows
+whether it has seen the latest state.
+
 Every state change is a single UPDATE guarded by the expected current status, so the API
 process, the local pool and job child processes (each with its own engine) can write
 concurrently without lost updates: claiming a job, finishing it and cancelling it race
@@ -65,6 +68,7 @@ jobs_table = Table(
     Column("cancel_requested", Boolean, nullable=False, default=False),
     Column("worker", String(128), nullable=True),
     Column("heartbeat_at", DateTime(timezone=True), nullable=True),
+    Column("version", BigInteger, nullable=False, default=0),
 )
 
 
@@ -105,6 +109,7 @@ def _to_job(row: RowMapping) -> Job:
         details=dict(row["details"] or {}),
         attempts=row["attempts"],
         cancel_requested=row["cancel_requested"],
+        version=row["version"],
     )
 
 
@@ -242,6 +247,7 @@ class JobStore:
             "details": job.details,
             "attempts": job.attempts,
             "cancel_requested": job.cancel_requested,
+            "version": job.version,
         }
 
     def claim(self, job_id: str, worker: str) -> Job | None:
@@ -252,6 +258,7 @@ class JobStore:
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id, jobs_table.c.status == JobStatus.QUEUED.value)
                 .values(
+                    version=jobs_table.c.version + 1,
                     status=JobStatus.RUNNING.value,
                     started_at=now,
                     updated_at=now,
@@ -283,7 +290,11 @@ class JobStore:
         details: dict[str, Any] | None = None,
     ) -> bool:
         """Record progress of a running job; False once it is no longer running (cancelled)."""
-        values: dict[str, Any] = {"updated_at": utcnow(), "heartbeat_at": utcnow()}
+        values: dict[str, Any] = {
+            "updated_at": utcnow(),
+            "heartbeat_at": utcnow(),
+            "version": jobs_table.c.version + 1,
+        }
         if phase is not None:
             values["phase"] = phase.value
         if progress is not None:
@@ -320,6 +331,7 @@ class JobStore:
         now = utcnow()
         values: dict[str, Any] = {
             "status": status.value,
+            "version": jobs_table.c.version + 1,
             "finished_at": now,
             "updated_at": now,
             "error_type": error.type if error else None,
@@ -360,7 +372,9 @@ class JobStore:
             conn.execute(
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id)
-                .values(cancel_requested=True, updated_at=utcnow())
+                .values(
+                    cancel_requested=True, updated_at=utcnow(), version=jobs_table.c.version + 1
+                )
             )
         return self.get(job_id)
 
@@ -371,6 +385,7 @@ class JobStore:
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id, jobs_table.c.status == JobStatus.RUNNING.value)
                 .values(
+                    version=jobs_table.c.version + 1,
                     status=JobStatus.QUEUED.value,
                     phase=Phase.QUEUED.value,
                     progress_done=0,

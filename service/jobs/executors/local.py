@@ -183,7 +183,7 @@ class LocalExecutor:
                 secrets = self._secrets.pop(job_id, {})
             process = self._mp.Process(
                 target=run_job,
-                args=(job_id, self.settings, secrets),
+                args=(job_id, self.settings, secrets, os.getpid()),
                 name=f"modelprep-job-{job_id}",
             )
             process.start()
