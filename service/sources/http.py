@@ -180,7 +180,8 @@ def download_file(
                     ctx.advance(have)
                     since_check = 0
                     with part.open("ab") as out:
-                        for chunk in response.iter_raw(CHUNK_BYTES):
+                        # No chunk_size: a re-chunking buffer would lose its bytes on a cut.
+                        for chunk in response.iter_raw():
                             out.write(chunk)
                             digest.update(chunk)
                             have += len(chunk)
