@@ -20,9 +20,11 @@ class ServiceError(Exception):
     status: ClassVar[int] = 500
     title: ClassVar[str] = "Internal service error"
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+    @property
+    def message(self) -> str:
+        # A property, not an attribute set in __init__: with a builtin base first in the MRO
+        # (PermissionError, OSError), ServiceError.__init__ is never called.
+        return str(self.args[0]) if self.args else self.title
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -247,3 +249,66 @@ class WeightsMismatch(CheckpointError):
 
     code = "weights_mismatch"
     title = "Checkpoint does not match the model"
+
+
+# --- access control and tenants ------------------------------------------------------------------
+
+
+class Forbidden(PermissionError, ServiceError):
+    """The caller is known but may not do this (a tenant key on an admin-only endpoint)."""
+
+    code = "forbidden"
+    status = 403
+    title = "Forbidden"
+
+
+class TenantLimitExceeded(QueueFull):
+    """A tenant reached one of its limits (active jobs, queued jobs, artifact bytes).
+
+    A ``QueueFull`` so it is answered like back-pressure: ``429`` with ``Retry-After``."""
+
+    code = "tenant_limit_exceeded"
+    title = "Tenant limit exceeded"
+
+
+class ConfigurationError(ValueError, ServiceError):
+    """The settings are unusable or unsafe (API keys file unreadable, open service on a
+    non-loopback address); raised at start-up, never while serving."""
+
+    code = "configuration_error"
+    title = "Invalid configuration"
+
+
+# --- the client (service.client) -----------------------------------------------------------------
+
+
+class ClientError(ServiceError):
+    """Raised by :class:`service.client.ModelprepClient`; never by the service itself."""
+
+    code = "client_error"
+    title = "Client error"
+
+
+class ApiError(ClientError):
+    """The service answered with a problem+json error; ``problem`` is its body."""
+
+    code = "api_error"
+
+    def __init__(self, message: str, http_status: int, problem: dict[str, object]) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+        self.problem = problem
+
+
+class ServiceUnreachable(ConnectionError, ClientError):
+    """No answer from the service (connection refused, timeout, broken stream)."""
+
+    code = "service_unreachable"
+    title = "Service unreachable"
+
+
+class ArtifactCorrupt(ClientError):
+    """A downloaded artifact's size or sha256 differs from the job's artifact list."""
+
+    code = "artifact_corrupt"
+    title = "Downloaded artifact is corrupt"

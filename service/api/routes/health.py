@@ -17,8 +17,8 @@ def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", responses={503: {"model": Health}})
-def readyz(jobs: JobsDep) -> Health | JSONResponse:
+@router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
+def readyz(jobs: JobsDep) -> JSONResponse:
     checks: dict[str, str] = {}
     try:
         with jobs.store.engine.connect() as conn:
@@ -30,4 +30,4 @@ def readyz(jobs: JobsDep) -> Health | JSONResponse:
     checks["data_dir"] = "ok" if data_dir.is_dir() else "missing"
     ok = all(v == "ok" for v in checks.values())
     health = Health(status="ok" if ok else "unavailable", checks=checks)
-    return health if ok else JSONResponse(health.model_dump(), status_code=503)
+    return JSONResponse(health.model_dump(), status_code=200 if ok else 503)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import service.errors as errors
+from service.errors import ServiceError
+
+
+def all_errors() -> list[type[ServiceError]]:
+    found: list[type[ServiceError]] = []
+    todo: list[type[ServiceError]] = [ServiceError]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return [c for c in found if c.__module__ == errors.__name__]
+
+
+def takes_only_a_message(cls: type[ServiceError]) -> bool:
+    params = list(inspect.signature(cls).parameters.values())
+    return sum(p.default is inspect.Parameter.empty for p in params) == 1
+
+
+@pytest.mark.parametrize(
+    "cls", [c for c in all_errors() if takes_only_a_message(c)], ids=lambda c: c.__name__
+)
+def test_every_error_carries_its_message_whatever_builtin_it_mixes_in(
+    cls: type[ServiceError],
+) -> None:
+    exc = cls("the detail")
+    assert exc.message == "the detail"
+    assert 400 <= exc.status < 600
+
+
+def test_error_codes_are_unique() -> None:
+    codes = [c.code for c in all_errors()]
+    assert len(codes) == len(set(codes))
