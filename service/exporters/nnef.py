@@ -1,0 +1,396 @@
+"""NNEF export for tract, through torch-to-nnef, with weights streamed from the checkpoint.
+
+The model is built on ``meta`` and each weight is a torch-to-nnef ``OffloadedTensor`` backed by
+the checkpoint itself (:mod:`service.exporters.nnef_offload`), so peak memory is the largest
+tensor or two, not the model. Causal LMs go through torch-to-nnef's LLM exporter (the one behind
+``dump_llm``: KV cache inputs/outputs, symbolic ``S``/``P`` axes); other models through
+``export_model_to_nnef``. ``q4_0`` applies torch-to-nnef's ``min_max_q4_0`` compression, whose
+blocks stay offloaded (in the job's work dir) while being computed.
+
+torch-to-nnef is used with its traps closed: weights come from the project's safe readers (its
+``.bin`` loader may unpickle without restriction), every ``torch.load`` it makes is weights-only,
+``trust_remote_code`` follows the settings, its ``mkdtemp`` directories live in the job's work
+dir and are removed, and its tract CLI is :mod:`service.exporters.tract_cli` (it would
+otherwise download a binary). tract itself (PyPI bindings) then verifies the archive
+(:mod:`service.exporters.nnef_verify`).
+
+Output directory::
+
+    model.nnef.tgz           the NNEF archive (tar, gzip level 0: weights do not compress)
+    io.json                  inputs/outputs, dtypes, symbolic axes, tract extensions, compression
+    example_inputs.npz       one input set (graph order) and PyTorch's outputs for it,
+    example_outputs.npz      usable with ``tract ... run --input-from-bundle/--assert-output-bundle``
+    config.json, tokenizer*  the checkpoint's auxiliary files, as-is
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import uuid
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
+from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
+from service.jobs.model import Phase
+
+if TYPE_CHECKING:
+    import torch
+
+    from service.checkpoint.base import Checkpoint
+    from service.exporters.nnef_offload import OffloadedModel
+    from service.exporters.nnef_verify import GreedyReference, IOSpec, ParityReport
+    from service.jobs.context import JobContext
+
+LOGGER = logging.getLogger(__name__)
+
+ARCHIVE_NAME = "model.nnef.tgz"
+T2N_LOG_LEVEL = logging.WARNING
+
+# Verification tolerances (atol, rtol of max|reference|) by weight kind. q4_0 is compared with
+# the same q4_0 weights dequantized in PyTorch, so it differs from float32 only by kernels.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (1e-3, 1e-3),
+    "float16": (2e-2, 2e-2),
+    "q4_0": (1e-2, 1e-2),
+}
+
+
+def installed_tract_version() -> str:
+    """The tract bindings' version: the only tract this service can verify against."""
+    try:
+        return version("tract")
+    except PackageNotFoundError as exc:  # pragma: no cover - it is a hard dependency
+        raise UnsupportedExport("the tract Python bindings are not installed") from exc
+
+
+class NNEFSpec(ExportSpec):
+    """``{"format": "nnef", "compression": null | "q4_0", ...}``."""
+
+    format: Literal["nnef"] = "nnef"
+    compression: Literal["q4_0"] | None = Field(
+        default=None, description="q4_0: torch-to-nnef min_max_q4_0 on Linear weights"
+    )
+    tract_version: str | None = Field(
+        default=None,
+        pattern=r"^\d+\.\d+\.\d+$",
+        description="Targeted tract version; must be the installed one (default).",
+    )
+    prompt_tokens: int = Field(default=4, ge=1, le=128, description="Causal LMs: prompt length")
+    decode_steps: int = Field(
+        default=2, ge=0, le=32, description="Causal LMs: greedy steps verified with the KV cache"
+    )
+    sequence_length: int = Field(default=8, ge=1, le=512, description="Encoders: input length")
+    verify: bool = Field(default=True, description="Run the archive in tract and compare")
+    atol: float | None = Field(default=None, gt=0, description="Default by dtype/compression")
+    rtol: float | None = Field(default=None, ge=0)
+
+
+class NNEFExporter:
+    format: ClassVar[str] = "nnef"
+    spec_type: ClassVar[type[ExportSpec]] = NNEFSpec
+    needs_model: ClassVar[bool] = False
+    """It builds its own meta model: torch-to-nnef needs its own OffloadedTensor type."""
+
+    def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
+        nspec = _nnef_spec(spec)
+        if config is None:
+            raise UnsupportedExport("NNEF export builds the model graph and needs a config.json")
+        installed = installed_tract_version()
+        if nspec.tract_version is not None and nspec.tract_version != installed:
+            raise UnsupportedExport(
+                f"tract {nspec.tract_version} requested, this service runs tract {installed}"
+            )
+
+    def export(
+        self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
+    ) -> ExportResult:
+        nspec = _nnef_spec(spec)
+        self.check(nspec, inputs.checkpoint.config)
+        return export_nnef(nspec, inputs.checkpoint, out_dir, ctx)
+
+
+def _nnef_spec(spec: ExportSpec) -> NNEFSpec:
+    if not isinstance(spec, NNEFSpec):
+        raise InvalidRequest(f"not an NNEF export spec: {spec.format}")
+    return spec
+
+
+def export_nnef(
+    spec: NNEFSpec, checkpoint: Checkpoint, out_dir: Path, ctx: JobContext
+) -> ExportResult:
+    """Export ``checkpoint`` to ``out_dir`` (see the module docstring for its layout)."""
+    from service.exporters import nnef_offload as off
+    from service.exporters.tract_cli import write_launcher
+
+    started = time.monotonic()
+    work = ctx.work_dir / f"nnef-{uuid.uuid4().hex[:8]}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx.set_phase(Phase.EXPORT, total=None, unit="bytes")
+
+    def on_read(nbytes: int) -> None:
+        ctx.check_abort()
+        ctx.advance(nbytes)
+        ctx.add_metric("nnef_bytes_read", nbytes)
+
+    try:
+        with (
+            off.job_tempdir(work / "tmp"),
+            off.weights_only_unpickling(),
+            off.checkpoint_tensors_writable(),
+        ):
+            launcher = write_launcher(work / "bin")
+            offload_dir = work / "offload"
+            offload_dir.mkdir()
+            built = off.build_offloaded_model(
+                checkpoint,
+                trust_remote_code=ctx.settings.trust_remote_code,
+                offload_dir=offload_dir,
+                hook=on_read,
+            )
+            if built.kind == "causal_lm":
+                io, report = _export_causal_lm(spec, built, launcher, work / "stage", out_dir, ctx)
+            else:
+                io, report = _export_encoder(spec, built, launcher, work / "stage", out_dir, ctx)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    (out_dir / "io.json").write_text(json.dumps(io.to_json(), indent=2))
+    files = [ARCHIVE_NAME, "io.json", "example_inputs.npz", "example_outputs.npz"]
+    files += _copy_aux_files(checkpoint, out_dir)
+    summary: dict[str, Any] = {
+        "kind": built.kind,
+        "compression": spec.compression,
+        "dtype": str(built.dtype).removeprefix("torch."),
+        "tract_version": io.tract_version,
+        "weight_bytes": built.weight_bytes,
+        "archive_bytes": (out_dir / ARCHIVE_NAME).stat().st_size,
+        "seconds": round(time.monotonic() - started, 2),
+        "verify": report.summary() if report is not None else None,
+    }
+    return ExportResult(files=files, summary=summary)
+
+
+def _tolerance(spec: NNEFSpec, dtype: torch.dtype) -> tuple[float, float]:
+    key = spec.compression or str(dtype).removeprefix("torch.")
+    atol, rtol = TOLERANCES.get(key, TOLERANCES["float16"])
+    return (spec.atol or atol, rtol if spec.rtol is None else spec.rtol)
+
+
+def prompt_ids(count: int, vocab_size: int) -> list[int]:
+    """A fixed, spread-out prompt that avoids the usual special-token ids at the vocab start."""
+    low = min(8, vocab_size - 1)
+    span = max(1, vocab_size - low)
+    return [low + (i * 7919 + 13) % span for i in range(count)]
+
+
+class _PromptTokenizer:
+    """The tokenizer torch-to-nnef's LLM exporter asks for; it only needs example token ids."""
+
+    def __init__(self, ids: list[int], name: str, vocab_size: int) -> None:
+        self.ids, self.name_or_path, self.vocab_size = ids, name, vocab_size
+
+    def __call__(self, text: str, return_tensors: str = "pt") -> Any:
+        import torch
+        from transformers import BatchEncoding
+
+        return BatchEncoding({"input_ids": torch.tensor([self.ids], dtype=torch.int64)})
+
+
+def _export_causal_lm(
+    spec: NNEFSpec,
+    built: OffloadedModel,
+    launcher: Path,
+    stage: Path,
+    out_dir: Path,
+    ctx: JobContext,
+) -> tuple[IOSpec, ParityReport | None]:
+    from torch_to_nnef.compress import DEFAULT_COMPRESSION_REGISTRY
+    from torch_to_nnef.exceptions import T2NError
+    from torch_to_nnef_llm.config import ExportDirStruct
+    from torch_to_nnef_llm.exporter import LLMExporter
+
+    from service.exporters.nnef_verify import greedy_reference, verify_causal_lm
+
+    vocab = int(built.config.vocab_size)
+    # 16 example tokens: torch-to-nnef traces with 1 token and 2 past ones.
+    tokenizer = _PromptTokenizer(prompt_ids(16, vocab), str(built.config.model_type), vocab)
+    compression = "min_max_q4_0" if spec.compression == "q4_0" else None
+    prompt = prompt_ids(spec.prompt_tokens, vocab)
+    expected: GreedyReference | None = None
+    try:
+        exporter = LLMExporter(built.module, tokenizer, num_logits_to_keep=1)
+        target = exporter.build_inference_target(
+            tract_specific_path=launcher,
+            no_verify=True,
+            compression_method=compression,
+            compression_registry=DEFAULT_COMPRESSION_REGISTRY,
+        )
+        target.dump_identity_properties = False
+        # prepare() compresses; the reference must see the weights tract will get, and must run
+        # before export_model(), which leaves the module's tensors wrapped for tracing.
+        exporter.prepare(
+            compression_method=compression,
+            compression_registry=DEFAULT_COMPRESSION_REGISTRY,
+            wrapper_io_check=False,
+            log_level=T2N_LOG_LEVEL,
+        )
+        ctx.check_abort()
+        if spec.verify:
+            expected = greedy_reference(exporter.hf_model_causal, prompt, spec.decode_steps)
+        ctx.check_abort()
+        exporter.export_model(
+            stage,
+            inference_target=target,
+            log_level=T2N_LOG_LEVEL,
+            check_inference_modes=False,
+            sample_generation_total_size=2,
+            export_dir_struct=ExportDirStruct.FLAT,
+        )
+    except T2NError as exc:
+        raise ExportFailed(f"torch-to-nnef could not export the model: {exc}") from exc
+    ctx.check_abort()
+    _collect(stage / ARCHIVE_NAME, stage / "tests", out_dir)
+    io = _io_spec(out_dir, "causal_lm", target.dynamic_axes, spec)
+    io.notes = {
+        "inputs": "input_ids[1,S] then per layer in_cache_key/value[1,kv_heads,P,head_dim]",
+        "outputs": "logits of the last token, then caches extended to P+S",
+        "max_positions": int(getattr(built.config, "max_position_embeddings", 0) or 0),
+    }
+    if expected is None:
+        return io, None
+    ctx.set_phase(Phase.VERIFY, total=spec.decode_steps + 1, unit="steps")
+    atol, rtol = _tolerance(spec, built.dtype)
+    report = verify_causal_lm(out_dir / ARCHIVE_NAME, io, expected, atol, rtol)
+    ctx.advance(spec.decode_steps + 1)
+    return io, report
+
+
+def _export_encoder(
+    spec: NNEFSpec,
+    built: OffloadedModel,
+    launcher: Path,
+    stage: Path,
+    out_dir: Path,
+    ctx: JobContext,
+) -> tuple[IOSpec, ParityReport | None]:
+    import numpy as np
+    import torch
+    from torch_to_nnef.compress import quantize_weights_min_max_Q4_0
+    from torch_to_nnef.exceptions import T2NError
+    from torch_to_nnef.export import export_model_to_nnef
+    from torch_to_nnef.inference_target.tract import TractNNEF
+
+    from service.exporters.nnef_offload import TensorOutputs
+    from service.exporters.nnef_verify import verify_encoder
+
+    wrapper = TensorOutputs(built.module)
+    seq = spec.sequence_length
+    vocab = int(getattr(built.config, "vocab_size", 2))
+    example = {
+        "input_ids": torch.tensor([prompt_ids(seq, vocab)], dtype=torch.int64),
+        "attention_mask": torch.ones(1, seq, dtype=torch.int64),
+        "token_type_ids": torch.zeros(1, seq, dtype=torch.int64),
+    }
+    names = [n for n in wrapper.input_names if n in example]
+    if "input_ids" not in names:
+        raise UnsupportedExport(f"{built.config.model_type} does not take input_ids")
+    wrapper.input_names = names
+    args = tuple(example[n] for n in names)
+    try:
+        if spec.compression == "q4_0":
+            quantize_weights_min_max_Q4_0(wrapper)
+        with torch.no_grad():
+            expected = [t.float().as_subclass(torch.Tensor).numpy() for t in wrapper(*args)]
+        stage.mkdir(parents=True)
+        dynamic_axes = {n: {1: "S"} for n in names}
+        target = TractNNEF(
+            installed_tract_version(),
+            check_io=False,
+            dynamic_axes=dynamic_axes,
+            specific_tract_binary_path=launcher,
+            dump_identity_properties=False,
+        )
+        export_model_to_nnef(
+            model=wrapper,
+            args=args,
+            file_path_export=stage / ARCHIVE_NAME,
+            inference_target=target,
+            input_names=names,
+            output_names=wrapper.output_names,
+            log_level=T2N_LOG_LEVEL,
+        )
+    except T2NError as exc:
+        raise ExportFailed(f"torch-to-nnef could not export the model: {exc}") from exc
+    ctx.check_abort()
+    tests = stage / "tests"
+    tests.mkdir()
+    example_in: dict[str, Any] = {n: a.numpy() for n, a in zip(names, args, strict=True)}
+    example_out: dict[str, Any] = dict(zip(wrapper.output_names, expected, strict=True))
+    np.savez(tests / "export_inputs.npz", **example_in)
+    np.savez(tests / "export_outputs.npz", **example_out)
+    _collect(stage / ARCHIVE_NAME, tests, out_dir)
+    io = _io_spec(out_dir, "encoder", dynamic_axes, spec)
+    if not spec.verify:
+        return io, None
+    ctx.set_phase(Phase.VERIFY, total=1, unit="steps")
+    atol, rtol = _tolerance(spec, built.dtype)
+    report = verify_encoder(out_dir / ARCHIVE_NAME, [a.numpy() for a in args], expected, atol, rtol)
+    ctx.advance(1)
+    return io, report
+
+
+def _collect(archive: Path, tests: Path, out_dir: Path) -> None:
+    if not archive.is_file():
+        raise ExportFailed("torch-to-nnef finished without writing the archive")
+    shutil.move(archive, out_dir / ARCHIVE_NAME)
+    shutil.move(tests / "export_inputs.npz", out_dir / "example_inputs.npz")
+    shutil.move(tests / "export_outputs.npz", out_dir / "example_outputs.npz")
+
+
+def _io_spec(
+    out_dir: Path, kind: str, dynamic_axes: dict[str, dict[int, str]], spec: NNEFSpec
+) -> IOSpec:
+    import numpy as np
+
+    from service.exporters.nnef_verify import IOSpec, TensorSpec
+
+    def specs(path: Path) -> list[TensorSpec]:
+        found = []
+        with np.load(path) as bundle:
+            for name in bundle.files:
+                arr = bundle[name]
+                axes = dynamic_axes.get(name, {})
+                shape: list[int | str] = [axes.get(i, d) for i, d in enumerate(arr.shape)]
+                found.append(TensorSpec(name, str(arr.dtype), shape))
+        return found
+
+    return IOSpec(
+        kind=kind,
+        inputs=specs(out_dir / "example_inputs.npz"),
+        outputs=specs(out_dir / "example_outputs.npz"),
+        tract_version=installed_tract_version(),
+        compression=spec.compression,
+    )
+
+
+def _copy_aux_files(checkpoint: Checkpoint, out_dir: Path) -> list[str]:
+    """Config and tokenizer files travel with the archive; only regular files inside the root."""
+    root = checkpoint.root.resolve()
+    copied = []
+    for path in checkpoint.aux_files:
+        src = path.resolve()
+        if not src.is_relative_to(root) or not src.is_file() or (out_dir / src.name).exists():
+            continue
+        shutil.copyfile(src, out_dir / src.name)
+        copied.append(src.name)
+    return copied
+
+
+register(NNEFExporter())

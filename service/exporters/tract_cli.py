@@ -1,0 +1,164 @@
+"""A small ``tract``-compatible command built on the PyPI ``tract`` bindings.
+
+torch-to-nnef's ``TractNNEF`` target wants a tract CLI binary: its constructor downloads one
+unless given ``specific_tract_binary_path``, which cannot work offline. This module answers the
+subset of the real CLI that torch-to-nnef invokes (``inference_target/tract.py``)::
+
+    tract --version
+    tract MODEL.nnef.tgz --nnef-tract-core --nnef-tract-pulse [--nnef-tract-extra]
+          [--nnef-tract-transformers] -O run --input-from-bundle IN.npz
+          (--assert-output-bundle OUT.npz [--approx LEVEL] | --save-outputs-npz OUT.npz)
+          [--allow-float-casts]
+
+Run it as ``python -m service.exporters.tract_cli``; :func:`write_launcher` writes an
+executable wrapper for code that needs a file path. Anything else (``dump``, ONNX input) exits
+with status 2 and an ``ERROR`` line, which torch-to-nnef reports as a tract failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``close_enough`` bounds: |a-b| <= atol + rtol*|b| except for an ``outliers`` fraction."""
+
+    atol: float
+    rtol: float
+    outliers: float = 0.0
+
+
+# tract's Approximation levels (tract-core ``Approximation``), by their CLI names.
+TOLERANCES: dict[str, Tolerance] = {
+    "exact": Tolerance(0.0, 0.0),
+    "close": Tolerance(1e-7, 1e-7),
+    "approximate": Tolerance(1e-4, 5e-4),
+    "very": Tolerance(5e-3, 1e-2),
+    "super": Tolerance(0.1, 0.05, 1e-4),
+    "ultra": Tolerance(0.2, 0.1, 5e-3),
+}
+
+
+def tract_version() -> str:
+    import tract
+
+    return str(tract.version())
+
+
+def load_runnable(model_path: Path, *, transformers: bool = True, extra: bool = True) -> Any:
+    """Load an NNEF archive or directory with tract and make it runnable."""
+    import tract
+
+    nnef = tract.nnef()
+    if extra:
+        nnef = nnef.with_tract_extra()
+    if transformers:
+        nnef = nnef.with_tract_transformers()
+    model = nnef.with_pulse().load(str(model_path))
+    return model.into_runnable()
+
+
+def run_bundle(runnable: Any, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run ``runnable`` on npz-bundle inputs given in graph input order."""
+    arrays = [np.ascontiguousarray(v) for v in inputs.values()]
+    return [t.to_numpy() for t in runnable.run(arrays)]
+
+
+def compare(found: np.ndarray, expected: np.ndarray, tol: Tolerance) -> str | None:
+    """None when ``found`` is close enough to ``expected``, else a one-line reason."""
+    if found.shape != expected.shape:
+        return f"shape {found.shape} != expected {expected.shape}"
+    if found.size == 0:
+        return None
+    a = found.astype(np.float64)
+    b = expected.astype(np.float64)
+    bad = np.abs(a - b) > tol.atol + tol.rtol * np.abs(b)
+    allowed = int(tol.outliers * b.size)
+    if int(bad.sum()) > allowed:
+        return f"{int(bad.sum())} elements out of tolerance, max abs diff {np.abs(a - b).max():g}"
+    return None
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tract", add_help=True)
+    parser.add_argument("--version", action="store_true")
+    parser.add_argument("model", nargs="?")
+    for flag in (
+        "--nnef-tract-core",
+        "--nnef-tract-pulse",
+        "--nnef-tract-extra",
+        "--nnef-tract-transformers",
+    ):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("-O", dest="optimize", action="store_true")
+    parser.add_argument("command", nargs="?")
+    parser.add_argument("--input-from-bundle", type=Path)
+    parser.add_argument("--assert-output-bundle", type=Path)
+    parser.add_argument("--save-outputs-npz", type=Path)
+    parser.add_argument("--allow-float-casts", action="store_true")
+    parser.add_argument("--approx", default="exact", choices=sorted(TOLERANCES))
+    return parser.parse_intermixed_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; the exit status and ``ERROR`` lines on stderr mimic the real CLI."""
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.version:
+        print(f"tract {tract_version()}")
+        return 0
+    if args.model is None or args.command != "run" or args.input_from_bundle is None:
+        print("ERROR unsupported invocation (only --version and run)", file=sys.stderr)
+        return 2
+    runnable = load_runnable(Path(args.model))
+    with np.load(args.input_from_bundle) as bundle:
+        inputs = {k: bundle[k] for k in bundle.files}
+    outputs = run_bundle(runnable, inputs)
+    if args.save_outputs_npz is not None:
+        named: dict[str, Any] = {f"output_{i}": o for i, o in enumerate(outputs)}
+        np.savez(args.save_outputs_npz, **named)
+    if args.assert_output_bundle is not None:
+        tol = TOLERANCES[args.approx]
+        with np.load(args.assert_output_bundle) as bundle:
+            expected = [bundle[k] for k in bundle.files]
+        if len(expected) != len(outputs):
+            print(f"ERROR {len(outputs)} outputs, expected {len(expected)}", file=sys.stderr)
+            return 1
+        for i, (found, want) in enumerate(zip(outputs, expected, strict=True)):
+            reason = compare(found, want, tol)
+            if reason is not None:
+                print(f"ERROR output {i}: {reason}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def write_launcher(directory: Path) -> Path:
+    """Write an executable ``tract`` script running this module with the current interpreter.
+
+    torch-to-nnef runs the CLI by path with ``subprocess``; the launcher pins the interpreter
+    (the job's venv) and needs no install step.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tract"
+    root = Path(__file__).resolve().parents[2]
+    path.write_text(
+        "#!/bin/sh\n"
+        f'PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}" '
+        f'exec "{sys.executable}" -m service.exporters.tract_cli "$@"\n'
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through the launcher
+    os.environ.setdefault("RUST_LOG", "error")
+    sys.exit(main())
