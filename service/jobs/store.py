@@ -145,25 +145,44 @@ class JobStore:
         return cls(make_engine(url))
 
     def create_schema(self) -> None:
-        metadata.create_all(self.engine)
+        """Bring the database to the newest schema by running the alembic migrations.
+
+        Every process that opens the store at start-up (API, worker) calls this; concurrent
+        callers are serialized (see :func:`service.jobs.migrations.upgrade`)."""
+        from service.jobs.migrations import upgrade
+
+        upgrade(self.engine)
 
     def dispose(self) -> None:
         self.engine.dispose()
 
     @contextmanager
-    def _tx(self) -> Iterator[Connection]:
+    def transaction(self) -> Iterator[Connection]:
+        """One database transaction; an executor adds its own writes (its queue's) to it."""
         with self.engine.begin() as conn:
             yield conn
 
+    @contextmanager
+    def _within(self, conn: Connection | None) -> Iterator[Connection]:
+        """The caller's transaction if given, else a new one."""
+        if conn is not None:
+            yield conn
+        else:
+            with self.engine.begin() as own:
+                yield own
+
     # --- reads -------------------------------------------------------------------------------
 
-    def get(self, job_id: str, tenant: str | None = None) -> Job:
+    def get(self, job_id: str, tenant: str | None = None, conn: Connection | None = None) -> Job:
         """The job, or JobNotFound (also when it belongs to another tenant)."""
         query = select(jobs_table).where(jobs_table.c.id == job_id)
         if tenant is not None:
             query = query.where(jobs_table.c.tenant == tenant)
-        with self.engine.connect() as conn:
+        if conn is not None:
             row = conn.execute(query).mappings().first()
+        else:
+            with self.engine.connect() as own:
+                row = own.execute(query).mappings().first()
         if row is None:
             raise JobNotFound(f"no job {job_id}")
         return _to_job(row)
@@ -213,20 +232,23 @@ class JobStore:
 
     def create(self, job: Job, max_queued: int | None = None) -> Job:
         """Insert a queued job; QueueFull when ``max_queued`` jobs already wait."""
-        with self._tx() as conn:
-            if max_queued is not None:
-                waiting = conn.execute(
-                    select(func.count())
-                    .select_from(jobs_table)
-                    .where(jobs_table.c.status == JobStatus.QUEUED.value)
-                ).scalar_one()
-                if waiting >= max_queued:
-                    raise QueueFull(f"{waiting} jobs are already queued; retry later")
-            conn.execute(jobs_table.insert().values(**self._row(job)))
+        with self.transaction() as conn:
+            self.insert_in(conn, job, max_queued)
         return job
 
-    def insert_in(self, conn: Connection, job: Job) -> None:
-        """Insert within a caller's transaction (a distributed executor enqueues in the same one)."""
+    def insert_in(self, conn: Connection, job: Job, max_queued: int | None = None) -> None:
+        """Insert within a caller's transaction (a distributed executor enqueues in the same one).
+
+        QueueFull when ``max_queued`` jobs already wait; the caller's transaction then rolls
+        back whatever else it wrote."""
+        if max_queued is not None:
+            waiting = conn.execute(
+                select(func.count())
+                .select_from(jobs_table)
+                .where(jobs_table.c.status == JobStatus.QUEUED.value)
+            ).scalar_one()
+            if waiting >= max_queued:
+                raise QueueFull(f"{waiting} jobs are already queued; retry later")
         conn.execute(jobs_table.insert().values(**self._row(job)))
 
     @staticmethod
@@ -253,7 +275,7 @@ class JobStore:
     def claim(self, job_id: str, worker: str) -> Job | None:
         """Move a queued job to running for ``worker``; None if someone else got it first."""
         now = utcnow()
-        with self._tx() as conn:
+        with self.transaction() as conn:
             result = conn.execute(
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id, jobs_table.c.status == JobStatus.QUEUED.value)
@@ -307,7 +329,7 @@ class JobStore:
             values["metrics"] = metrics
         if details is not None:
             values["details"] = details
-        with self._tx() as conn:
+        with self.transaction() as conn:
             result = conn.execute(
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id, jobs_table.c.status == JobStatus.RUNNING.value)
@@ -325,6 +347,7 @@ class JobStore:
         metrics: dict[str, Any] | None = None,
         details: dict[str, Any] | None = None,
         from_statuses: Sequence[JobStatus] = (JobStatus.RUNNING,),
+        conn: Connection | None = None,
     ) -> bool:
         """Move a job to a terminal status; False if it was not in ``from_statuses``."""
         assert status.terminal
@@ -345,8 +368,8 @@ class JobStore:
             values["metrics"] = metrics
         if details is not None:
             values["details"] = details
-        with self._tx() as conn:
-            result = conn.execute(
+        with self._within(conn) as tx:
+            result = tx.execute(
                 update(jobs_table)
                 .where(
                     jobs_table.c.id == job_id,
@@ -356,32 +379,80 @@ class JobStore:
             )
         return result.rowcount == 1
 
-    def request_cancel(self, job_id: str, tenant: str | None = None) -> Job:
+    def request_cancel(
+        self, job_id: str, tenant: str | None = None, conn: Connection | None = None
+    ) -> Job:
         """Cancel a queued job at once; flag a running one for its executor to stop."""
-        job = self.get(job_id, tenant)
-        if job.status.terminal:
-            raise Conflict(f"job {job_id} is already {job.status.value}")
-        if job.status is JobStatus.QUEUED and self.finish(
-            job_id,
-            JobStatus.CANCELLED,
-            error=JobError("job_cancelled", "cancelled before it started"),
-            from_statuses=(JobStatus.QUEUED,),
-        ):
-            return self.get(job_id)
-        with self._tx() as conn:
-            conn.execute(
+        with self._within(conn) as tx:
+            job = self.get(job_id, tenant, conn=tx)
+            if job.status.terminal:
+                raise Conflict(f"job {job_id} is already {job.status.value}")
+            if job.status is JobStatus.QUEUED and self.finish(
+                job_id,
+                JobStatus.CANCELLED,
+                error=JobError("job_cancelled", "cancelled before it started"),
+                from_statuses=(JobStatus.QUEUED,),
+                conn=tx,
+            ):
+                return self.get(job_id, conn=tx)
+            tx.execute(
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id)
                 .values(
                     cancel_requested=True, updated_at=utcnow(), version=jobs_table.c.version + 1
                 )
             )
-        return self.get(job_id)
+            return self.get(job_id, conn=tx)
 
-    def requeue(self, job_id: str) -> bool:
+    def heartbeat(self, job_ids: Sequence[str], worker: str) -> list[str]:
+        """Mark ``worker``'s running jobs alive; returns those still running for it.
+
+        The worker's timer calls this so that a quiet phase (no progress report) is not taken
+        for a dead worker. It is not a change a watcher cares about: ``version`` stays."""
+        alive = []
+        now = utcnow()
+        with self.transaction() as conn:
+            for job_id in job_ids:
+                result = conn.execute(
+                    update(jobs_table)
+                    .where(
+                        jobs_table.c.id == job_id,
+                        jobs_table.c.status == JobStatus.RUNNING.value,
+                        jobs_table.c.worker == worker,
+                    )
+                    .values(heartbeat_at=now)
+                )
+                if result.rowcount == 1:
+                    alive.append(job_id)
+        return alive
+
+    def stale_running(self, stale_before: datetime) -> list[str]:
+        """Running jobs whose last heartbeat is older than ``stale_before``: their worker died."""
+        query = select(jobs_table.c.id).where(
+            jobs_table.c.status == JobStatus.RUNNING.value,
+            jobs_table.c.heartbeat_at < stale_before,
+        )
+        with self.engine.connect() as conn:
+            return [r[0] for r in conn.execute(query)]
+
+    def lock_stale(self, conn: Connection, job_id: str, stale_before: datetime) -> Job | None:
+        """The job if it is still running with a stale heartbeat, row-locked (PostgreSQL) until
+        the caller's transaction ends, so that one reaper among many releases it."""
+        row = conn.execute(
+            select(jobs_table)
+            .where(
+                jobs_table.c.id == job_id,
+                jobs_table.c.status == JobStatus.RUNNING.value,
+                jobs_table.c.heartbeat_at < stale_before,
+            )
+            .with_for_update(skip_locked=True)
+        ).mappings().first()
+        return None if row is None else _to_job(row)
+
+    def requeue(self, job_id: str, conn: Connection | None = None) -> bool:
         """Put an interrupted running job back in the queue, progress reset."""
-        with self._tx() as conn:
-            result = conn.execute(
+        with self._within(conn) as tx:
+            result = tx.execute(
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id, jobs_table.c.status == JobStatus.RUNNING.value)
                 .values(

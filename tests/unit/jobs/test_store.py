@@ -1,8 +1,11 @@
-"""The job store against a real SQLite database (and PostgreSQL where the suite provides it)."""
+"""The job store against real SQLite and PostgreSQL databases (the latter skipped, with the
+reason, where no server runs; see tests/fixtures/postgres.py)."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -11,13 +14,20 @@ import pytest
 from service.errors import Conflict, JobNotFound, QueueFull
 from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, Progress
 from service.jobs.store import JobStore, utcnow
+from tests.fixtures.postgres import fresh_database
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> JobStore:
-    store = JobStore.from_url(f"sqlite:///{tmp_path / 'jobs.db'}")
-    store.create_schema()
-    return store
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            url = f"sqlite:///{tmp_path / 'jobs.db'}"
+        else:
+            url = stack.enter_context(fresh_database())
+        store = JobStore.from_url(url)
+        stack.callback(store.dispose)
+        store.create_schema()
+        yield store
 
 
 def new_job(offset_seconds: int = 0, tenant: str | None = None) -> Job:
@@ -133,3 +143,27 @@ def test_requeue_resets_an_interrupted_job(store: JobStore) -> None:
     again = store.get(job.id)
     assert again.status is JobStatus.QUEUED and again.progress.done == 0
     assert again.attempts == 1
+
+
+def test_worker_heartbeat_refreshes_only_its_own_running_jobs(store: JobStore) -> None:
+    mine, theirs, queued = (store.create(new_job()) for _ in range(3))
+    store.claim(mine.id, "w1")
+    store.claim(theirs.id, "w2")
+    version = store.get(mine.id).version
+    assert store.heartbeat([mine.id, theirs.id, queued.id], "w1") == [mine.id]
+    assert store.get(mine.id).version == version  # not a change watchers are told about
+
+
+def test_a_running_job_without_heartbeat_is_stale_and_locked_once(store: JobStore) -> None:
+    job = store.create(new_job())
+    store.claim(job.id, "w")
+    assert store.stale_running(utcnow() - timedelta(seconds=60)) == []
+    later = utcnow() + timedelta(seconds=1)
+    assert store.stale_running(later) == [job.id]
+    with store.transaction() as conn:
+        locked = store.lock_stale(conn, job.id, later)
+        assert locked is not None and locked.status is JobStatus.RUNNING
+        assert store.requeue(job.id, conn=conn)
+    with store.transaction() as conn:
+        assert store.lock_stale(conn, job.id, later) is None
+    assert store.get(job.id).status is JobStatus.QUEUED
