@@ -1,4 +1,5 @@
-"""``modelprep`` command line: run the service, print its OpenAPI document."""
+"""``modelprep`` command line: run the service, print its OpenAPI document, make API keys,
+and talk to a running service as a client (``service.client_cli``)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,19 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.api.app import create_app
+    from service.api.auth import check_binding
     from service.config import Settings
+    from service.errors import ConfigurationError
     from service.logs import configure_logging
 
     settings = Settings()
     configure_logging(settings)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+        check_binding(app.state.keyring, args.host)
+    except ConfigurationError as exc:
+        print(f"modelprep serve: {exc.message}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
     return 0
 
@@ -41,11 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     openapi = sub.add_parser("openapi", help="print the OpenAPI document")
     openapi.set_defaults(func=_openapi)
+
+    from service.client_cli import add_client_commands
+
+    add_client_commands(sub)  # keygen, submit, status, wait, cancel, download, jobs
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "client_command", False):
+        from service.client_cli import run_client_command
+
+        return run_client_command(args.func, args)
     code: int = args.func(args)
     return code
 

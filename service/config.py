@@ -10,8 +10,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.units import parse_size
+
+
+class ApiKeyEntry(BaseModel):
+    """One configured API key: the sha256 (hex) of the key, never the key itself.
+
+    A plain sha256 is enough because keys are 256-bit random strings made by
+    ``modelprep keygen``: nothing to brute-force, so no slow hash is needed."""
+
+    tenant: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    admin: bool = False
 
 
 class Settings(BaseSettings):
@@ -51,6 +64,32 @@ class Settings(BaseSettings):
     # operability
     log_json: bool = True
     log_level: str = "INFO"
+
+    # access control and tenant limits (see service/api/auth.py)
+    api_keys: list[ApiKeyEntry] = Field(
+        default_factory=list,
+        description='JSON list of {"tenant", "sha256", "admin"}; none: open, loopback only.',
+    )
+    api_keys_file: Path | None = Field(
+        default=None, description="A JSON file holding the same list, read once at start-up."
+    )
+    metrics_open: bool = Field(
+        default=False, description="Serve /metrics without a key (default: admin keys only)."
+    )
+    tenant_max_active: int | None = Field(
+        default=None, ge=0, description="Queued plus running jobs per tenant before 429."
+    )
+    tenant_max_queued: int | None = Field(
+        default=None, ge=0, description="Queued jobs per tenant before 429."
+    )
+    tenant_max_artifact_bytes: int | None = Field(
+        default=None, ge=0, description="Artifact bytes kept per tenant before 429 (e.g. 500GB)."
+    )
+
+    @field_validator("tenant_max_artifact_bytes", mode="before")
+    @classmethod
+    def _human_size(cls, value: object) -> object:
+        return parse_size(value) if isinstance(value, str) and value.strip() else value
 
     @field_validator("data_dir")
     @classmethod

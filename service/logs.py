@@ -9,12 +9,17 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
 from service.config import Settings
 
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+request_id: ContextVar[str | None] = ContextVar("modelprep_request_id", default=None)
+"""The id of the HTTP request being handled (set by the API's access middleware), so every
+line logged while serving it carries ``request_id``."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -31,6 +36,9 @@ class JsonFormatter(logging.Formatter):
         }
         if self.job_id:
             entry["job_id"] = self.job_id
+        current_request = request_id.get()
+        if current_request:
+            entry["request_id"] = current_request
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 entry[key] = value

@@ -7,8 +7,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from service.api.auth import KEY_REQUIRED, Keyring
 from service.api.errors import install_error_handlers
-from service.api.routes import artifacts, health, jobs
+from service.api.metrics import service_registry
+from service.api.routes import artifacts, events, health, jobs, metrics
+from service.api.telemetry import RequestTelemetry, request_latency_histogram
 from service.config import Settings
 from service.jobs.executors.local import LocalExecutor
 from service.jobs.recovery import recover_interrupted
@@ -44,7 +47,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.jobs = job_service
+    app.state.keyring = Keyring.from_settings(settings)
+    app.state.metrics_registry = service_registry(store, settings)
+    app.add_middleware(
+        RequestTelemetry, latency=request_latency_histogram(app.state.metrics_registry)
+    )
     install_error_handlers(app)
-    for module in (jobs, artifacts, health):
+    # Every /v1 router needs a key (a route that forgets its PrincipalDep is still guarded).
+    for module in (jobs, artifacts, events):
+        app.include_router(module.router, dependencies=[KEY_REQUIRED])
+    for module in (health, metrics):  # open probes; /metrics has its own guard
         app.include_router(module.router)
     return app

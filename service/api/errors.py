@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import QueueFull, ServiceError
+from service.errors import QueueFull, ServiceError, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,11 @@ def _jsonable_errors(errors: Any) -> list[dict[str, Any]]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+        headers: dict[str, str] | None = None
+        if isinstance(exc, QueueFull):  # TenantLimitExceeded too
+            headers = {"Retry-After": str(exc.retry_after)}
+        elif isinstance(exc, Unauthorized):
+            headers = {"WWW-Authenticate": 'Bearer realm="modelprep"'}
         return problem(
             exc.status, exc.code, exc.title, exc.message, request.url.path, headers=headers
         )

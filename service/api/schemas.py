@@ -103,3 +103,33 @@ class Problem(BaseModel):
 class Health(BaseModel):
     status: str
     checks: dict[str, str] = Field(default_factory=dict)
+
+
+class JobEvent(BaseModel):
+    """``data`` of one ``GET /v1/jobs/{id}/events`` event; the SSE ``id`` is ``version``.
+
+    The event name says what changed since the previous event of the stream: ``status`` (also
+    the first event of a stream, and the last, with a terminal status), ``phase`` or
+    ``progress``."""
+
+    id: str
+    version: int
+    status: str
+    phase: str
+    progress: ProgressOut
+    metrics: dict[str, Any]
+    error: ErrorOut | None
+
+    @classmethod
+    def from_job(cls, job: Job) -> JobEvent:
+        return cls(
+            id=job.id,
+            version=job.version,
+            status=job.status.value,
+            phase=job.phase.value,
+            progress=ProgressOut(
+                done=job.progress.done, total=job.progress.total, unit=job.progress.unit
+            ),
+            metrics=job.metrics,
+            error=ErrorOut(type=job.error.type, message=job.error.message) if job.error else None,
+        )

@@ -24,7 +24,7 @@ from service.config import Settings
 from service.errors import JobCancelled, ServiceError
 from service.jobs.layout import JobLayout
 from service.jobs.model import JobError, JobStatus, Phase, Progress
-from service.jobs.store import JobStore
+from service.jobs.store import JobStore, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,24 @@ class StoreContext:
     details: dict[str, Any] = field(default_factory=dict)
     _last_flush: float = 0.0
     _cancelled: bool = False
+    _phase_started: float = 0.0
 
     def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None:
+        self.close_phase()
+        self._phase_started = time.monotonic()
+        # details["phases"]: the timeline the API's /metrics turns into per-phase histograms.
+        self.details.setdefault("phases", []).append(
+            {"phase": phase.value, "started_at": utcnow().isoformat(), "seconds": None}
+        )
         self.phase, self.total, self.unit, self.done = phase, total, unit, 0
         log.info("phase %s", phase.value, extra={"job_id": self.job_id, "phase": phase.value})
         self.flush(force=True)
+
+    def close_phase(self) -> None:
+        """Record how long the current phase took (its ``seconds`` in details["phases"])."""
+        phases = self.details.get("phases")
+        if phases and phases[-1]["seconds"] is None:
+            phases[-1]["seconds"] = round(time.monotonic() - self._phase_started, 3)
 
     def advance(self, n: int) -> None:
         self.done += n
@@ -140,6 +153,7 @@ def run_job(
         artifacts = run_pipeline(spec, ctx, layout)
         ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
         ctx.metrics["peak_rss_bytes"] = peak_rss_bytes()
+        ctx.close_phase()
         store.finish(
             job_id, JobStatus.SUCCEEDED, artifacts=artifacts, metrics=ctx.metrics,
             details=ctx.details,
@@ -178,6 +192,7 @@ def _finish_failed(
         error = JobError(code or "internal_error", f"{type(exc).__name__}: {exc}")
     ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
     ctx.metrics["peak_rss_bytes"] = peak_rss_bytes()
+    ctx.close_phase()
     store.finish(
         ctx.job_id, status, error=error, metrics=ctx.metrics, details=ctx.details
     )

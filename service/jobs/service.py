@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import Settings
-from service.errors import ArtifactNotFound, CheckpointError
+from service.errors import ArtifactNotFound, CheckpointError, TenantLimitExceeded
 from service.jobs.executors.base import Executor
 from service.jobs.layout import JobLayout
 from service.jobs.model import Job, JobStatus, Phase
@@ -28,8 +28,11 @@ class JobService:
     executor: Executor
 
     def submit(self, spec: JobSpec, tenant: str | None = None) -> Job:
-        """Validate what can be known now (422 rather than a failed job), then queue."""
+        """Validate what can be known now (422 rather than a failed job), check the tenant's
+        limits (429), then queue."""
         check_spec(spec, self.settings, self._local_config(spec))
+        if tenant is not None:
+            self._check_tenant_limits(tenant)
         job = Job(
             id=uuid.uuid4().hex,
             status=JobStatus.QUEUED,
@@ -40,6 +43,51 @@ class JobService:
         )
         secrets = {"hf_token": spec.hf_token.get_secret_value()} if spec.hf_token else {}
         return self.executor.submit(job, secrets)
+
+    def _check_tenant_limits(self, tenant: str) -> None:
+        """TenantLimitExceeded when ``tenant`` is at one of its limits.
+
+        Checked before the insert, not in its transaction: two submits racing at the limit may
+        both pass, overshooting it by one job at most per concurrent request. The global
+        ``max_queued`` stays exact (checked inside the store's insert)."""
+        settings = self.settings
+        if settings.tenant_max_queued is not None or settings.tenant_max_active is not None:
+            queued = self.store.count(JobStatus.QUEUED, tenant)
+            if settings.tenant_max_queued is not None and queued >= settings.tenant_max_queued:
+                raise TenantLimitExceeded(
+                    f"tenant {tenant} has {queued} queued jobs (limit "
+                    f"{settings.tenant_max_queued}); retry when one has started",
+                    retry_after=10,
+                )
+            if settings.tenant_max_active is not None:
+                active = queued + self.store.count(JobStatus.RUNNING, tenant)
+                if active >= settings.tenant_max_active:
+                    raise TenantLimitExceeded(
+                        f"tenant {tenant} has {active} queued or running jobs (limit "
+                        f"{settings.tenant_max_active}); retry when one has finished",
+                        retry_after=30,
+                    )
+        if settings.tenant_max_artifact_bytes is not None:
+            used = self.artifact_bytes(tenant)
+            if used >= settings.tenant_max_artifact_bytes:
+                raise TenantLimitExceeded(
+                    f"tenant {tenant} keeps {used} artifact bytes (limit "
+                    f"{settings.tenant_max_artifact_bytes}); free space before submitting",
+                    retry_after=3600,
+                )
+
+    def artifact_bytes(self, tenant: str | None = None) -> int:
+        """Bytes of the artifacts of succeeded jobs (of ``tenant``, or of everyone)."""
+        total = 0
+        before: tuple[datetime, str] | None = None
+        while True:
+            page = self.store.page(
+                status=JobStatus.SUCCEEDED, tenant=tenant, limit=500, before=before
+            )
+            total += sum(a.size for job in page for a in job.artifacts)
+            if len(page) < 500:
+                return total
+            before = (page[-1].created_at, page[-1].id)
 
     def _local_config(self, spec: JobSpec) -> dict[str, Any] | None:
         """config.json of a file:// source, so exporters can refuse an architecture at once."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
+from service.api.auth import PrincipalDep
 from service.api.deps import JobsDep
 from service.api.routes.jobs import PROBLEMS
 
@@ -16,8 +17,10 @@ router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
     responses={**PROBLEMS, 200: {"content": {"application/octet-stream": {}}}, 206: {}, 304: {}},
     response_class=FileResponse,
 )
-def download_artifact(job_id: str, path: str, jobs: JobsDep, request: Request) -> Response:
-    job, file = jobs.artifact(job_id, path)
+def download_artifact(
+    job_id: str, path: str, jobs: JobsDep, principal: PrincipalDep, request: Request
+) -> Response:
+    job, file = jobs.artifact(job_id, path, principal.scope)
     digest = next((a.sha256 for a in job.artifacts if a.path == path), None)
     headers = {}
     if digest:

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
 
+from service.api.auth import PrincipalDep
 from service.api.deps import JobsDep
 from service.api.schemas import JobCreate, JobOut, JobPage, Problem
 from service.errors import InvalidRequest
@@ -17,7 +18,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 PROBLEMS: dict[int | str, dict[str, object]] = {
     code: {"model": Problem, "content": {"application/problem+json": {}}}
-    for code in (400, 404, 409, 422, 429)
+    for code in (400, 401, 404, 409, 422, 429)
 }
 
 
@@ -34,8 +35,10 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, responses=PROBLEMS)
-def submit_job(body: JobCreate, jobs: JobsDep, response: Response) -> JobOut:
-    job = jobs.submit(body)
+def submit_job(
+    body: JobCreate, jobs: JobsDep, principal: PrincipalDep, response: Response
+) -> JobOut:
+    job = jobs.submit(body, tenant=principal.tenant)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut.from_job(job)
 
@@ -43,12 +46,13 @@ def submit_job(body: JobCreate, jobs: JobsDep, response: Response) -> JobOut:
 @router.get("", responses=PROBLEMS)
 def list_jobs(
     jobs: JobsDep,
+    principal: PrincipalDep,
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: str | None = None,
 ) -> JobPage:
     before = _decode_cursor(cursor) if cursor else None
-    page = jobs.page(status, limit, before)
+    page = jobs.page(status, limit, before, tenant=principal.scope)
     next_cursor = (
         _encode_cursor(page[-1].created_at, page[-1].id) if len(page) == limit else None
     )
@@ -56,10 +60,10 @@ def list_jobs(
 
 
 @router.get("/{job_id}", responses=PROBLEMS)
-def get_job(job_id: str, jobs: JobsDep) -> JobOut:
-    return JobOut.from_job(jobs.get(job_id))
+def get_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut:
+    return JobOut.from_job(jobs.get(job_id, principal.scope))
 
 
 @router.delete("/{job_id}", status_code=status.HTTP_202_ACCEPTED, responses=PROBLEMS)
-def cancel_job(job_id: str, jobs: JobsDep) -> JobOut:
-    return JobOut.from_job(jobs.cancel(job_id))
+def cancel_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut:
+    return JobOut.from_job(jobs.cancel(job_id, principal.scope))

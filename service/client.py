@@ -1,0 +1,288 @@
+"""A small synchronous client of the modelprep HTTP API, for the CLI and for platform code.
+
+    with ModelprepClient("http://127.0.0.1:8000", api_key) as client:
+        job = client.submit({"source": "hf://org/model", "exports": [{"format": "gguf"}]})
+        for event in client.follow(job["id"]):      # live progress, reconnecting as needed
+            print(event.kind, event.data["phase"], event.data["progress"])
+        files = client.download(client.job(job["id"]), Path("out"))  # resumable, sha256-checked
+
+Errors are typed (``service.errors``): :class:`ApiError` for a problem+json answer (its
+``http_status`` and ``problem``), :class:`ServiceUnreachable` when there is no answer,
+:class:`ArtifactCorrupt` when a download does not match the artifact list. Nothing here imports
+torch or the service's pipeline, so the client stays light.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+from httpx_sse import SSEError, connect_sse
+
+from service.errors import ApiError, ArtifactCorrupt, ClientError, ServiceUnreachable
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+CHUNK = 1 << 20
+
+DownloadProgress = Callable[[str, int, int], None]
+"""``(artifact path, bytes done, bytes total)`` after each chunk written."""
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event of a job's stream: ``kind`` is status, phase or progress; ``data`` the
+    JobEvent JSON (id, version, status, phase, progress, metrics, error)."""
+
+    kind: str
+    version: int
+    data: dict[str, Any]
+
+    @property
+    def terminal(self) -> bool:
+        return self.data.get("status") in TERMINAL
+
+
+def _problem_of(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        return body
+    return {"status": response.status_code, "title": response.reason_phrase,
+            "detail": response.text[:500]}
+
+
+def _raise_for_problem(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    problem = _problem_of(response)
+    detail = problem.get("detail") or problem.get("title") or response.reason_phrase
+    raise ApiError(f"{response.status_code}: {detail}", response.status_code, problem)
+
+
+class ModelprepClient:
+    """Jobs over HTTP: submit, inspect, list, cancel, follow, download."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ServiceUnreachable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        _raise_for_problem(response)
+        return response.json()
+
+    # --- jobs --------------------------------------------------------------------------------
+
+    def submit(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Queue a job (the ``POST /v1/jobs`` body); the queued job's JSON."""
+        job: dict[str, Any] = self._request("POST", "/v1/jobs", json=dict(spec))
+        return job
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        job: dict[str, Any] = self._request("GET", f"/v1/jobs/{job_id}")
+        return job
+
+    def jobs(self, status: str | None = None, page_size: int = 50) -> Iterator[dict[str, Any]]:
+        """Every visible job, newest first, fetched page by page as iterated."""
+        params: dict[str, Any] = {"limit": page_size}
+        if status:
+            params["status"] = status
+        while True:
+            page = self._request("GET", "/v1/jobs", params=params)
+            yield from page["items"]
+            if not page["next_cursor"]:
+                return
+            params["cursor"] = page["next_cursor"]
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        job: dict[str, Any] = self._request("DELETE", f"/v1/jobs/{job_id}")
+        return job
+
+    # --- progress ----------------------------------------------------------------------------
+
+    def events(self, job_id: str, last_event_id: int | None = None) -> Iterator[JobEvent]:
+        """One connection to the job's event stream, until the server ends it."""
+        headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
+        url = f"/v1/jobs/{job_id}/events"
+        try:
+            with connect_sse(self._http, "GET", url, headers=headers) as source:
+                if not source.response.is_success:
+                    source.response.read()
+                    _raise_for_problem(source.response)
+                for sse in source.iter_sse():
+                    if not sse.data:
+                        continue  # keep-alive
+                    yield JobEvent(kind=sse.event, version=int(sse.id), data=json.loads(sse.data))
+        except (httpx.HTTPError, SSEError) as exc:
+            raise ServiceUnreachable(f"event stream of {job_id}: {exc}") from exc
+
+    def follow(
+        self, job_id: str, last_event_id: int | None = None, max_reconnects: int = 10
+    ) -> Iterator[JobEvent]:
+        """The job's events until its terminal one, reconnecting with ``Last-Event-ID`` when
+        the connection drops (service restart, proxy timeout)."""
+        failures = 0
+        while True:
+            got_any = False
+            try:
+                for event in self.events(job_id, last_event_id):
+                    got_any, failures = True, 0
+                    last_event_id = event.version
+                    yield event
+                    if event.terminal:
+                        return
+            except ServiceUnreachable:
+                failures += 1
+                if failures > max_reconnects:
+                    raise
+                time.sleep(min(0.25 * 2**failures, 5.0))
+                continue
+            if not got_any and self.job(job_id)["status"] in TERMINAL:
+                return  # resumed after the final event: nothing left to say
+
+    def wait(self, job_id: str, on_event: Callable[[JobEvent], None] | None = None) -> dict[str, Any]:
+        """Block until the job ends; its final JSON."""
+        for event in self.follow(job_id):
+            if on_event is not None:
+                on_event(event)
+        return self.job(job_id)
+
+    # --- artifacts ---------------------------------------------------------------------------
+
+    def download(
+        self,
+        job: Mapping[str, Any],
+        out_dir: Path,
+        on_progress: DownloadProgress | None = None,
+        retries: int = 5,
+    ) -> list[Path]:
+        """Every artifact of a succeeded job into ``out_dir``; files already there and intact
+        are kept, partial ``.part`` files are resumed with ``Range``. Each file is checked
+        against the size and sha256 of the job's artifact list before it gets its name."""
+        if job.get("status") != "succeeded":
+            raise ClientError(f"job {job.get('id')} is {job.get('status')}: no artifacts")
+        paths = []
+        for artifact in job["artifacts"]:
+            target = _confined(out_dir, artifact["path"])
+            paths.append(target)
+            if target.is_file() and target.stat().st_size == artifact["size"] and (
+                _sha256_of(target) == artifact["sha256"]
+            ):
+                if on_progress is not None:
+                    on_progress(artifact["path"], artifact["size"], artifact["size"])
+                continue
+            self._download_one(artifact, target, on_progress, retries)
+        return paths
+
+    def _download_one(
+        self,
+        artifact: Mapping[str, Any],
+        target: Path,
+        on_progress: DownloadProgress | None,
+        retries: int,
+    ) -> None:
+        size: int = artifact["size"]
+        part = target.with_name(target.name + ".part")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        failures = 0
+        while True:
+            offset = part.stat().st_size if part.exists() else 0
+            if offset > size:
+                part.unlink()
+                offset = 0
+            try:
+                if offset < size:
+                    self._fetch_range(artifact, part, offset, on_progress)
+                break
+            except ServiceUnreachable:
+                failures += 1
+                if failures > retries:
+                    raise
+                time.sleep(min(0.25 * 2**failures, 5.0))
+        digest = _sha256_of(part)
+        if part.stat().st_size != size or digest != artifact["sha256"]:
+            part.unlink()
+            raise ArtifactCorrupt(
+                f"{artifact['path']}: got {digest}, expected {artifact['sha256']}; removed"
+            )
+        os.replace(part, target)
+
+    def _fetch_range(
+        self,
+        artifact: Mapping[str, Any],
+        part: Path,
+        offset: int,
+        on_progress: DownloadProgress | None,
+    ) -> None:
+        headers = {}
+        if offset:
+            # If-Range: resume only if the file is still the one we started; else a full 200.
+            headers = {"Range": f"bytes={offset}-", "If-Range": f'"{artifact["sha256"]}"'}
+        try:
+            with self._http.stream("GET", artifact["url"], headers=headers) as response:
+                if not response.is_success:
+                    response.read()
+                    _raise_for_problem(response)
+                mode = "ab" if response.status_code == 206 else "wb"
+                done = offset if mode == "ab" else 0
+                with part.open(mode) as f:
+                    for chunk in response.iter_bytes(CHUNK):
+                        f.write(chunk)
+                        done += len(chunk)
+                        if on_progress is not None:
+                            on_progress(artifact["path"], done, artifact["size"])
+                    f.flush()
+                    os.fsync(f.fileno())
+        except httpx.HTTPError as exc:
+            raise ServiceUnreachable(f"download of {artifact['path']}: {exc}") from exc
+
+
+def _confined(out_dir: Path, relative: str) -> Path:
+    """``out_dir / relative``, refusing paths that would leave ``out_dir``."""
+    pure = PurePosixPath(relative)
+    if pure.is_absolute() or ".." in pure.parts or not pure.parts:
+        raise ClientError(f"refusing artifact path {relative!r}")
+    return out_dir.joinpath(*pure.parts)
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
