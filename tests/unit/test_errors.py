@@ -19,7 +19,10 @@ def all_errors() -> list[type[ServiceError]]:
 
 
 def takes_only_a_message(cls: type[ServiceError]) -> bool:
-    params = list(inspect.signature(cls).parameters.values())
+    init = next(k.__dict__["__init__"] for k in cls.__mro__ if "__init__" in k.__dict__)
+    if not inspect.isfunction(init):
+        return True  # a builtin's __init__ (OSError...) takes the message
+    params = list(inspect.signature(init).parameters.values())[1:]
     return sum(p.default is inspect.Parameter.empty for p in params) == 1
 
 
