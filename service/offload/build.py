@@ -283,7 +283,7 @@ def build_phase(
     try:
         built = build_on_meta(checkpoint, settings, dtype)
     except NoModelConfig as exc:
-        ctx.set_detail("model", {"buildable": False, "reason": exc.message})
+        ctx.set_detail("model", {"buildable": False, "reason": str(exc)})
         return None
     ctx.set_detail("model", {"buildable": True, **built.report()})
     return built

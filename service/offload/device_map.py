@@ -3,7 +3,7 @@
 A device map is ``{module name: "cpu" | "disk"}``, as accelerate writes them; a tensor goes where
 its longest listed module prefix says (``""`` covers the whole model). ``"auto"`` fills a RAM
 budget front to back with whole modules (never splitting a ``no_split_module_classes`` module,
-e.g. a decoder layer) and sends the rest to disk, using accelerate's planner.
+e.g. a decoder layer) and sends the rest to disk.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from service.units import parse_size
 Placement = Literal["cpu", "disk"]
 DeviceMap = dict[str, Placement]
 
-# accelerate wants a finite budget for every device; the disk is only bounded by the quota.
-_UNBOUNDED = 1 << 62
-
 
 def auto_device_map(
     model: nn.Module,
@@ -29,19 +26,60 @@ def auto_device_map(
     no_split_module_classes: list[str] | None = None,
     dtype: torch.dtype | None = None,
 ) -> DeviceMap:
-    """Fill ``max_memory`` bytes of RAM with whole modules in order, the rest on disk."""
-    from accelerate import infer_auto_device_map
+    """Fill ``max_memory`` bytes of RAM with whole modules in order, the rest on disk.
+
+    The budget covers everything the weights take in RAM while streaming: the ``"cpu"`` modules
+    plus the largest module paged in at once (one leaf: a Linear, an Embedding), which is kept
+    in reserve. accelerate's ``infer_auto_device_map`` reserves a whole no-split layer instead,
+    as its hooks page per layer; ours page per leaf, so we plan with its
+    ``compute_module_sizes`` and our own front-to-back fill.
+    """
+    from accelerate.utils import compute_module_sizes
 
     budget = parse_size(max_memory)
     if no_split_module_classes is None:
         no_split_module_classes = sorted(getattr(model, "_no_split_modules", None) or [])
-    planned = infer_auto_device_map(
-        model,
-        max_memory={"cpu": budget, "disk": _UNBOUNDED},
-        no_split_module_classes=no_split_module_classes,
-        dtype=dtype,
-    )
-    return {name: _placement(name, value) for name, value in planned.items()}
+    no_split = set(no_split_module_classes)
+    sizes = compute_module_sizes(model, dtype=dtype)
+    reserve = max((_own_bytes(m, dtype) for m in model.modules()), default=0)
+    room = budget - reserve
+    device_map: DeviceMap = {}
+    queue: list[tuple[str, nn.Module]] = list(model.named_children())
+    if _own_bytes(model, dtype):
+        device_map[""] = "disk"  # root-level tensors (rare): stream them
+    spilled = False
+    while queue:
+        name, module = queue.pop(0)
+        size = sizes.get(name, 0)
+        if not spilled and size <= room:
+            device_map[name] = "cpu"
+            room -= size
+            continue
+        children = list(module.named_children())
+        if (
+            spilled
+            or not children
+            or type(module).__name__ in no_split
+            or _own_bytes(module, dtype)
+        ):
+            device_map[name] = "disk"
+            spilled = True
+            continue
+        queue = [(f"{name}.{child}", sub) for child, sub in children] + queue
+    if "" in device_map and all(v == "cpu" for k, v in device_map.items() if k):
+        device_map[""] = "cpu"
+    return device_map
+
+
+def _own_bytes(module: nn.Module, dtype: torch.dtype | None) -> int:
+    """Bytes of the parameters a module holds directly (what one paging step loads)."""
+    total = 0
+    for param in module._parameters.values():
+        if param is None:
+            continue
+        float_dtype = dtype if dtype is not None and param.dtype.is_floating_point else param.dtype
+        total += param.numel() * float_dtype.itemsize
+    return total
 
 
 def validate_device_map(model: nn.Module, device_map: dict[str, str]) -> DeviceMap:

@@ -305,7 +305,7 @@ class OffloadStore:
         try:
             write_json_atomic(self.root / INDEX_NAME, index)
         except DiskFull as exc:
-            self._abort(exc.message)
+            self._abort(str(exc))
             raise
 
     def save_metrics(self) -> None:

@@ -1,0 +1,108 @@
+"""Building on meta: no weight memory, the right class, and a faithful keys report."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from service.checkpoint import open_checkpoint
+from service.config import Settings
+from service.errors import NoModelConfig
+from service.jobs.context import InMemoryContext
+from service.jobs.model import Phase
+from service.offload.build import build_meta_model, build_on_meta, build_phase, match_keys
+from tests.fixtures.models import copy_tree
+
+
+def test_70b_llama_skeleton_builds_on_meta_without_weight_memory(settings: Settings) -> None:
+    config = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    from transformers import LlamaForCausalLM
+
+    gc.collect()
+    rss_before = psutil.Process().memory_info().rss
+    model = build_meta_model(config, settings, torch.bfloat16, LlamaForCausalLM)
+    rss_growth = psutil.Process().memory_info().rss - rss_before
+
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) > 69e9
+    assert all(p.device.type == "meta" for p in params)
+    # 70B bf16 would be 140 GB; the skeleton's Python objects are a few MB.
+    assert rss_growth < 200 * 2**20
+
+
+@pytest.mark.parametrize(("kind", "tied"), [("safetensors", False), ("bin", True)])
+def test_llama_keys_match_with_tied_head_reported(
+    tiny_checkpoint: object, settings: Settings, kind: str, tied: bool
+) -> None:
+    path = tiny_checkpoint("llama", kind, tied=tied)  # type: ignore[operator]
+    with open_checkpoint(path) as ckpt:
+        built = build_on_meta(ckpt, settings)
+    assert built.architecture == "LlamaForCausalLM"
+    assert built.keys.missing == [] and built.keys.unexpected == []
+    assert built.keys.tied == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+    assert built.no_split_module_classes == ["LlamaDecoderLayer"]
+    assert built.dtype == torch.float32
+    report = built.report()
+    assert report["parameters"] == sum(p.numel() for p in built.model.parameters())
+
+
+def test_base_model_checkpoint_keys_are_renamed_into_a_head_model(
+    llama_safetensors_dir: Path, settings: Settings
+) -> None:
+    from transformers import LlamaModel
+
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        names = [i.name for i in ckpt.reader.tensor_infos()]
+        config = build_on_meta(ckpt, settings).model.config
+    base = build_meta_model(config, settings, torch.float32, LlamaModel)
+    report = match_keys(base, names)
+    assert report.unexpected == ["lm_head.weight"]
+    assert report.renamed["model.norm.weight"] == "norm.weight"
+    assert report.missing == []
+
+
+def test_missing_config_is_a_typed_result_not_a_crash(
+    llama_safetensors_dir: Path, tmp_path: Path, ctx: InMemoryContext
+) -> None:
+    bare = copy_tree(llama_safetensors_dir, tmp_path / "bare", only=["model.safetensors"])
+    with open_checkpoint(bare) as ckpt:
+        with pytest.raises(NoModelConfig):
+            build_on_meta(ckpt, ctx.settings)
+        assert build_phase(ckpt, ctx.settings, ctx) is None
+    assert ctx.details["model"]["buildable"] is False
+    assert "config.json" in ctx.details["model"]["reason"]
+    assert Phase.BUILD in ctx.phases_seen
+
+
+def test_unknown_model_type_is_no_model_config(
+    llama_safetensors_dir: Path, settings: Settings
+) -> None:
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        ckpt.config = {"model_type": "not-a-real-architecture", "auto_map": {"AutoModel": "x.Y"}}
+        with pytest.raises(NoModelConfig, match="trust_remote_code"):
+            build_on_meta(ckpt, settings)
+
+
+def test_build_phase_publishes_the_model_section(
+    bert_safetensors_dir: Path, ctx: InMemoryContext
+) -> None:
+    with open_checkpoint(bert_safetensors_dir) as ckpt:
+        built = build_phase(ckpt, ctx.settings, ctx)
+    assert built is not None
+    model = ctx.details["model"]
+    assert model["buildable"] is True
+    assert model["architecture"] == "BertModel"
+    assert model["keys"]["missing"] == []
+    assert model["parameters"] == built.parameter_count

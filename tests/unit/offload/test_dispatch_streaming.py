@@ -1,0 +1,208 @@
+"""Dispatch to disk and streamed forward on tiny real models: same outputs, exact I/O figures."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.checkpoint import open_checkpoint
+from service.errors import InvalidRequest, WeightsMismatch
+from service.jobs.context import InMemoryContext
+from service.jobs.model import Phase
+from service.offload.build import build_on_meta
+from service.offload.device_map import placed_bytes, resolve_device_map
+from service.offload.dispatch import dispatch_checkpoint, dispatch_model
+from service.offload.store import OffloadStore
+from service.offload.streaming import offloaded_modules, streamed, streamed_forward
+from service.offload.tensor import OffloadedTensor
+from tests.fixtures.models import sample_inputs
+from tests.unit.offload.conftest import eager_output
+
+CASES = [
+    ("llama", "safetensors", False),
+    ("llama", "safetensors", True),
+    ("llama", "bin-sharded", False),
+    ("llama", "bin", True),
+    ("bert", "safetensors", False),
+    ("bert", "bin", False),
+]
+
+
+@pytest.mark.parametrize(("arch", "kind", "tied"), CASES)
+def test_all_on_disk_streamed_forward_equals_the_in_memory_model(
+    tiny_checkpoint: object, ctx: InMemoryContext, tmp_path: Path, arch: str, kind: str, tied: bool
+) -> None:
+    path = tiny_checkpoint(arch, kind, tied=tied)  # type: ignore[operator]
+    with open_checkpoint(path) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        store = OffloadStore(tmp_path / "store", allowed_roots=[path])
+        result = dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+        out, stats = streamed_forward(built.model, sample_inputs(arch))  # type: ignore[arg-type]
+
+    assert torch.equal(out, eager_output(arch, tied))  # type: ignore[arg-type]
+
+    params = dict(built.model.named_parameters())  # tied ones once
+    assert all(isinstance(p, OffloadedTensor) for p in params.values())
+    n_bytes = sum(p.nbytes for p in params.values())
+    in_place = kind == "safetensors"
+    assert result.placed == {
+        "cpu": 0,
+        "disk_ref": len(params) if in_place else 0,
+        "disk_owned": 0 if in_place else len(params),
+    }
+    # Each module pages its own weights in once per forward; a tied head reads the shared
+    # embedding a second time.
+    tied_extra = [params[target] for target in built.keys.tied.values()]
+    assert store.reloads == stats.tensors_loaded == len(params) + len(tied_extra)
+    assert store.bytes_read == stats.bytes_loaded == n_bytes + sum(t.nbytes for t in tied_extra)
+    metrics = store.metrics()
+    assert metrics["bytes_written"] == (0 if in_place else n_bytes)
+    assert metrics["bytes_referenced"] == (n_bytes if in_place else 0)
+    assert Phase.OFFLOAD in ctx.phases_seen
+    assert ctx.details["offload"]["placed"] == result.placed
+
+
+def test_reloads_grow_by_exactly_one_pass_per_forward(
+    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+) -> None:
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
+        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+        streamed_forward(built.model, sample_inputs("llama"))
+        first = (store.reloads, store.bytes_read)
+        streamed_forward(built.model, sample_inputs("llama"))
+    assert (store.reloads, store.bytes_read) == (2 * first[0], 2 * first[1])
+
+
+def test_paging_holds_one_module_at_a_time(
+    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+) -> None:
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
+        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+        _, stats = streamed_forward(built.model, sample_inputs("llama"))
+    largest = max(
+        sum(p.nbytes for p in m._parameters.values() if p is not None)
+        for m in offloaded_modules(built.model)
+    )
+    assert stats.peak_resident_bytes == largest
+    assert all(isinstance(p, OffloadedTensor) for p in built.model.parameters())
+
+
+def test_a_failing_forward_leaves_weights_offloaded(
+    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+) -> None:
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
+        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+    bad_ids = torch.full((1, 4), 10_000)  # out of the vocabulary: the embedding raises
+    with pytest.raises(IndexError), torch.inference_mode(), streamed(built.model):
+        built.model(input_ids=bad_ids)
+    assert all(isinstance(p, OffloadedTensor) for p in built.model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_auto_map_fills_the_ram_budget_with_whole_layers_and_spills_the_rest(
+    tiny_checkpoint: object, ctx: InMemoryContext, tmp_path: Path, arch: str
+) -> None:
+    path = tiny_checkpoint(arch, "safetensors")  # type: ignore[operator]
+    with open_checkpoint(path) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        budget = sum(p.nbytes for p in built.model.parameters()) // 2
+        store = OffloadStore(tmp_path / "s", allowed_roots=[path])
+        result = dispatch_model(built, ckpt.reader, store, ctx, max_memory=budget)
+        out, _ = streamed_forward(built.model, sample_inputs(arch))  # type: ignore[arg-type]
+    assert torch.equal(out, eager_output(arch))  # type: ignore[arg-type]
+    assert set(result.device_map.values()) == {"cpu", "disk"}
+    split_class = built.no_split_module_classes[-1]  # LlamaDecoderLayer / BertLayer
+    for name, module in built.model.named_modules():
+        if type(module).__name__ == split_class:
+            places = {isinstance(p, OffloadedTensor) for p in module.parameters()}
+            assert len(places) == 1, f"{name} was split between RAM and disk"
+    totals = placed_bytes(built.model, result.device_map, built.dtype)
+    assert 0 < totals["cpu"] <= budget
+    on_cpu = sum(p.nbytes for p in built.model.parameters() if not isinstance(p, OffloadedTensor))
+    assert on_cpu == totals["cpu"]
+    assert ctx.details["offload"]["device_map"]["modules"]["disk"] > 0
+
+
+def test_explicit_device_map_is_honoured(
+    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+) -> None:
+    explicit = {
+        "model.embed_tokens": "cpu",
+        "model.layers": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "disk",
+    }
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
+        dispatch_model(built, ckpt.reader, store, ctx, max_memory="1GiB", device_map=explicit)
+        out, _ = streamed_forward(built.model, sample_inputs("llama"))
+    assert torch.equal(out, eager_output("llama"))
+    params = dict(built.model.named_parameters())
+    assert not isinstance(params["model.embed_tokens.weight"], OffloadedTensor)
+    assert isinstance(params["model.layers.1.mlp.up_proj.weight"], OffloadedTensor)
+    assert isinstance(params["lm_head.weight"], OffloadedTensor)
+
+
+@pytest.mark.parametrize(
+    ("device_map", "message"),
+    [
+        ({"model.nope": "disk", "": "cpu"}, "not a module"),
+        ({"model.layers": "disk"}, "without a placement"),
+        ({"": "cuda:0"}, "only 'cpu' and 'disk'"),
+    ],
+)
+def test_bad_explicit_device_maps_are_invalid_requests(
+    llama_safetensors_dir: Path, ctx: InMemoryContext, device_map: dict[str, str], message: str
+) -> None:
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+    with pytest.raises(InvalidRequest, match=message):
+        resolve_device_map(built.model, device_map, "1GiB")
+
+
+def test_checkpoint_missing_a_weight_is_a_weights_mismatch(
+    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_safetensors_dir, broken)
+    state = load_file(broken / "model.safetensors")
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    with open_checkpoint(broken) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        assert built.keys.missing == ["model.layers.1.mlp.down_proj.weight"]
+        store = OffloadStore(tmp_path / "s", allowed_roots=[broken])
+        with pytest.raises(WeightsMismatch, match="down_proj"):
+            dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+
+
+def test_quantized_dispatch_keeps_packed_weights_offloaded(
+    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+) -> None:
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
+        result = dispatch_checkpoint(
+            built.model, ckpt.reader, {"": "disk"}, store, ctx, quantization="q8_0"
+        )
+        out, stats = streamed_forward(built.model, sample_inputs("llama"))
+    reference = eager_output("llama")
+    assert not torch.equal(out, reference)
+    assert float((out - reference).abs().max()) < 0.05 * float(reference.abs().max())
+    packed = [n for n in store.names() if store.entry(n).encoding == "q8_0"]
+    assert (
+        len(packed) == result.placed["disk_owned"] == 16
+    )  # 7 linears x 2 layers, embed, head; norms stay raw
+    assert stats.bytes_loaded > store.bytes_read  # dequantized floats > packed bytes read
