@@ -146,6 +146,8 @@ class TensorPlan:
     """Heads of ``LlamaModel.permute`` applied to the rows, or None."""
     values: tuple[float, ...] | None = None
     """The data of a computed tensor."""
+    source_itemsize: int = 4
+    """Bytes per element in the checkpoint, to ask the reader for block-sized chunks."""
 
     @property
     def type_name(self) -> str:
@@ -230,7 +232,10 @@ def plan_tensors(
         mapped = [m for m in mapped if m[0] != "output.weight"]
     has_output = any(m[0] == "output.weight" for m in mapped)
     tensors = [
-        _tensor(new_name, src, shape, out_type, has_output, heads)
+        replace(
+            _tensor(new_name, src, shape, out_type, has_output, heads),
+            source_itemsize=by_name[src].dtype.itemsize,
+        )
         for new_name, src, shape, heads in mapped
     ]
     if (factors := llama3_rope_factors(config)) is not None:

@@ -46,10 +46,29 @@ class Progress(Protocol):
 # --- reading source rows -----------------------------------------------------------------------
 
 
-def _rows_per_block(shape: tuple[int, ...], chunk_bytes: int) -> tuple[int, int]:
-    ncols = shape[-1] if shape else 1
-    nrows = math.prod(shape) // ncols if ncols else 0
-    return max(1, chunk_bytes // max(1, ncols * 4)), nrows
+def block_rows(t: TensorPlan, chunk_bytes: int) -> tuple[int, int, int]:
+    """(rows per block, rows, columns) of ``t`` seen as a 2-D matrix of float32 rows.
+
+    A permuted q/k matrix is cut at head boundaries: ``LlamaModel.permute`` only moves rows
+    within a head, so each block of whole heads is permuted on its own and nothing is held whole.
+    """
+    ncols = t.shape[-1] if t.shape else 1
+    nrows = math.prod(t.shape) // ncols if ncols else 0
+    per = max(1, chunk_bytes // max(1, ncols * 4))
+    if t.permute_heads is not None and len(t.shape) >= 2:
+        head_rows = t.shape[0] // t.permute_heads
+        per = max(1, per // head_rows) * head_rows
+    return per, nrows, ncols
+
+
+def _permute_block(block: np.ndarray, t: TensorPlan, inverse: bool = False) -> np.ndarray:
+    """Apply (or undo) the q/k permutation to a block of whole heads."""
+    assert t.permute_heads is not None
+    fn = unpermute_qk if inverse else permute_qk
+    if len(t.shape) == 1:  # a bias: the single row is the whole vector
+        return fn(block.reshape(-1), t.permute_heads).reshape(block.shape)
+    heads = block.shape[0] // (t.shape[0] // t.permute_heads)
+    return fn(block, heads)
 
 
 def source_blocks(
@@ -59,35 +78,34 @@ def source_blocks(
     import numpy as np
     import torch
 
-    ncols = tensor.shape[-1] if tensor.shape else 1
-    per, _ = _rows_per_block(tensor.shape, chunk_bytes)
+    per, _, ncols = block_rows(tensor, chunk_bytes)
     if tensor.values is not None:
         yield np.asarray(tensor.values, dtype=np.float32).reshape(-1, ncols)
         return
     assert tensor.source is not None
-    if tensor.permute_heads is not None and permuted:
-        whole = reader.read(tensor.source).to(torch.float32).numpy()
-        whole = permute_qk(whole, tensor.permute_heads).reshape(-1, ncols)
-        for start in range(0, whole.shape[0], per):
-            yield np.ascontiguousarray(whole[start : start + per])
-        return
+    permute = permuted and tensor.permute_heads is not None
     want = per * ncols
     pending: list[np.ndarray] = []
     held = 0
-    for chunk in reader.iter_chunks(tensor.source, chunk_bytes):
+    # Reader chunks of exactly one block when the reader honours max_bytes; any other split
+    # (mid-row, several pieces) is reassembled here.
+    for chunk in reader.iter_chunks(tensor.source, want * tensor.source_itemsize):
         flat = chunk.reshape(-1).to(torch.float32).numpy()
         pending.append(flat)
         held += flat.size
         while held >= want:
             buf = np.concatenate(pending) if len(pending) > 1 else pending[0]
-            yield buf[:want].reshape(-1, ncols)
-            rest = buf[want:]
+            block = buf[:want].reshape(-1, ncols)
+            yield _permute_block(block, tensor) if permute else block
+            rest = buf[want:].copy() if held > want else buf[:0]
+            del buf, block
             pending, held = [rest], rest.size
     if held:
         buf = np.concatenate(pending) if len(pending) > 1 else pending[0]
         if held % ncols:
             raise ExportFailed(f"{tensor.source}: reader returned {held} stray elements")
-        yield buf.reshape(-1, ncols)
+        block = buf.reshape(-1, ncols)
+        yield _permute_block(block, tensor) if permute else block
 
 
 def encode(rows: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -174,26 +192,6 @@ _BLOCK_ABS = {"q8_0": 127 * 2.0**-25, "q4_0": 8 * 2.0**-25}
 """A scale below f16's normal range rounds to a subnormal: absolute error up to 2**-25 per unit."""
 
 
-def tolerance(src: np.ndarray, type_name: str) -> np.ndarray:
-    """Per-element error bound for float32 rows ``src`` stored as ``type_name``."""
-    import numpy as np
-
-    if type_name in _FLOAT_REL:
-        bound: np.ndarray = (
-            np.abs(src) * (_FLOAT_REL[type_name] * 1.001)
-            + 1e-30
-            + (2.0**-25 if type_name == "f16" else 0.0)
-        )
-        return bound
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]][0]
-    blocks = np.abs(src).reshape(-1, block)
-    amax = blocks.max(axis=1, keepdims=True)
-    per_block = amax * (_BLOCK_REL[type_name] * 1.001) + _BLOCK_ABS[type_name]
-    return np.broadcast_to(per_block, blocks.shape).reshape(src.shape)
-
-
 @dataclass
 class VerifyReport:
     tensors_checked: int = 0
@@ -257,19 +255,45 @@ def _stored_blocks(fd: int, offset: int, t: TensorPlan, chunk_bytes: int) -> Ite
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    per, nrows = _rows_per_block(t.shape, chunk_bytes)
+    per, nrows, _ = block_rows(t, chunk_bytes)
     row_bytes = t.nbytes // nrows
     qtype = GGMLQuantizationType(t.ggml_type)
     for start in range(0, nrows, per):
         rows = min(per, nrows - start)
         pos, length = offset + start * row_bytes, rows * row_bytes
-        raw = os.pread(fd, length, pos)
-        if len(raw) != length:
+        arr = np.empty((rows, row_bytes), dtype=np.uint8)
+        if os.preadv(fd, [arr.data], pos) != length:
             raise VerificationFailed(f"{t.name}: file truncated")
-        arr = np.frombuffer(raw, dtype=np.uint8).reshape(rows, row_bytes)
         yield np.asarray(quants.dequantize(arr, qtype), dtype=np.float32).reshape(rows, -1)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, pos, length, os.POSIX_FADV_DONTNEED)
+
+
+def block_error(src: np.ndarray, got: np.ndarray, type_name: str) -> tuple[float, float]:
+    """(max abs error, max error as a fraction of its bound) of ``got`` against ``src``.
+
+    Computed in place in ``got`` to keep a block's verification at about three block sizes.
+    """
+    import numpy as np
+
+    err = np.subtract(got, src, out=got)
+    np.abs(err, out=err)
+    worst = float(err.max()) if err.size else 0.0
+    if np.isnan(worst):
+        return worst, float("inf")
+    if type_name in _FLOAT_REL:
+        bound = np.abs(src)
+        bound *= _FLOAT_REL[type_name] * 1.001
+        bound += 1e-30 + (2.0**-25 if type_name == "f16" else 0.0)
+        np.divide(err, bound, out=bound)
+        return worst, float(bound.max()) if bound.size else 0.0
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]][0]
+    amax = np.abs(src).reshape(-1, block).max(axis=1)
+    per_block = amax * (_BLOCK_REL[type_name] * 1.001) + _BLOCK_ABS[type_name]
+    block_err = err.reshape(-1, block).max(axis=1)
+    return worst, float((block_err / per_block).max()) if block_err.size else 0.0
 
 
 def _verify_tensor(
@@ -281,36 +305,22 @@ def _verify_tensor(
     progress: Progress,
     chunk_bytes: int,
 ) -> None:
-    import numpy as np
-
-    ncols = t.shape[-1] if t.shape else 1
-    if t.permute_heads is not None:
-        # Undo llama.cpp's permutation on the stored tensor, compare with the untouched source.
-        stored_whole = np.concatenate(list(_stored_blocks(fd, offset, t, chunk_bytes)))
-        stored_whole = unpermute_qk(stored_whole.reshape(t.shape), t.permute_heads)
-        stored: Iterator[np.ndarray] = iter([stored_whole.reshape(-1, ncols)])
-        source: Iterator[np.ndarray] = iter(
-            [np.concatenate(list(source_blocks(reader, t, chunk_bytes, permuted=False)))]
-        )
-    else:
-        stored = _stored_blocks(fd, offset, t, chunk_bytes)
-        source = source_blocks(reader, t, chunk_bytes)
     name = t.type_name
-    for src, got in zip(source, stored, strict=True):
+    source = source_blocks(reader, t, chunk_bytes, permuted=False)
+    for src, got in zip(source, _stored_blocks(fd, offset, t, chunk_bytes), strict=True):
+        if t.permute_heads is not None:
+            got = _permute_block(got, t, inverse=True)  # compare in transformers' row order
         if src.shape != got.shape:
             raise VerificationFailed(f"{t.name}: block shape {got.shape} != source {src.shape}")
-        err = np.abs(got - src)
-        bound = tolerance(src, name)
-        worst = float(np.max(err)) if err.size else 0.0
-        ratio = float(np.max(err / np.maximum(bound, 1e-30))) if err.size else 0.0
-        bad = ~(err <= bound)  # NaN counts as a failure
-        if bad.any():
+        worst, fraction = block_error(src, got, name)
+        if not fraction <= 1.0:  # NaN fails too
             raise VerificationFailed(
-                f"{t.name}: {int(bad.sum())} elements beyond the {name} tolerance "
-                f"(max abs error {worst:.3g})"
+                f"{t.name}: error beyond the {name} tolerance "
+                f"(max abs error {worst:.3g}, {fraction:.3g} x the bound)"
             )
         report.max_abs_error[name] = max(report.max_abs_error.get(name, 0.0), worst)
         report.worst_fraction_of_bound[name] = max(
-            report.worst_fraction_of_bound.get(name, 0.0), ratio
+            report.worst_fraction_of_bound.get(name, 0.0), fraction
         )
         progress.advance(src.size * t.nbytes // max(1, math.prod(t.shape)))
+        del src, got

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from service.checkpoint import open_checkpoint
+from service.checkpoint import WeightReader, open_checkpoint
 from service.config import Settings
 from service.errors import JobCancelled, UnsupportedExport, VerificationFailed
 from service.exporters.base import ExportInputs, ExportResult
@@ -451,23 +452,40 @@ def test_permutation_is_llama_cpp_and_inverts() -> None:
     assert np.array_equal(unpermute_qk(permuted, 2), rows)
 
 
-def test_row_blocks_of_any_size_produce_the_same_file(
+class OddChunks:
+    """The real checkpoint reader, asked for pieces of 7 elements whatever the caller wants:
+    the writer must reassemble rows split anywhere, as a reader with its own limits may do."""
+
+    def __init__(self, reader: WeightReader) -> None:
+        self._reader = reader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+    def iter_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]:
+        return self._reader.iter_chunks(name, 7 * 4)
+
+
+def test_blocks_of_any_size_produce_the_same_file(
     llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
 ) -> None:
-    """Streaming in tiny blocks (reader chunks split mid-row) changes nothing in the output."""
+    """Tiny blocks (one head of q/k at a time) and reader pieces split mid-row change nothing."""
     ckpt_dir, _ = llama
     digests = []
     with open_checkpoint(ckpt_dir) as ckpt:
         assert ckpt.config is not None
         plan = plan_tensors(ckpt.config, ckpt.reader.tensor_infos(), ckpt.reader.aliases(), "q8_0")
-        for chunk in (1000, 1 << 26):
-            path = tmp_path / f"c{chunk}.gguf"
-            digests.append(
-                write_gguf(path, plan, ckpt.reader, lambda w: None, _ctx(tmp_path), chunk)
-            )
+        runs: list[tuple[Any, int]] = [
+            (ckpt.reader, 1 << 26),
+            (ckpt.reader, 1000),
+            (OddChunks(ckpt.reader), 1000),
+        ]
+        for i, (reader, chunk) in enumerate(runs):
+            path = tmp_path / f"run{i}.gguf"
+            digests.append(write_gguf(path, plan, reader, lambda w: None, _ctx(tmp_path), chunk))
             assert digests[-1] == hashlib.sha256(path.read_bytes()).hexdigest()
-            verify_gguf(path, plan, ckpt.reader, _ctx(tmp_path), chunk)
-    assert digests[0] == digests[1]
+            verify_gguf(path, plan, reader, _ctx(tmp_path), chunk)
+    assert digests[0] == digests[1] == digests[2]
 
 
 def test_cancelled_export_leaves_no_file(
