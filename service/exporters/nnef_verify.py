@@ -46,6 +46,14 @@ class IOSpec:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> IOSpec:
+        """Read back what :meth:`to_json` wrote (``io.json``)."""
+        fields = dict(data)
+        fields["inputs"] = [TensorSpec(**t) for t in data["inputs"]]
+        fields["outputs"] = [TensorSpec(**t) for t in data["outputs"]]
+        return cls(**fields)
+
 
 @dataclass(frozen=True)
 class ParityReport:

@@ -1,0 +1,340 @@
+"""NNEF export for tract: tiny real Llama/BERT checkpoints exported, loaded by tract, compared.
+
+Every export runs with sockets refused and ``tempfile`` pointed at a private directory, so the
+"no network" and "no leftover mkdtemp" promises are checked on the real code path.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from service.checkpoint import open_checkpoint
+from service.config import Settings
+from service.errors import JobCancelled, UnsafePickle, UnsupportedExport, VerificationFailed
+from service.exporters.base import ExportInputs, ExportResult, registry
+from service.exporters.nnef import NNEFExporter, NNEFSpec, prompt_ids
+from service.exporters.nnef_offload import build_offloaded_model, weights_only_unpickling
+from service.exporters.nnef_verify import IOSpec, greedy_reference, verify_causal_lm
+from service.exporters.tract_cli import write_launcher
+from service.jobs.context import InMemoryContext
+from service.jobs.model import Phase
+from tests.conftest import TinyCheckpointFactory
+from tests.fixtures.models import build_checkpoint, copy_tree, write_pickle_with_object
+
+
+@dataclass
+class Exported:
+    out: Path
+    result: ExportResult
+    ctx: InMemoryContext
+    system_tmp: Path
+    connects: list[Any]
+
+
+def _export(
+    ckpt_dir: Path, root: Path, spec: NNEFSpec, settings: Settings | None = None
+) -> Exported:
+    """Export with sockets refused and tempfile redirected; record what was attempted."""
+    root.mkdir(parents=True, exist_ok=True)
+    system_tmp = root / "system-tmp"
+    system_tmp.mkdir()
+    ctx = InMemoryContext(
+        settings=settings or Settings(data_dir=root / "data"), work_dir=root / "work"
+    )
+    ctx.work_dir.mkdir()
+    connects: list[Any] = []
+
+    def refuse(self: socket.socket, address: Any) -> None:
+        connects.append(address)
+        raise OSError("network disabled in this test")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(socket.socket, "connect", refuse)
+        mp.setattr(tempfile, "tempdir", str(system_tmp))
+        with open_checkpoint(ckpt_dir) as ckpt:
+            result = NNEFExporter().export(spec, ExportInputs(checkpoint=ckpt), root / "out", ctx)
+    return Exported(root / "out", result, ctx, system_tmp, connects)
+
+
+@pytest.fixture(scope="module")
+def llama_export(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Exported:
+    root = tmp_path_factory.mktemp("nnef-llama")
+    return _export(tiny_checkpoint("llama", "safetensors"), root, NNEFSpec(decode_steps=3))
+
+
+def _reference(ckpt_dir: Path, tmp: Path, steps: int = 3) -> Any:
+    """PyTorch's greedy decode of the checkpoint (weights streamed, as in the exporter)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    with open_checkpoint(ckpt_dir) as ckpt:
+        built = build_offloaded_model(ckpt, trust_remote_code=False, offload_dir=tmp)
+        with weights_only_unpickling():
+            return greedy_reference(built.module, prompt_ids(4, 128), steps)
+
+
+def _io(out: Path) -> IOSpec:
+    return IOSpec.from_json(json.loads((out / "io.json").read_text()))
+
+
+def _tamper(archive: Path, dest: Path) -> str:
+    """Copy ``archive`` with the largest weight negated; returns the member changed."""
+    with tarfile.open(archive) as src:
+        members = [(m, src.extractfile(m)) for m in src.getmembers()]
+        payloads = {m.name: f.read() for m, f in members if f is not None}
+    victim = max((n for n in payloads if n.endswith(".dat")), key=lambda n: len(payloads[n]))
+    raw = bytearray(payloads[victim])
+    data = np.frombuffer(bytes(raw[128:]), dtype=np.float32)
+    raw[128:] = (-data).tobytes()
+    payloads[victim] = bytes(raw)
+    with tarfile.open(dest, "w:gz", compresslevel=0) as out:
+        for name, payload in payloads.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            out.addfile(info, io.BytesIO(payload))
+    return victim
+
+
+# --- causal LM --------------------------------------------------------------------------------
+
+
+def test_llama_archive_runs_in_tract_and_matches_pytorch_over_greedy_decode(
+    llama_export: Exported,
+) -> None:
+    verify = llama_export.result.summary["verify"]
+    assert verify["compared"] == 4  # prompt + 3 decode steps through tract's KV cache
+    assert verify["max_abs_err"] < 1e-4
+    assert all(verify["argmax_agreed"])
+    assert llama_export.result.summary["kind"] == "causal_lm"
+    for name in llama_export.result.files:
+        assert (llama_export.out / name).is_file(), name
+    assert {"model.nnef.tgz", "io.json", "config.json", "tokenizer.json"} <= set(
+        llama_export.result.files
+    )
+    assert llama_export.ctx.phases_seen == [Phase.EXPORT, Phase.VERIFY]
+    assert llama_export.ctx.metrics["nnef_bytes_read"] > 0
+
+
+def test_llama_io_spec_names_symbolic_prompt_and_past_axes(llama_export: Exported) -> None:
+    io_spec = _io(llama_export.out)
+    assert io_spec.kind == "causal_lm"
+    assert io_spec.inputs[0].name == "input_ids"
+    assert io_spec.inputs[0].shape == [1, "S"]
+    caches = io_spec.inputs[1:]
+    assert len(caches) == 4  # 2 layers x (key, value)
+    assert all(c.shape[2] == "P" and c.dtype == "float32" for c in caches)
+    assert io_spec.outputs[0].shape[-1] == 128  # vocab
+
+
+def test_export_makes_no_network_call_and_leaves_no_temp_dirs(llama_export: Exported) -> None:
+    assert llama_export.connects == []
+    assert list(llama_export.system_tmp.iterdir()) == []
+    assert list(llama_export.ctx.work_dir.iterdir()) == []
+
+
+def test_tampered_archive_fails_verification(
+    llama_export: Exported, tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    expected = _reference(tiny_checkpoint("llama", "safetensors"), tmp_path / "off")
+    io_spec = _io(llama_export.out)
+    archive = llama_export.out / "model.nnef.tgz"
+    # The untouched archive passes this very check ...
+    verify_causal_lm(archive, io_spec, expected, atol=1e-3, rtol=1e-3)
+    # ... and the same archive with one weight negated does not.
+    bad = tmp_path / "tampered.nnef.tgz"
+    _tamper(archive, bad)
+    with pytest.raises(VerificationFailed, match="tract logits differ"):
+        verify_causal_lm(bad, io_spec, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_archive_compared_with_a_different_model_fails_verification(
+    llama_export: Exported, tmp_path: Path
+) -> None:
+    other = build_checkpoint(tmp_path / "other", "llama", "safetensors", seed=7)
+    expected = _reference(other, tmp_path / "off")
+    with pytest.raises(VerificationFailed):
+        verify_causal_lm(
+            llama_export.out / "model.nnef.tgz",
+            _io(llama_export.out),
+            expected,
+            atol=1e-3,
+            rtol=1e-3,
+        )
+
+
+def test_q4_0_archive_is_smaller_and_matches_quantized_pytorch(
+    llama_export: Exported, tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    exported = _export(
+        tiny_checkpoint("llama", "safetensors"), tmp_path, NNEFSpec(compression="q4_0")
+    )
+    verify = exported.result.summary["verify"]
+    assert verify["max_abs_err"] < 1e-3
+    assert exported.result.summary["compression"] == "q4_0"
+    f32_bytes = llama_export.result.summary["archive_bytes"]
+    assert exported.result.summary["archive_bytes"] < 0.6 * f32_bytes
+    with tarfile.open(exported.out / "model.nnef.tgz") as tar:
+        sizes = {m.name: m.size for m in tar.getmembers()}
+    lm_head = next(size for name, size in sizes.items() if "lm_head" in name)
+    assert lm_head < 128 * 64 * 4 / 4  # 4.5 bits per weight instead of 32
+    assert exported.connects == []
+    assert list(exported.system_tmp.iterdir()) == []
+    assert _io(exported.out).compression == "q4_0"
+
+
+def test_bin_checkpoint_exports_through_the_weights_only_reader(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    exported = _export(tiny_checkpoint("llama", "bin"), tmp_path, NNEFSpec(decode_steps=1))
+    assert exported.result.summary["verify"]["max_abs_err"] < 1e-4
+
+
+# --- traps of torch-to-nnef -------------------------------------------------------------------
+
+
+def test_bin_holding_an_object_is_refused_not_executed(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = copy_tree(tiny_checkpoint("llama", "bin"), tmp_path / "evil")
+    write_pickle_with_object(ckpt / "pytorch_model.bin")
+    with pytest.raises(UnsafePickle):
+        _export(ckpt, tmp_path / "job", NNEFSpec())
+    assert "unpickled arbitrary code" not in capsys.readouterr().out
+
+
+def test_torch_to_nnef_fallback_unpickling_is_forced_weights_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch_to_nnef.utils import torch_safe_load
+
+    evil = write_pickle_with_object(tmp_path / "pytorch_model.bin")
+    with weights_only_unpickling(), pytest.raises(UnsafePickle):
+        torch_safe_load(evil)
+    assert "unpickled arbitrary code" not in capsys.readouterr().out
+    assert torch.load.__module__.startswith("torch")  # restored after the block
+
+
+def test_remote_code_is_not_run_without_trust_remote_code(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    ckpt = copy_tree(tiny_checkpoint("llama", "safetensors"), tmp_path / "remote")
+    marker = tmp_path / "remote-code-ran"
+    (ckpt / "evil_config.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig\n"
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evil'\n"
+    )
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = "evil"
+    config["auto_map"] = {"AutoConfig": "evil_config.EvilConfig"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert not Settings().trust_remote_code
+    with pytest.raises(UnsupportedExport):
+        _export(ckpt, tmp_path / "job", NNEFSpec())
+    assert not marker.exists()
+
+
+def test_cancelled_job_stops_at_the_next_weight_read_and_cleans_up(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    ctx = InMemoryContext(settings=Settings(data_dir=tmp_path / "d"), work_dir=tmp_path / "w")
+    ctx.work_dir.mkdir()
+    ctx.cancel_event.set()
+    with (
+        open_checkpoint(tiny_checkpoint("llama", "safetensors")) as ckpt,
+        pytest.raises(JobCancelled),
+    ):
+        NNEFExporter().export(NNEFSpec(), ExportInputs(checkpoint=ckpt), tmp_path / "o", ctx)
+    assert list(ctx.work_dir.iterdir()) == []
+
+
+# --- encoder ----------------------------------------------------------------------------------
+
+
+def test_bert_encoder_archive_matches_pytorch(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    exported = _export(tiny_checkpoint("bert", "safetensors"), tmp_path, NNEFSpec())
+    summary = exported.result.summary
+    assert summary["kind"] == "encoder"
+    assert summary["verify"]["max_abs_err"] < 1e-4
+    assert summary["verify"]["compared"] == 2
+    io_spec = _io(exported.out)
+    assert [t.name for t in io_spec.inputs] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert [t.name for t in io_spec.outputs] == ["last_hidden_state", "pooler_output"]
+    assert io_spec.inputs[0].shape == [1, "S"]
+    assert exported.connects == []
+
+
+# --- tract CLI shim, spec and registration ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tract_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield write_launcher(tmp_path_factory.mktemp("bin"))
+
+
+def test_tract_cli_reports_the_bindings_version(tract_launcher: Path) -> None:
+    import tract
+
+    out = subprocess.run([tract_launcher, "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"tract {tract.version()}"
+
+
+def test_tract_cli_asserts_output_bundles_as_torch_to_nnef_invokes_it(
+    tract_launcher: Path, llama_export: Exported, tmp_path: Path
+) -> None:
+    out = llama_export.out
+
+    def run(expected: Path) -> subprocess.CompletedProcess[str]:
+        # The exact command line of torch_to_nnef TractCli.assert_io_cmd_str for tract >= 0.22.
+        cmd = [str(tract_launcher), str(out / "model.nnef.tgz"), "--nnef-tract-core"]
+        cmd += ["--nnef-tract-pulse", "--nnef-tract-extra", "--nnef-tract-transformers", "-O"]
+        cmd += ["run", "--input-from-bundle", str(out / "example_inputs.npz")]
+        cmd += ["--assert-output-bundle", str(expected), "--allow-float-casts"]
+        cmd += ["--approx", "approximate"]
+        return subprocess.run(cmd, check=False, capture_output=True, text=True)
+
+    ok = run(out / "example_outputs.npz")
+    assert ok.returncode == 0, ok.stderr
+    with np.load(out / "example_outputs.npz") as bundle:
+        wrong: dict[str, Any] = {k: bundle[k] + 1.0 for k in bundle.files}
+    np.savez(tmp_path / "wrong.npz", **wrong)
+    bad = run(tmp_path / "wrong.npz")
+    assert bad.returncode != 0
+    assert "ERROR" in bad.stderr
+
+
+def test_spec_parses_compression_and_rejects_unknown_values() -> None:
+    assert NNEFSpec.model_validate({"format": "nnef", "compression": "q4_0"}).compression == "q4_0"
+    with pytest.raises(ValidationError):
+        NNEFSpec.model_validate({"format": "nnef", "compression": "q8"})
+    with pytest.raises(ValidationError):
+        NNEFSpec.model_validate({"format": "nnef", "surprise": 1})
+
+
+def test_check_refuses_missing_config_and_another_tract_version() -> None:
+    exporter = NNEFExporter()
+    with pytest.raises(UnsupportedExport):
+        exporter.check(NNEFSpec(), None)
+    with pytest.raises(UnsupportedExport, match="tract 0.1.0 requested"):
+        exporter.check(NNEFSpec(tract_version="0.1.0"), {"model_type": "llama"})
+    exporter.check(NNEFSpec(), {"model_type": "llama"})
+
+
+def test_exporter_is_registered_under_nnef() -> None:
+    assert isinstance(registry()["nnef"], NNEFExporter)
