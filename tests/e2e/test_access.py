@@ -257,7 +257,7 @@ def test_open_service_refuses_a_non_loopback_address(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "service.cli", "serve", "--host", "0.0.0.0",
          "--port", str(free_port())],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env, capture_output=True, text=True, timeout=120, check=False,
     )
     assert result.returncode == 2
     assert "refusing to serve on 0.0.0.0 without API keys" in result.stderr
@@ -267,15 +267,15 @@ def test_open_service_refuses_a_non_loopback_address(tmp_path: Path) -> None:
 def test_keys_file_is_read_and_a_broken_one_stops_start_up(tmp_path: Path) -> None:
     keys = tmp_path / "keys.json"
     keys.write_text(keys_setting())
-    with running_service(tmp_path / "data", env={"MODELPREP_API_KEYS_FILE": str(keys)}) as svc:
-        with svc.client() as client:
-            assert client.get("/v1/jobs").status_code == 401
-            assert client.get("/v1/jobs", headers=auth("b")).status_code == 200
+    env = {"MODELPREP_API_KEYS_FILE": str(keys)}
+    with running_service(tmp_path / "data", env=env) as svc, svc.client() as client:
+        assert client.get("/v1/jobs").status_code == 401
+        assert client.get("/v1/jobs", headers=auth("b")).status_code == 200
     keys.write_text("[{\"tenant\": \"a\", \"sha256\": \"not-a-digest\"}]")
     result = subprocess.run(
         [sys.executable, "-m", "service.cli", "serve", "--port", str(free_port())],
         env={"MODELPREP_DATA_DIR": str(tmp_path / "data2"), "MODELPREP_API_KEYS_FILE": str(keys)},
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, check=False,
     )
     assert result.returncode == 2 and "keys.json is unusable" in result.stderr
 
@@ -286,6 +286,6 @@ def test_client_raises_typed_errors(service: ServiceProcess) -> None:
     with ModelprepClient(service.url, "mp_wrong") as client, pytest.raises(ApiError) as err:
         client.job("0" * 32)
     assert err.value.http_status == 401
-    with ModelprepClient(f"http://127.0.0.1:{free_port()}") as client:
-        with pytest.raises(ServiceUnreachable):
-            client.job("0" * 32)
+    unreachable = ModelprepClient(f"http://127.0.0.1:{free_port()}")
+    with unreachable as client, pytest.raises(ServiceUnreachable):
+        client.job("0" * 32)
