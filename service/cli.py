@@ -1,5 +1,5 @@
-"""``modelprep`` command line: run the service, print its OpenAPI document, make API keys,
-and talk to a running service as a client (``service.client_cli``)."""
+"""``modelprep`` command line: run the service or a worker, print its OpenAPI document, make
+API keys, and talk to a running service as a client (``service.client_cli``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -30,6 +31,22 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from service.config import Settings
+    from service.errors import ConfigurationError
+    from service.jobs.worker import run_worker
+    from service.logs import configure_logging
+
+    settings = Settings()
+    configure_logging(settings)
+    try:
+        run_worker(settings, health_file=args.health_file)
+    except ConfigurationError as exc:
+        print(f"modelprep worker: {exc.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _openapi(args: argparse.Namespace) -> int:
     from service.api.openapi import openapi_document
 
@@ -46,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.set_defaults(func=_serve)
+
+    worker = sub.add_parser(
+        "worker", help="run queued jobs from PostgreSQL (MODELPREP_DATABASE_URL) until SIGTERM"
+    )
+    worker.add_argument(
+        "--health-file", type=Path, default=None,
+        help="touch this file on every heartbeat (a container health check reads its age)",
+    )
+    worker.set_defaults(func=_worker)
 
     openapi = sub.add_parser("openapi", help="print the OpenAPI document")
     openapi.set_defaults(func=_openapi)

@@ -43,6 +43,26 @@ class Settings(BaseSettings):
     cancel_grace_seconds: float = 2.0
     progress_interval_seconds: float = 0.25
 
+    # distributed execution: MODELPREP_EXECUTOR=procrastinate, `modelprep worker` processes
+    heartbeat_interval_seconds: float = Field(
+        default=5.0, gt=0, description="How often a worker marks each job it runs as alive."
+    )
+    heartbeat_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="A running job silent this long lost its worker; another worker retries it.",
+    )
+    worker_poll_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="Longest wait of a worker for a job it was not notified of (a retried one).",
+    )
+    worker_shutdown_grace_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="On SIGTERM a worker lets running jobs finish this long, then re-queues them.",
+    )
+
     # sources
     hf_endpoint: str | None = None
     hf_token: SecretStr | None = None

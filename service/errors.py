@@ -312,3 +312,21 @@ class ArtifactCorrupt(ClientError):
 
     code = "artifact_corrupt"
     title = "Downloaded artifact is corrupt"
+
+
+# --- distributed execution -----------------------------------------------------------------------
+
+
+class SecretNotForwardable(InvalidRequest):
+    """A per-job secret cannot reach a remote worker without being written to the database;
+    workers use their own ``MODELPREP_HF_TOKEN`` instead."""
+
+    code = "secret_not_forwardable"
+    title = "Per-job secret not supported by this executor"
+
+
+class WorkerStopped(JobFailed):
+    """The worker running the job shut down; the job goes back to the queue for another one."""
+
+    code = "worker_stopped"
+    title = "Worker stopped"

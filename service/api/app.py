@@ -13,8 +13,7 @@ from service.api.metrics import service_registry
 from service.api.routes import artifacts, events, health, jobs, metrics
 from service.api.telemetry import RequestTelemetry, request_latency_histogram
 from service.config import Settings
-from service.jobs.executors.local import LocalExecutor
-from service.jobs.recovery import recover_interrupted
+from service.jobs.executors import executor_for
 from service.jobs.service import JobService
 from service.jobs.store import JobStore
 
@@ -25,13 +24,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     settings.jobs_dir.mkdir(parents=True, exist_ok=True)
     store = JobStore.from_url(settings.sqlalchemy_url)
-    executor = LocalExecutor(settings, store)
+    executor = executor_for(settings, store)
     job_service = JobService(settings=settings, store=store, executor=executor)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store.create_schema()
-        recover_interrupted(store, settings)
         executor.start()
         try:
             yield

@@ -74,6 +74,8 @@ class Job:
     attempts: int = 0
     tenant: str | None = None
     cancel_requested: bool = False
+    worker: str | None = None
+    """Who runs (or last ran) the job: ``host:pid`` of the pool or worker that claimed it."""
     version: int = 0
     """Grows with every stored change of the job."""
 

@@ -109,6 +109,7 @@ def _to_job(row: RowMapping) -> Job:
         details=dict(row["details"] or {}),
         attempts=row["attempts"],
         cancel_requested=row["cancel_requested"],
+        worker=row["worker"],
         version=row["version"],
     )
 

@@ -10,44 +10,26 @@ cancelled job's whole process group is killed, then its files are removed.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
-import signal
 import socket
 import threading
 from multiprocessing.process import BaseProcess
 
 from service.config import Settings
-from service.errors import WorkerCrashed
-from service.jobs.layout import JobLayout
-from service.jobs.model import Job, JobError, JobStatus
-from service.jobs.runner import run_job
+from service.jobs.executors.process import (
+    kill_process_group,
+    settle_exited,
+    spawn_job_process,
+    stop_cancelled,
+    stop_interrupted,
+)
+from service.jobs.model import Job, JobStatus
+from service.jobs.recovery import recover_interrupted
 from service.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
 
-
-def kill_process_group(process: BaseProcess) -> None:
-    """SIGKILL the job process and everything it started (it leads its own group)."""
-    pid = process.pid
-    if pid is None:
-        return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # not yet a group leader, or already gone: kill the process itself
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        name = signal.Signals(-exitcode).name
-        hint = " (possibly out of memory)" if exitcode == -signal.SIGKILL else ""
-        return f"job process killed by {name}{hint}"
-    return f"job process exited with code {exitcode} without reporting a result"
+__all__ = ["LocalExecutor", "kill_process_group"]
 
 
 class LocalExecutor:
@@ -56,7 +38,6 @@ class LocalExecutor:
         self.store = store
         self.poll_seconds = poll_seconds
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
-        self._mp = multiprocessing.get_context("spawn")
         self._running: dict[str, BaseProcess] = {}
         self._secrets: dict[str, dict[str, str]] = {}
         self._cancels: set[str] = set()
@@ -68,6 +49,8 @@ class LocalExecutor:
     # --- Executor ----------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Re-queue jobs a previous run of this pool left running, then start dispatching."""
+        recover_interrupted(self.store, self.settings)
         self._thread = threading.Thread(target=self._loop, name="modelprep-pool", daemon=True)
         self._thread.start()
 
@@ -79,8 +62,7 @@ class LocalExecutor:
         with self._lock:
             running = dict(self._running)
         for job_id, process in running.items():
-            kill_process_group(process)
-            process.join(timeout=10)
+            stop_interrupted(process)
             # Interrupted by shutdown, not by the job: recovery re-queues it at next start.
             log.info("job interrupted by shutdown", extra={"job_id": job_id})
 
@@ -142,15 +124,9 @@ class LocalExecutor:
             process = running.get(job_id)
             if process is None:
                 continue
-            kill_process_group(process)
-            process.join(timeout=5)
-            JobLayout.for_job(self.settings, job_id).remove()
-            self.store.finish(
-                job_id, JobStatus.CANCELLED, error=JobError("job_cancelled", "cancelled by request")
-            )
+            stop_cancelled(self.store, self.settings, job_id, process)
             with self._lock:
                 self._running.pop(job_id, None)
-            log.info("cancelled", extra={"job_id": job_id})
 
     def _reap(self) -> None:
         with self._lock:
@@ -158,17 +134,7 @@ class LocalExecutor:
         for job_id, process in running.items():
             if process.is_alive():
                 continue
-            process.join()
-            if self.store.get(job_id).status is JobStatus.RUNNING:
-                JobLayout.for_job(self.settings, job_id).discard(
-                    keep_offload=self.settings.keep_failed_offload
-                )
-                self.store.finish(
-                    job_id,
-                    JobStatus.FAILED,
-                    error=JobError(WorkerCrashed.code, describe_exit(process.exitcode)),
-                )
-                log.warning(describe_exit(process.exitcode), extra={"job_id": job_id})
+            settle_exited(self.store, self.settings, job_id, process)
             with self._lock:
                 self._running.pop(job_id, None)
 
@@ -181,12 +147,7 @@ class LocalExecutor:
                 continue
             with self._lock:
                 secrets = self._secrets.pop(job_id, {})
-            process = self._mp.Process(
-                target=run_job,
-                args=(job_id, self.settings, secrets, os.getpid()),
-                name=f"modelprep-job-{job_id}",
-            )
-            process.start()
+            process = spawn_job_process(job_id, self.settings, secrets)
             with self._lock:
                 self._running[job_id] = process
             log.info("started", extra={"job_id": job_id, "pid": process.pid})

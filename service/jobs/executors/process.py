@@ -1,0 +1,105 @@
+"""A job's child process as every executor runs it: spawned, leader of its own process group,
+killed as a group, and settled by its parent when it ends without a result.
+
+Shared by the local pool and the distributed worker so that a job behaves the same wherever it
+runs: only the job id, the settings and per-job secrets cross into the child
+(:func:`service.jobs.runner.run_job`), and the child dies with the process that spawned it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+from multiprocessing.process import BaseProcess
+
+from service.config import Settings
+from service.errors import WorkerCrashed
+from service.jobs.layout import JobLayout
+from service.jobs.model import JobError, JobStatus
+from service.jobs.runner import run_job
+from service.jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def spawn_job_process(job_id: str, settings: Settings, secrets: dict[str, str]) -> BaseProcess:
+    """Start the child that runs ``job_id`` (``spawn``: nothing inherited from the parent).
+
+    Call it from a thread that lives as long as the parent process: the child's parent-death
+    signal fires when the *thread* that forked it ends."""
+    process = _SPAWN.Process(
+        target=run_job,
+        args=(job_id, settings, secrets, os.getpid()),
+        name=f"modelprep-job-{job_id}",
+    )
+    process.start()
+    return process
+
+
+def kill_process_group(process: BaseProcess) -> None:
+    """SIGKILL the job process and everything it started (it leads its own group)."""
+    pid = process.pid
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # not yet a group leader, or already gone: kill the process itself
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        hint = " (possibly out of memory)" if exitcode == -signal.SIGKILL else ""
+        return f"job process killed by {name}{hint}"
+    return f"job process exited with code {exitcode} without reporting a result"
+
+
+def stop_cancelled(store: JobStore, settings: Settings, job_id: str, process: BaseProcess) -> None:
+    """Kill a cancelled job's processes, remove its files, record it cancelled."""
+    kill_process_group(process)
+    process.join(timeout=5)
+    JobLayout.for_job(settings, job_id).remove()
+    store.finish(
+        job_id, JobStatus.CANCELLED, error=JobError("job_cancelled", "cancelled by request")
+    )
+    log.info("cancelled", extra={"job_id": job_id})
+
+
+def stop_interrupted(process: BaseProcess) -> None:
+    """Kill a job's processes because its executor stops; the job is left for a retry."""
+    kill_process_group(process)
+    process.join(timeout=10)
+
+
+def settle_exited(
+    store: JobStore,
+    settings: Settings,
+    job_id: str,
+    process: BaseProcess,
+    worker: str | None = None,
+) -> None:
+    """After the job process ended: if it left its job running, it crashed (signal, OOM kill),
+    so the job fails with ``worker_crashed`` and its files are discarded.
+
+    With ``worker``, only while the job is still that worker's: one presumed dead may find its
+    job handed to another worker, whose attempt it must not touch."""
+    process.join()
+    job = store.get(job_id)
+    if job.status is not JobStatus.RUNNING or (worker is not None and job.worker != worker):
+        return
+    JobLayout.for_job(settings, job_id).discard(keep_offload=settings.keep_failed_offload)
+    store.finish(
+        job_id,
+        JobStatus.FAILED,
+        error=JobError(WorkerCrashed.code, describe_exit(process.exitcode)),
+    )
+    log.warning(describe_exit(process.exitcode), extra={"job_id": job_id})
