@@ -1,0 +1,187 @@
+"""The ``modelprep`` client commands as a user runs them: real subprocesses against a real
+server process on loopback, with API keys; exit codes as documented in service/client_cli.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.api.auth import key_digest
+from tests.fixtures.models import build_checkpoint, copy_tree, truncate_file
+from tests.fixtures.service import ServiceProcess, free_port, running_service
+
+KEY = "mp_cli-tenant-key-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    build_checkpoint(root / "llama", "llama", "safetensors")
+    truncate_file(copy_tree(root / "llama", root / "truncated") / "model.safetensors")
+    return root
+
+
+@pytest.fixture(scope="module")
+def service(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    keys = json.dumps([{"tenant": "cli", "sha256": key_digest(KEY)}])
+    with running_service(tmp_path_factory.mktemp("data"), [root],
+                         env={"MODELPREP_API_KEYS": keys}) as svc:
+        yield svc
+
+
+def modelprep(
+    *args: str, url: str, key: str | None = KEY, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a user would, server and key from the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELPREP_")}
+    env["MODELPREP_URL"] = url
+    if key is not None:
+        env["MODELPREP_API_KEY"] = key
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args], env=env, cwd=cwd, capture_output=True,
+        text=True, timeout=300, check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def finished(service: ServiceProcess, root: Path) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """``submit --wait`` of a good checkpoint given as a local path, export in shorthand."""
+    result = modelprep(
+        "submit", str(root / "llama"), "--export", "safetensors:bfloat16", "--wait",
+        url=service.url,
+    )
+    return result.stdout.strip(), result
+
+
+def test_submit_wait_prints_the_id_and_exits_0(
+    finished: tuple[str, subprocess.CompletedProcess[str]], service: ServiceProcess, root: Path
+) -> None:
+    job_id, result = finished
+    assert result.returncode == 0, result.stderr
+    assert len(job_id) == 32
+    # stderr is not a terminal: one plain line per status or phase change, the last one final
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"{job_id} succeeded done")
+    status = modelprep("status", job_id, url=service.url)
+    job: dict[str, Any] = json.loads(status.stdout)
+    assert status.returncode == 0 and job["status"] == "succeeded"
+    assert job["request"]["source"] == f"file://{root / 'llama'}"
+    assert job["request"]["exports"][0]["dtype"] == "bfloat16"
+
+
+def test_jobs_lists_the_tenants_jobs(
+    finished: tuple[str, subprocess.CompletedProcess[str]], service: ServiceProcess
+) -> None:
+    job_id, _ = finished
+    table = modelprep("jobs", "--status", "succeeded", url=service.url)
+    assert table.returncode == 0 and job_id in table.stdout
+    as_json = modelprep("jobs", "--json", "--limit", "1", url=service.url)
+    assert [json.loads(line)["id"] for line in as_json.stdout.splitlines()] == [job_id]
+
+
+def test_download_checks_digests_and_resumes_a_partial_file(
+    finished: tuple[str, subprocess.CompletedProcess[str]], service: ServiceProcess,
+    tmp_path: Path,
+) -> None:
+    job_id, _ = finished
+    job = json.loads(modelprep("status", job_id, url=service.url).stdout)
+    out = tmp_path / "out"
+    first = modelprep("download", job_id, "-o", str(out), url=service.url)
+    assert first.returncode == 0, first.stderr
+    for artifact in job["artifacts"]:
+        data = (out / artifact["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == artifact["sha256"]
+
+    # An interrupted download: the first half of the weights in a .part file, no final file.
+    weights = next(a for a in job["artifacts"] if a["path"].endswith("model.safetensors"))
+    target = out / weights["path"]
+    data = target.read_bytes()
+    target.unlink()
+    half = len(data) // 2
+    target.with_name(target.name + ".part").write_bytes(data[:half])
+    second = modelprep("download", job_id, "-o", str(out), url=service.url)
+    assert second.returncode == 0, second.stderr
+    assert target.read_bytes() == data
+    assert not target.with_name(target.name + ".part").exists()
+    ranged = [
+        json.loads(line) for line in service.logs().splitlines()
+        if line.startswith("{") and weights["path"] in line and '"status": 206' in line
+    ]
+    assert ranged, "the resumed download asked for the missing range only"
+
+    # A .part that is not a prefix of the artifact fails the digest check and is removed.
+    target.unlink()
+    target.with_name(target.name + ".part").write_bytes(b"\0" * half)
+    corrupt = modelprep("download", job_id, "-o", str(out), url=service.url)
+    assert corrupt.returncode == 4 and "expected" in corrupt.stderr
+    assert not target.exists() and not target.with_name(target.name + ".part").exists()
+
+
+def test_a_failed_job_exits_1_with_its_error(service: ServiceProcess, root: Path) -> None:
+    result = modelprep("submit", f"file://{root / 'truncated'}", "-e", "safetensors", "--wait",
+                       url=service.url)
+    assert result.returncode == 1
+    assert "failed: corrupt_checkpoint" in result.stderr
+    job_id = result.stdout.strip()
+    assert modelprep("wait", job_id, url=service.url).returncode == 1
+    assert modelprep("download", job_id, url=service.url).returncode == 1
+
+
+def test_cancel_then_wait_exits_3(service: ServiceProcess, root: Path) -> None:
+    submitted = modelprep("submit", str(root / "llama"), "-e", "safetensors", url=service.url)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    cancelled = modelprep("cancel", job_id, url=service.url)
+    assert cancelled.returncode == 0 and cancelled.stdout.startswith(job_id)
+    waited = modelprep("wait", job_id, url=service.url)
+    assert waited.returncode == 3 and "cancelled" in waited.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "code"),
+    [
+        (("jobs",), "mp_wrong-key", 5),
+        (("jobs",), None, 5),
+        (("status", "0" * 32), KEY, 6),
+        (("submit", "file:///nowhere", "-e", "safetensors"), KEY, 2),
+        (("submit", "x", "-e", "onnx:opset"), KEY, 2),
+        (("submit", "x"), KEY, 2),
+    ],
+    ids=["wrong-key", "no-key", "unknown-job", "refused-source", "bad-export", "no-export"],
+)
+def test_exit_codes_say_what_happened(
+    service: ServiceProcess, args: tuple[str, ...], key: str | None, code: int
+) -> None:
+    result = modelprep(*args, url=service.url, key=key)
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unreachable_service_exits_4() -> None:
+    result = modelprep("status", "0" * 32, url=f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 4 and "Traceback" not in result.stderr
+
+
+def test_keygen_prints_a_key_that_the_service_accepts(tmp_path: Path) -> None:
+    made = subprocess.run(
+        [sys.executable, "-m", "service.cli", "keygen", "--tenant", "team-x", "--admin", "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    generated = json.loads(made.stdout)
+    assert generated["entry"]["admin"] is True and generated["entry"]["tenant"] == "team-x"
+    env = {"MODELPREP_API_KEYS": json.dumps([generated["entry"]])}
+    with running_service(tmp_path / "data", env=env) as svc:
+        ok = modelprep("jobs", url=svc.url, key=generated["key"])
+        assert ok.returncode == 0, ok.stderr
+        assert modelprep("jobs", url=svc.url, key=None).returncode == 5
+    bad = subprocess.run([sys.executable, "-m", "service.cli", "keygen", "--tenant", "a b"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "invalid tenant" in bad.stderr
