@@ -29,19 +29,21 @@ def auto_device_map(
     """Fill ``max_memory`` bytes of RAM with whole modules in order, the rest on disk.
 
     The budget covers everything the weights take in RAM while streaming: the ``"cpu"`` modules
-    plus the largest module paged in at once (one leaf: a Linear, an Embedding), which is kept
-    in reserve. accelerate's ``infer_auto_device_map`` reserves a whole no-split layer instead,
+    plus the most weight bytes paged in at once while streaming (one leaf, or one slice of a
+    huge Linear/Embedding: :func:`service.offload.streaming.paging_bytes`), kept in reserve. accelerate's ``infer_auto_device_map`` reserves a whole no-split layer instead,
     as its hooks page per layer; ours page per leaf, so we plan with its
     ``compute_module_sizes`` and our own front-to-back fill.
     """
     from accelerate.utils import compute_module_sizes
+
+    from service.offload.streaming import paging_bytes
 
     budget = parse_size(max_memory)
     if no_split_module_classes is None:
         no_split_module_classes = sorted(getattr(model, "_no_split_modules", None) or [])
     no_split = set(no_split_module_classes)
     sizes = compute_module_sizes(model, dtype=dtype)
-    reserve = max((_own_bytes(m, dtype) for m in model.modules()), default=0)
+    reserve = max((paging_bytes(m, dtype) for m in model.modules()), default=0)
     room = budget - reserve
     device_map: DeviceMap = {}
     queue: list[tuple[str, nn.Module]] = list(model.named_children())

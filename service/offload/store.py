@@ -332,34 +332,67 @@ class OffloadStore:
 
     def read_bytes(self, name: str) -> torch.Tensor:
         """The stored bytes of ``name`` as a fresh uint8 tensor; counts one reload."""
-        self._check_usable()
         entry = self.entry(name)
+        return self._read_range(name, entry, 0, entry.length, count_reload=True)
+
+    def _read_range(
+        self, name: str, entry: StoreEntry, start: int, length: int, count_reload: bool
+    ) -> torch.Tensor:
+        self._check_usable()
         path = self._resolve(entry)
-        out = torch.empty(entry.length, dtype=torch.uint8)
+        out = torch.empty(length, dtype=torch.uint8)
         view = out.numpy().data
         with path.open("rb", buffering=0) as f:
-            f.seek(entry.offset)
+            f.seek(entry.offset + start)
             got = 0
-            while got < entry.length:
+            while got < length:
                 n = f.readinto(view[got:])
                 if not n:
                     raise OffloadStoreError(f"{path} is shorter than the index says ({name})")
                 got += n
         with self._lock:
-            self.reloads += 1
-            self.bytes_read += entry.length
+            self.reloads += int(count_reload)
+            self.bytes_read += length
         return out
 
     def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``name`` as a fresh CPU tensor (decoded, cast to ``dtype``); the caller owns it."""
         entry = self.entry(name)
-        raw = self.read_bytes(name)
+        return self._decode(entry, self.read_bytes(name), entry.shape, dtype)
+
+    def row_nbytes(self, name: str) -> int:
+        """Stored bytes of one row (first-dimension slice) of ``name``."""
+        entry = self.entry(name)
+        return entry.length // entry.shape[0] if entry.shape and entry.shape[0] else entry.length
+
+    def load_rows(
+        self,
+        name: str,
+        start: int,
+        stop: int,
+        dtype: torch.dtype | None = None,
+        *,
+        count_reload: bool = False,
+    ) -> torch.Tensor:
+        """Rows ``start:stop`` of ``name`` only (raw or GGML-packed rows are contiguous), so a
+        huge weight can be paged in slices. ``count_reload`` marks the start of a full pass."""
+        entry = self.entry(name)
+        if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
+            raise OffloadStoreError(f"rows {start}:{stop} out of range for {name}")
+        row = self.row_nbytes(name)
+        raw = self._read_range(name, entry, start * row, (stop - start) * row, count_reload)
+        return self._decode(entry, raw, (stop - start, *entry.shape[1:]), dtype)
+
+    @staticmethod
+    def _decode(
+        entry: StoreEntry, raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None
+    ) -> torch.Tensor:
         if entry.encoding == "raw":
-            tensor = raw.view(entry.torch_dtype).reshape(entry.shape)
+            tensor = raw.view(entry.torch_dtype).reshape(shape)
         else:
             from service.offload.quant import dequantize
 
-            tensor = dequantize(raw, entry.encoding, entry.shape)
+            tensor = dequantize(raw, entry.encoding, shape)
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         return tensor
