@@ -13,12 +13,16 @@ The job's token is a Hub credential and is never sent to an arbitrary URL.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import queue
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any, Self
 from urllib.parse import unquote, urljoin, urlsplit
 
 import httpx
@@ -26,6 +30,7 @@ import httpx
 from service.config import Settings
 from service.errors import (
     ChecksumMismatch,
+    DiskFull,
     DownloadFailed,
     DownloadTooLarge,
     InvalidRequest,
@@ -39,8 +44,9 @@ from service.jobs.model import Phase
 from service.sources.base import ResolvedSource, SourceRequest
 from service.sources.cache import DownloadCache
 
-CHUNK_BYTES = 1024 * 1024
-ABORT_CHECK_BYTES = 8 * CHUNK_BYTES
+BLOCK_BYTES = 2 * 1024 * 1024
+"""Received bytes are handed to the writer thread, and progress reported, in blocks this big."""
+WRITE_QUEUE_BLOCKS = 4
 MAX_REDIRECTS = 10
 _SCHEMES = ("http", "https")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -82,6 +88,72 @@ def check_sha256(sha256: str | None) -> str | None:
     if not _SHA256.match(value):
         raise InvalidRequest("sha256 must be 64 hexadecimal characters")
     return value
+
+
+class _PartWriter:
+    """Appends received bytes to the part file and hashes them on a thread of its own.
+
+    ``hashlib`` and file writes release the GIL, so receiving, hashing and writing overlap on
+    different cores; received chunks are handed over as lists (no copy), so memory stays
+    bounded by about ``(WRITE_QUEUE_BLOCKS + 2) * BLOCK_BYTES``. On exit (also after a cut
+    connection) every byte fed is written, hashed and fsynced, so the caller's byte count always
+    matches the file and a retry can resume at its end.
+    """
+
+    def __init__(self, path: Path, digest: Any | None) -> None:
+        self._file = path.open("ab", buffering=0)
+        self._digest = digest
+        self._chunks: list[bytes] = []
+        self.pending = 0
+        self._queue: queue.Queue[list[bytes] | None] = queue.Queue(WRITE_QUEUE_BLOCKS)
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="download-writer", daemon=True)
+        self._thread.start()
+
+    def feed(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self.pending += len(chunk)
+
+    def hand_off(self) -> None:
+        """Queue the pending chunks for the writer (waits while the queue is full)."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(self._chunks)
+        self._chunks, self.pending = [], 0
+
+    def _run(self) -> None:
+        while (chunks := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                block = b"".join(chunks)
+                if self._digest is not None:
+                    self._digest.update(block)
+                view = memoryview(block)
+                while view:
+                    view = view[self._file.write(view) or 0:]
+            except Exception as exc:  # noqa: BLE001 - re-raised in the receiving thread
+                self._error = exc
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._chunks:
+                self._queue.put(self._chunks)
+                self._chunks, self.pending = [], 0
+            self._queue.put(None)
+            self._thread.join()
+            if self._error is None:
+                os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+        if self._error is not None:
+            if isinstance(self._error, OSError) and self._error.errno == errno.ENOSPC:
+                raise DiskFull(f"disk full while downloading to {self._file.name}") \
+                    from self._error
+            raise self._error
 
 
 @dataclass
@@ -127,12 +199,16 @@ def download_file(
     ``settings.download_retries`` consecutive attempts made no progress.
     """
     part = dest.with_name(f".{dest.name}.part")
-    digest = hashlib.sha256()
+    def new_digest() -> Any | None:
+        return hashlib.sha256() if sha256 is not None else None  # hashing is most of the CPU
+
+    digest = new_digest()
     have = 0
     if part.exists():  # left by an interrupted process: rehash and resume from its end
         with part.open("rb") as f:
-            while block := f.read(8 * CHUNK_BYTES):
-                digest.update(block)
+            while block := f.read(BLOCK_BYTES):
+                if digest is not None:
+                    digest.update(block)
                 have += len(block)
     received = 0
     state = _Attempt()
@@ -154,7 +230,7 @@ def download_file(
                         match = re.match(r"bytes \*/(\d+)", response.headers.get("content-range", ""))
                         if match is not None and int(match.group(1)) == have:
                             break  # the part file is already complete
-                        have, digest = 0, hashlib.sha256()
+                        have, digest = 0, new_digest()
                         part.unlink(missing_ok=True)
                         raise DownloadFailed("resume offset refused; restarting from zero")
                     if response.status_code in _RETRY_STATUS:
@@ -163,7 +239,7 @@ def download_file(
                         _raise_for_status(response, url)
                     start, total = _body_range(response)
                     if start != have:  # Range ignored or answered elsewhere: restart from zero
-                        have, digest = 0, hashlib.sha256()
+                        have, digest = 0, new_digest()
                         part.unlink(missing_ok=True)
                         if start != 0:
                             raise DownloadFailed("server answered an unexpected byte range")
@@ -178,27 +254,23 @@ def download_file(
                     )
                     ctx.set_phase(Phase.DOWNLOAD, total, "bytes")
                     ctx.advance(have)
-                    since_check = 0
-                    with part.open("ab") as out:
-                        # No chunk_size: a re-chunking buffer would lose its bytes on a cut.
+                    with _PartWriter(part, digest) as out:
+                        # No chunk_size: httpx's re-chunking buffer would lose bytes on a cut.
                         for chunk in response.iter_raw():
-                            out.write(chunk)
-                            digest.update(chunk)
+                            out.feed(chunk)
                             have += len(chunk)
                             received += len(chunk)
                             progressed = True
-                            ctx.advance(len(chunk))
                             if have > settings.max_download_bytes:
                                 raise DownloadTooLarge(
                                     f"{public_url(url)} exceeds the {settings.max_download_bytes}"
                                     " bytes allowed"
                                 )
-                            since_check += len(chunk)
-                            if since_check >= ABORT_CHECK_BYTES:
+                            if out.pending >= BLOCK_BYTES:
+                                ctx.advance(out.pending)
+                                out.hand_off()
                                 ctx.check_abort()
-                                since_check = 0
-                        out.flush()
-                        os.fsync(out.fileno())
+                        ctx.advance(out.pending)
                 finally:
                     response.close()
                 if total is None or have == total:
@@ -215,7 +287,7 @@ def download_file(
             except DownloadTooLarge:
                 part.unlink(missing_ok=True)
                 raise
-    if sha256 is not None and digest.hexdigest() != sha256:
+    if digest is not None and digest.hexdigest() != sha256:
         part.unlink(missing_ok=True)
         raise ChecksumMismatch(
             f"{public_url(url)} has sha256 {digest.hexdigest()}, expected {sha256}"
