@@ -19,14 +19,17 @@ stored once under the name transformers expects (see :mod:`service.checkpoint.ti
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
 import os
+import queue
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
@@ -224,8 +227,21 @@ def encode_header(tensors: list[PlannedTensor]) -> bytes:
 # --- writing -----------------------------------------------------------------------------------
 
 
+_libc: ctypes.CDLL | None
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+except (OSError, AttributeError):  # not Linux: the final fsync does all the waiting
+    _libc = None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
 class _HashingFile:
-    """An output file written with ``os.write`` while its sha256 is computed."""
+    """An output file written with ``os.write`` while its sha256 is computed.
+
+    Writeback of each written range is started at once (``sync_file_range``), so disk writes
+    overlap the reading of the next chunk and the closing ``fsync`` has little left to wait for.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -239,6 +255,8 @@ class _HashingFile:
         done = 0
         while done < len(view):
             done += os.write(self.fd, view[done:])
+        if _libc is not None and done >= 1 << 20:
+            _libc.sync_file_range(self.fd, self.written, done, _SYNC_FILE_RANGE_WRITE)
         self.written += done
         return done
 
@@ -260,11 +278,65 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
-def _cast_chunks(
-    reader: WeightReader, tensor: PlannedTensor, chunk_bytes: int
-) -> Iterator[torch.Tensor]:
-    for chunk in reader.iter_chunks(tensor.source, chunk_bytes):
-        yield chunk if chunk.dtype == tensor.dtype else chunk.to(tensor.dtype)
+T = TypeVar("T")
+
+
+def prefetched(items: Iterator[T], depth: int = 2) -> Iterator[T]:
+    """Iterate ``items`` in a background thread, at most ``depth`` ahead of the consumer.
+
+    Reading (``pread``) and casting release the GIL, as do hashing and ``os.write``: producing
+    the next chunk while the current one is hashed and written overlaps I/O with CPU work.
+    Memory cost: ``depth + 2`` chunks. Stopping early (cancellation, error) stops the producer.
+    """
+    box: queue.Queue[tuple[int, object]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(kind: int, value: object) -> bool:
+        while not stop.is_set():
+            try:
+                box.put((kind, value), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(0, item):
+                    return
+            put(1, None)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer thread
+            put(2, exc)
+
+    worker = threading.Thread(target=produce, name="export-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            kind, value = box.get()
+            if kind == 1:
+                return
+            if kind == 2:
+                assert isinstance(value, BaseException)
+                raise value
+            yield value  # type: ignore[misc]
+    finally:
+        stop.set()
+        worker.join()
+
+
+def _shard_chunks(
+    reader: WeightReader, shard: PlannedShard, chunk_bytes: int
+) -> Iterator[tuple[torch.Tensor, int]]:
+    """(cast piece, source bytes it came from) for every tensor of ``shard``, in order."""
+    for tensor in shard.tensors:
+        produced = 0
+        for chunk in reader.iter_chunks(tensor.source, chunk_bytes):
+            piece = chunk if chunk.dtype == tensor.dtype else chunk.to(tensor.dtype)
+            produced += piece.numel() * tensor.dtype.itemsize
+            yield piece, chunk.numel() * tensor.source_dtype.itemsize
+        if produced != tensor.nbytes:
+            raise ExportFailed(f"{tensor.source}: read {produced} bytes, expected {tensor.nbytes}")
 
 
 def write_shard(
@@ -280,23 +352,17 @@ def write_shard(
         out.write(shard.header)
         ctx.add_metric("bytes_written", len(shard.header))
         ctx.advance(len(shard.header))
-        for tensor in shard.tensors:
-            expected = out.written + tensor.nbytes
-            for piece in _cast_chunks(reader, tensor, chunk_bytes):
-                ctx.check_abort()
-                # bytes_read counts source bytes: a f32 -> bf16 export reads twice what it writes
-                ctx.add_metric("bytes_read", piece.numel() * tensor.source_dtype.itemsize)
-                n = out.write(_as_bytes(piece))
-                ctx.add_metric("bytes_written", n)
-                ctx.advance(n)
-            if out.written != expected:
-                raise ExportFailed(
-                    f"{tensor.source}: read {out.written - expected + tensor.nbytes} bytes, "
-                    f"expected {tensor.nbytes}"
-                )
+        for piece, source_bytes in prefetched(_shard_chunks(reader, shard, chunk_bytes)):
+            ctx.check_abort()
+            # bytes_read counts source bytes: a f32 -> bf16 export reads twice what it writes
+            ctx.add_metric("bytes_read", source_bytes)
+            n = out.write(_as_bytes(piece))
+            ctx.add_metric("bytes_written", n)
+            ctx.advance(n)
+        if out.written != shard.file_size:
+            raise ExportFailed(f"{shard.filename}: wrote {out.written} of {shard.file_size} bytes")
         return out.finish()
     except OSError as exc:
-        out.abandon()
         if exc.errno == errno.ENOSPC:
             raise DiskFull(f"disk full while writing {shard.filename}") from exc
         raise

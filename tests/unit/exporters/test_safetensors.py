@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 from service.checkpoint import open_checkpoint
 from service.checkpoint.safetensors import parse_header
 from service.config import Settings
-from service.errors import InvalidRequest, JobCancelled
+from service.errors import CorruptCheckpoint, InvalidRequest, JobCancelled
 from service.exporters.base import ExportInputs, ExportResult, registry
 from service.exporters.safetensors import INDEX_FILE, SafetensorsExporter, SafetensorsSpec
 from service.jobs.context import InMemoryContext
@@ -230,3 +231,50 @@ def test_the_exporter_is_registered() -> None:
 
     assert isinstance(registry()["safetensors"], SafetensorsExporter)
     assert registry()["safetensors"].spec_type is SafetensorsSpec
+
+
+def test_prefetch_keeps_order_and_reraises_producer_errors() -> None:
+    from service.exporters.safetensors import prefetched
+
+    assert list(prefetched(iter(range(100)), depth=3)) == list(range(100))
+
+    def failing() -> Iterator[int]:
+        yield 1
+        raise CorruptCheckpoint("shard went away")
+
+    with pytest.raises(CorruptCheckpoint, match="went away"):
+        list(prefetched(failing()))
+
+
+def test_prefetch_stops_the_producer_when_the_consumer_stops() -> None:
+    from service.exporters.safetensors import prefetched
+
+    produced: list[int] = []
+
+    def counting() -> Iterator[int]:
+        for i in range(1000):
+            produced.append(i)
+            yield i
+
+    for item in prefetched(counting(), depth=2):
+        if item == 5:
+            break
+    assert len(produced) <= 5 + 2 + 2
+
+
+def test_cancellation_between_chunks_stops_a_running_export(
+    tmp_path: Path, llama_safetensors_dir: Path
+) -> None:
+    ctx = _ctx(tmp_path)
+    calls = 0
+
+    def abort_after_three() -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise JobCancelled("cancelled mid-export")
+
+    ctx.check_abort = abort_after_three  # type: ignore[method-assign]
+    with pytest.raises(JobCancelled):
+        _export(llama_safetensors_dir, tmp_path / "out", ctx, max_shard_size="30KB")
+    assert 0 < ctx.done < (ctx.total or 0)
