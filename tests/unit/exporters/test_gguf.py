@@ -296,6 +296,87 @@ def test_keys_match_a_gguf_made_by_llama_cpp(
     assert kinds(ref) <= kinds(ours)  # the reference is tied: it has no output.weight
 
 
+SPM_VOCAB = 340
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real SentencePiece BPE with byte fallback (Llama-2 / Mistral style), trained offline."""
+    import sentencepiece as spm
+
+    out = tmp_path_factory.mktemp("spm")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_prefix=str(out / "tokenizer"),
+        vocab_size=SPM_VOCAB,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    return out / "tokenizer.model"
+
+
+def _llama_with_vocab(out: Path, vocab_size: int) -> Path:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        architectures=["MistralForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tokenizer.model", "tokenizer.json"])
+def test_sentencepiece_tokenizers_are_written_as_llama_vocab(
+    spm_model: Path, tmp_path: Path, layout: str
+) -> None:
+    """tokenizer.model (spm) or its byte-fallback tokenizer.json (llama-hf): same llama vocab."""
+    import shutil
+
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    ckpt = _llama_with_vocab(tmp_path / "ckpt", SPM_VOCAB)
+    if layout == "tokenizer.model":
+        shutil.copy(spm_model, ckpt / "tokenizer.model")
+    else:
+        # transformers converts the spm model to a byte-fallback BPE tokenizer.json.
+        LlamaTokenizer.from_pretrained(str(spm_model.parent)).save_pretrained(str(ckpt))
+        assert not (ckpt / "tokenizer.model").exists()
+    result, _ = _export(ckpt, tmp_path / "out", "f16")
+    reader = gguf.GGUFReader(tmp_path / "out" / "model-f16.gguf")
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+
+    assert _field(reader, "tokenizer.ggml.model") == "llama"
+    assert result.summary["tokenizer"]["source"] == layout
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert tokens == [sp.IdToPiece(i) for i in range(SPM_VOCAB)]
+    types = _field(reader, "tokenizer.ggml.token_type")
+    assert types[sp.PieceToId("<0x41>")] == int(gguf.TokenType.BYTE)
+    # gguf.LlamaHfVocab (llama.cpp's path for tokenizer.json) types the added <unk> as CONTROL.
+    unk = gguf.TokenType.UNKNOWN if layout == "tokenizer.model" else gguf.TokenType.CONTROL
+    assert types[0] == int(unk)
+    assert types[1] == types[2] == int(gguf.TokenType.CONTROL)
+    scores = _field(reader, "tokenizer.ggml.scores")
+    the = sp.PieceToId("▁the")
+    # tokenizer.json has no spm scores: gguf.LlamaHfVocab writes its placeholder, as upstream.
+    assert scores[the] == pytest.approx(sp.GetScore(the) if layout == "tokenizer.model" else -1000)
+    assert _field(reader, "tokenizer.ggml.bos_token_id") == 1
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == 2
+    assert reader.get_field("tokenizer.ggml.merges") is None
+
+
 def test_word_level_tokenizer_is_written_as_no_vocab(
     tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
