@@ -46,6 +46,7 @@ from pydantic import SecretStr
 from service.config import Settings
 from service.errors import (
     DownloadFailed,
+    DownloadTooLarge,
     InvalidRequest,
     NoWeightFiles,
     RepositoryNotFound,
@@ -283,9 +284,16 @@ class HubFetcher:
         )
         sizes = {e.path: e.size for e in tree}
         plan = plan_files(list(sizes))
+        expected = sum(sizes.get(f, 0) for f in [*plan.aux, *plan.weights])
+        if expected > settings.max_download_bytes:  # an upper bound when the index narrows it
+            raise DownloadTooLarge(
+                f"{ref.repo_id}@{commit} holds {expected} bytes of {plan.format} files, more "
+                f"than the {settings.max_download_bytes} allowed"
+            )
 
         def download(name: str, files: Path, progress: JobContext | None) -> int:
             """Fetch one file into the entry; returns the bytes that came over the network."""
+            ctx.check_abort()
             if (files / name).exists():
                 if progress is not None:
                     progress.advance(sizes.get(name, 0))
@@ -312,7 +320,7 @@ class HubFetcher:
         key = f"hub--{ref.repo_id.replace('/', '--')}--{commit}--{endpoint_id}"
         entry = DownloadCache.from_settings(settings).acquire(
             key, fill,
-            expected_bytes=sum(sizes.get(f, 0) for f in [*plan.aux, *plan.weights]),
+            expected_bytes=expected,
             source={"repo_id": ref.repo_id, "revision": commit, "endpoint": endpoint},
         )
         files = sorted(p.name for p in entry.path.iterdir() if not p.name.startswith("."))

@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -17,6 +18,8 @@ from pydantic import SecretStr
 from service.config import Settings
 from service.errors import (
     DownloadFailed,
+    DownloadTooLarge,
+    JobCancelled,
     NoWeightFiles,
     RepositoryNotFound,
     RevisionNotFound,
@@ -132,6 +135,33 @@ def test_sharded_checkpoint_fetches_the_shards_its_index_names(
     assert local_hub.served("GET", "consolidated.safetensors") == 0
 
 
+@dataclass
+class _CancelAfterFirstBytes(InMemoryContext):
+    """A job whose user cancels it once some weight bytes arrived."""
+
+    def advance(self, n: int) -> None:
+        super().advance(n)
+        if self.done > 0:
+            self.cancel_event.set()
+
+
+def test_cancelled_job_stops_between_shards_and_publishes_nothing(
+    local_hub: LocalHub, tmp_path: Path
+) -> None:
+    sharded = build_checkpoint(tmp_path / "sh", "llama", "safetensors-sharded", seed=4)
+    local_hub.create_repo("org/cancelled", files_of(sharded))
+    settings = _settings(tmp_path, local_hub.endpoint)
+    ctx = _CancelAfterFirstBytes(settings=settings, work_dir=tmp_path / "w")
+    with pytest.raises(JobCancelled):
+        fetch_source(SourceRequest("hf://org/cancelled"), settings, ctx)
+    assert local_hub.served("GET", "-of-00004.safetensors") == 1
+    assert not list(settings.cache_dir.glob("entries/*/entry.json"))
+    # a later job resumes the entry: the shard already there is not downloaded again
+    resolved = fetch_source(SourceRequest("hf://org/cancelled"), settings, _ctx(settings))
+    assert _names(resolved.path) == _names(sharded)
+    assert local_hub.served("GET", "-of-00004.safetensors") == 4
+
+
 def test_pickle_only_repo_fetches_bin(local_hub: LocalHub, tmp_path: Path) -> None:
     bins = build_checkpoint(tmp_path / "bin", "llama", "bin", seed=3)
     local_hub.create_repo("org/pickled", {**files_of(bins), "training_args.bin": b"state"})
@@ -148,6 +178,17 @@ def test_repo_without_weights_raises_no_weight_files(local_hub: LocalHub, tmp_pa
     settings = _settings(tmp_path, local_hub.endpoint)
     with pytest.raises(NoWeightFiles):
         fetch_source(SourceRequest("hf://org/noweights"), settings, _ctx(settings))
+
+
+def test_repo_larger_than_the_download_limit_is_refused_before_download(
+    local_hub: LocalHub, llama_v1: Path, tmp_path: Path
+) -> None:
+    local_hub.create_repo("org/toolarge", files_of(llama_v1))
+    weights = (llama_v1 / "model.safetensors").stat().st_size
+    settings = _settings(tmp_path, local_hub.endpoint, max_download_bytes=weights)
+    with pytest.raises(DownloadTooLarge):
+        fetch_source(SourceRequest("hf://org/toolarge"), settings, _ctx(settings))
+    assert local_hub.served("GET", "/org/toolarge/resolve/") == 0
 
 
 def test_missing_repository_raises_repository_not_found(
