@@ -56,6 +56,13 @@ SUPPORTED: tuple[ArchSpec, ...] = (
         permute_qk=False,
         vocab_order=("spm", "gpt2"),
     ),
+    ArchSpec(
+        "QWEN3",
+        ("Qwen3ForCausalLM",),
+        ("qwen3",),
+        permute_qk=False,
+        vocab_order=("spm", "gpt2"),
+    ),
 )
 
 _REQUIRED_HPARAMS = (

@@ -429,7 +429,7 @@ def gguf_forward(path: Path, ids: list[int]) -> np.ndarray:
     n_kv = _field(reader, f"{arch}.attention.head_count_kv")
     eps = _field(reader, f"{arch}.attention.layer_norm_rms_epsilon")
     base = _field(reader, f"{arch}.rope.freq_base")
-    neox = arch == "qwen2"  # llama.cpp: LLAMA uses NORM rope, QWEN2 uses NEOX
+    neox = arch in ("qwen2", "qwen3")  # llama.cpp: LLAMA uses NORM rope, QWEN2/3 use NEOX
     x = w["token_embd.weight"][ids]
     seq = len(ids)
     mask = np.triu(np.full((seq, seq), -np.inf), 1)
@@ -440,8 +440,11 @@ def gguf_forward(path: Path, ids: list[int]) -> np.ndarray:
         k = h @ w[p + "attn_k.weight"].T + w.get(p + "attn_k.bias", 0)
         v = h @ w[p + "attn_v.weight"].T + w.get(p + "attn_v.bias", 0)
         hd = q.shape[-1] // n_head
-        q = _rope(q.reshape(seq, n_head, hd), base, neox)
-        k = _rope(k.reshape(seq, n_kv, hd), base, neox)
+        q, k = q.reshape(seq, n_head, hd), k.reshape(seq, n_kv, hd)
+        if p + "attn_q_norm.weight" in w:  # qwen3: per-head RMS norm before rope
+            q = _rms(q, w[p + "attn_q_norm.weight"], eps)
+            k = _rms(k, w[p + "attn_k_norm.weight"], eps)
+        q, k = _rope(q, base, neox), _rope(k, base, neox)
         v = v.reshape(seq, n_kv, hd)
         k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
@@ -497,6 +500,40 @@ def test_qwen2_exports_unpermuted_with_biases_and_runs_like_transformers(
     assert np.abs(gguf_forward(path, IDS) - ref).max() / np.abs(ref).max() < 1e-4
     q8, _ = _export(ckpt_dir, tmp_path / "q8", "q8_0")
     assert q8.summary["tensor_types"]["q8_0"] == 2 * 7 + 2
+
+
+def test_qwen3_with_per_head_norms_runs_like_transformers(tmp_path: Path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # != hidden / heads: written as key/value length
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    torch.manual_seed(2)
+    model = Qwen3ForCausalLM(config)
+    model.eval()  # type: ignore[no-untyped-call]
+    _randomize(model, 2)
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    _write_bpe_tokenizer(tmp_path / "ckpt")
+    result, _ = _export(tmp_path / "ckpt", tmp_path / "out", "f32")
+    path = tmp_path / "out" / "model-f32.gguf"
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "general.architecture") == "qwen3"
+    assert _field(reader, "qwen3.attention.key_length") == 32
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_q_norm.weight"] == gguf.GGMLQuantizationType.F32
+    assert "output.weight" not in types
+    ref = _reference_logits(model)
+    assert np.abs(gguf_forward(path, IDS) - ref).max() / np.abs(ref).max() < 1e-4
+    assert result.summary["verification"]["tensors_checked"] == len(types)
 
 
 def test_without_qk_permutation_verification_fails(
