@@ -111,7 +111,7 @@ def paging_bytes(module: nn.Module, dtype: torch.dtype | None, page_bytes: int =
     if type(module).forward is nn.Embedding.forward:
         return page_bytes  # a few rows in practice; a page is a safe bound
     if type(module).forward is nn.Linear.forward:
-        return page_bytes + (own - own // max(1, getattr(module, "out_features", 1)))
+        return max(page_bytes, own // max(1, getattr(module, "out_features", 1)))  # >= a row
     return own
 
 
