@@ -658,3 +658,23 @@ def test_spec_accepts_only_llama_cpp_types() -> None:
         GGUFSpec.model_validate({"format": "gguf", "type": "q4_k"})
     with pytest.raises(ValidationError):
         GGUFSpec.model_validate({"format": "gguf", "type": "f16", "bits": 4})
+
+
+def test_importing_the_exporter_does_not_load_gguf_or_tokenizers() -> None:
+    """The API process imports exporter specs for validation; the heavy stack stays out."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import service.exporters.gguf as g; g.GGUFSpec(type='q8_0'); "
+        "print(sorted(m for m in ('gguf', 'sentencepiece', 'tokenizers', 'transformers') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert out.stdout.strip() == "[]"
