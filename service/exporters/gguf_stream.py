@@ -5,10 +5,11 @@ file: KV metadata and every tensor info (name, shape, type, offset) are known fr
 its header, KV and tensor-info writers run first, then data is streamed through its open file in
 row blocks of at most ``chunk_bytes`` (read, permute, convert/quantize, write, free), each tensor
 padded to the alignment as ``GGUFWriter.write_tensor_data`` would. The sha256 is computed while
-writing. Only q/k projections (which need all rows to permute) are held whole.
+writing. q/k projections are cut at head boundaries, so their permutation needs no more than a
+block either: nothing is ever held whole.
 
 Verification parses the file with ``gguf.GGUFReader`` (names, shapes, types, offsets), then reads
-each tensor's bytes with ``os.pread`` in row blocks, so no memory-mapped page stays resident,
+each tensor's bytes with ``os.preadv`` in row blocks, so no memory-mapped page stays resident,
 dequantizes them with ``gguf.quants`` and compares with the source within the type's bound.
 """
 

@@ -451,7 +451,7 @@ def gguf_forward(path: Path, ids: list[int]) -> np.ndarray:
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(seq, -1)
-        x = x + attn @ w[p + "attn_output.weight"].T
+        x = x + attn @ w[p + "attn_output.weight"].T + w.get(p + "attn_output.bias", 0)
         h = _rms(x, w[p + "ffn_norm.weight"], eps)
         gate = h @ w[p + "ffn_gate.weight"].T
         x = (
@@ -500,6 +500,30 @@ def test_qwen2_exports_unpermuted_with_biases_and_runs_like_transformers(
     assert np.abs(gguf_forward(path, IDS) - ref).max() / np.abs(ref).max() < 1e-4
     q8, _ = _export(ckpt_dir, tmp_path / "q8", "q8_0")
     assert q8.summary["tensor_types"]["q8_0"] == 2 * 7 + 2
+
+
+def test_llama_with_attention_biases_permutes_them_too(tmp_path: Path) -> None:
+    """q/k biases get the same row permutation as their weights (``LlamaModel.modify_tensors``)."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        architectures=["LlamaForCausalLM"],
+    )
+    model = LlamaForCausalLM(config)
+    model.eval()  # type: ignore[no-untyped-call]
+    _randomize(model, 3)
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    _export(tmp_path / "ckpt", tmp_path / "out", "bf16")
+    path = tmp_path / "out" / "model-bf16.gguf"
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias"} <= names
+    ref = _reference_logits(model)
+    assert np.abs(gguf_forward(path, IDS) - ref).max() / np.abs(ref).max() < 3e-2
 
 
 def test_qwen3_with_per_head_norms_runs_like_transformers(tmp_path: Path) -> None:
