@@ -90,10 +90,18 @@ def run_export(src: Path, out: Path, dtype: str, chunk_mib: int) -> dict[str, fl
     return figures
 
 
-def run_cp(src: Path, dst: Path) -> float:
+def run_cp(src: Path, dst: Path) -> tuple[float, float]:
+    """Wall of ``cp -r``, and of ``cp -r`` plus an fsync of every copy (what the export pays)."""
     start = time.monotonic()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
-    return time.monotonic() - start
+    copied = time.monotonic() - start
+    for f in sorted(dst.iterdir()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return copied, time.monotonic() - start
 
 
 @dataclass
@@ -102,9 +110,12 @@ class BenchRow:
     source_bytes: int
     largest_tensor: int
     cp_wall: float
+    cp_fsync_wall: float
     export_wall: float
     peak_rss: int
     shards: int
+    load_average: float
+    """1-minute load average at the end (the host has 2 cores shared with other work)."""
 
     @property
     def rss_budget(self) -> int:
@@ -117,9 +128,10 @@ class BenchRow:
     def line(self) -> str:
         return (
             f"layers={self.layers} source={self.source_bytes / 1e9:.2f} GB  "
-            f"cp -r {self.cp_wall:.1f}s  export {self.export_wall:.1f}s (x{self.wall_ratio:.2f})  "
+            f"cp -r {self.cp_wall:.1f}s (+fsync {self.cp_fsync_wall:.1f}s)  "
+            f"export {self.export_wall:.1f}s (x{self.wall_ratio:.2f})  "
             f"peak RSS {self.peak_rss / MiB:.0f} MiB (budget {self.rss_budget / MiB:.0f} MiB, "
-            f"ok={self.peak_rss <= self.rss_budget})"
+            f"ok={self.peak_rss <= self.rss_budget})  load {self.load_average:.1f}"
         )
 
 
@@ -133,7 +145,7 @@ def bench(layers: int, work: Path, dtype: str, chunk_mib: int, keep: bool) -> Be
     try:
         largest = max(i.nbytes for i in _infos(src))
         evict(src)
-        cp_wall = run_cp(src, work / "cp-copy")
+        cp_wall, cp_fsync_wall = run_cp(src, work / "cp-copy")
         shutil.rmtree(work / "cp-copy")
         evict(src)
         figures = run_export(src, work / "export", dtype, chunk_mib)
@@ -148,6 +160,8 @@ def bench(layers: int, work: Path, dtype: str, chunk_mib: int, keep: bool) -> Be
         source_bytes=size,
         largest_tensor=largest,
         cp_wall=cp_wall,
+        cp_fsync_wall=cp_fsync_wall,
+        load_average=os.getloadavg()[0],
         export_wall=float(figures["wall"]),
         peak_rss=int(figures["peak_rss"]),
         shards=int(figures["shards"]),

@@ -256,6 +256,23 @@ class SafetensorsReader:
                 self._fd(header.path), start + off, length, entry.dtype, self.drop_page_cache
             )
 
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with elements ``[start, start + out.numel())`` straight from the file."""
+        header, entry = self._lookup(name)
+        itemsize = entry.dtype.itemsize
+        length = out.numel() * itemsize
+        if out.dtype != entry.dtype or not out.is_contiguous():
+            raise ValueError(f"read_into {name!r} needs a contiguous {entry.dtype} buffer")
+        if start < 0 or start * itemsize + length > entry.end - entry.begin:
+            raise IndexError(f"read_into {name!r}: range past the end of the tensor")
+        if length == 0:
+            return
+        offset = header.data_start + entry.begin + start * itemsize
+        fd = self._fd(header.path)
+        pread_into(fd, out.reshape(-1).view(torch.uint8).numpy().data.cast("B"), offset)
+        if self.drop_page_cache:
+            drop_cached_range(fd, offset, length)
+
     def region(self, name: str) -> FileRegion:
         header, entry = self._lookup(name)
         return FileRegion(

@@ -161,6 +161,21 @@ class PickleReader:
                 release_pages(piece.data_ptr(), piece.numel() * piece.element_size())
             yield out
 
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with elements ``[start, start + out.numel())``, then drop their pages."""
+        src = self._lookup(name)
+        if out.dtype != src.dtype or not out.is_contiguous():
+            raise ValueError(f"read_into {name!r} needs a contiguous {src.dtype} buffer")
+        if start < 0 or start + out.numel() > src.numel():
+            raise IndexError(f"read_into {name!r}: range past the end of the tensor")
+        if src.is_contiguous():
+            piece = src.view(-1)[start : start + out.numel()]
+            out.view(-1).copy_(piece)
+            release_pages(piece.data_ptr(), piece.numel() * piece.element_size())
+        else:
+            out.view(-1).copy_(src.reshape(-1)[start : start + out.numel()])
+            self._release(src)
+
     def region(self, name: str) -> FileRegion | None:
         """None: pickled storages sit inside zip records; callers copy them out instead."""
         self._lookup(name)

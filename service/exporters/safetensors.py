@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from service.checkpoint.base import TensorInfo, WeightReader
+from service.checkpoint.base import ReadsInto, TensorInfo, WeightReader
 from service.checkpoint.safetensors import DTYPE_NAMES
 from service.checkpoint.ties import tied_targets_from_config, tied_targets_of_model
 from service.errors import DiskFull, ExportFailed, InvalidRequest, UnsupportedDtype
@@ -42,8 +42,8 @@ from service.jobs.context import JobContext
 from service.jobs.model import Phase
 from service.units import parse_size
 
-CHUNK_BYTES = 64 * 1024 * 1024
-"""Largest piece of a tensor held at once (plus its cast copy)."""
+CHUNK_BYTES = 32 * 1024 * 1024
+"""Size of one read buffer; ``PREFETCH_DEPTH + 2`` of them (and as many cast buffers) exist."""
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -325,18 +325,53 @@ def prefetched(items: Iterator[T], depth: int = 2) -> Iterator[T]:
         worker.join()
 
 
+PREFETCH_DEPTH = 2
+
+
 def _shard_chunks(
     reader: WeightReader, shard: PlannedShard, chunk_bytes: int
 ) -> Iterator[tuple[torch.Tensor, int]]:
-    """(cast piece, source bytes it came from) for every tensor of ``shard``, in order."""
+    """(cast piece, source bytes it came from) for every tensor of ``shard``, in order.
+
+    With a :class:`ReadsInto` reader the pieces live in a ring of ``PREFETCH_DEPTH + 2``
+    reused buffers: at most that many pieces exist at once (one being filled, ``depth``
+    queued, one being written), so a slot is refilled only after the consumer is done with it.
+    """
+    if not isinstance(reader, ReadsInto):
+        for tensor in shard.tensors:
+            produced = 0
+            for chunk in reader.iter_chunks(tensor.source, chunk_bytes):
+                piece = chunk if chunk.dtype == tensor.dtype else chunk.to(tensor.dtype)
+                produced += piece.numel() * tensor.dtype.itemsize
+                yield piece, chunk.numel() * tensor.source_dtype.itemsize
+            if produced != tensor.nbytes:
+                raise ExportFailed(f"{tensor.source}: read {produced} of {tensor.nbytes} bytes")
+        return
+    slots = PREFETCH_DEPTH + 2
+    raw = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(slots)]
+    cast: list[torch.Tensor] = []
+    turn = 0
     for tensor in shard.tensors:
-        produced = 0
-        for chunk in reader.iter_chunks(tensor.source, chunk_bytes):
-            piece = chunk if chunk.dtype == tensor.dtype else chunk.to(tensor.dtype)
-            produced += piece.numel() * tensor.dtype.itemsize
-            yield piece, chunk.numel() * tensor.source_dtype.itemsize
-        if produced != tensor.nbytes:
-            raise ExportFailed(f"{tensor.source}: read {produced} bytes, expected {tensor.nbytes}")
+        numel = tensor.nbytes // tensor.dtype.itemsize
+        step = max(1, chunk_bytes // max(tensor.source_dtype.itemsize, tensor.dtype.itemsize))
+        for start in range(0, numel, step):
+            n = min(step, numel - start)
+            slot, turn = turn % slots, turn + 1
+            src = _slot(raw, slot, n, tensor.source_dtype)
+            reader.read_into(tensor.source, start, src)
+            if tensor.dtype == tensor.source_dtype:
+                yield src, n * tensor.source_dtype.itemsize
+                continue
+            if not cast:
+                cast = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(slots)]
+            out = _slot(cast, slot, n, tensor.dtype)
+            out.copy_(src)
+            yield out, n * tensor.source_dtype.itemsize
+
+
+def _slot(buffers: list[torch.Tensor], slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``numel`` elements of ring buffer ``slot`` seen as ``dtype``."""
+    return buffers[slot][: numel * dtype.itemsize].view(dtype)
 
 
 def write_shard(
@@ -352,7 +387,8 @@ def write_shard(
         out.write(shard.header)
         ctx.add_metric("bytes_written", len(shard.header))
         ctx.advance(len(shard.header))
-        for piece, source_bytes in prefetched(_shard_chunks(reader, shard, chunk_bytes)):
+        chunks = _shard_chunks(reader, shard, chunk_bytes)
+        for piece, source_bytes in prefetched(chunks, PREFETCH_DEPTH):
             ctx.check_abort()
             # bytes_read counts source bytes: a f32 -> bf16 export reads twice what it writes
             ctx.add_metric("bytes_read", source_bytes)
@@ -437,7 +473,7 @@ class SafetensorsExporter:
         ctx.set_phase(Phase.EXPORT, total=plan.total_bytes, unit="bytes")
         digests: dict[str, str] = {}
         for shard in plan.shards:
-            digests[shard.filename] = write_shard(reader, shard, out_dir, ctx)
+            digests[shard.filename] = write_shard(reader, shard, out_dir, ctx, CHUNK_BYTES)
         if len(plan.shards) > 1:
             index = {
                 "metadata": {

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from service.checkpoint import PickleReader, SafetensorsReader, open_checkpoint
+from service.checkpoint.base import ReadsInto
 from service.checkpoint.safetensors import parse_header
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import KINDS, Arch, CheckpointKind, build_tiny_model, copy_tree
@@ -162,3 +163,22 @@ def test_invalid_config_json_gives_no_config(tmp_path: Path, llama_safetensors_d
 
 def _copy(src: Path, dst: Path) -> Path:
     return copy_tree(src, dst)
+
+
+@pytest.mark.parametrize("kind", ["safetensors-sharded", "bin"])
+def test_read_into_fills_a_caller_buffer_with_any_element_range(
+    tiny_checkpoint: TinyCheckpointFactory, kind: CheckpointKind
+) -> None:
+    with open_checkpoint(tiny_checkpoint("llama", kind)) as ckpt:
+        reader = ckpt.reader
+        assert isinstance(reader, ReadsInto)
+        name = "model.layers.1.mlp.down_proj.weight"
+        whole = reader.read(name).reshape(-1)
+        out = torch.full((100,), -1.0)
+        for start in (0, 37, whole.numel() - 100):
+            reader.read_into(name, start, out)
+            assert torch.equal(out, whole[start : start + 100])
+        with pytest.raises(IndexError):
+            reader.read_into(name, whole.numel() - 50, out)
+        with pytest.raises(ValueError):
+            reader.read_into(name, 0, out.half())

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 from service.checkpoint import open_checkpoint
+from service.checkpoint.base import FileRegion, TensorInfo, WeightReader
 from service.checkpoint.safetensors import parse_header
 from service.config import Settings
 from service.errors import CorruptCheckpoint, InvalidRequest, JobCancelled
@@ -278,3 +279,53 @@ def test_cancellation_between_chunks_stops_a_running_export(
     with pytest.raises(JobCancelled):
         _export(llama_safetensors_dir, tmp_path / "out", ctx, max_shard_size="30KB")
     assert 0 < ctx.done < (ctx.total or 0)
+
+
+class _ChunksOnly:
+    """A reader offering only the base protocol (no ``read_into``), like third-party readers."""
+
+    def __init__(self, inner: WeightReader) -> None:
+        self.inner = inner
+
+    def tensor_infos(self) -> list[TensorInfo]:
+        return self.inner.tensor_infos()
+
+    def aliases(self) -> dict[str, str]:
+        return self.inner.aliases()
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.inner.read(name)
+
+    def iter_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]:
+        return self.inner.iter_chunks(name, max_bytes)
+
+    def region(self, name: str) -> FileRegion | None:
+        return self.inner.region(name)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("reuse_buffers", [True, False])
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_tiny_chunks_cycle_the_buffer_ring_without_corrupting_data(
+    tmp_path: Path,
+    llama_bin_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reuse_buffers: bool,
+    dtype: str | None,
+) -> None:
+    import service.exporters.safetensors as st
+
+    monkeypatch.setattr(st, "CHUNK_BYTES", 4096)  # hundreds of chunks through a 4-slot ring
+    out = tmp_path / "out"
+    with open_checkpoint(llama_bin_dir) as ckpt:
+        if not reuse_buffers:
+            ckpt.reader = _ChunksOnly(ckpt.reader)
+        spec = SafetensorsSpec(dtype=dtype)  # type: ignore[arg-type]
+        EXPORTER.export(spec, ExportInputs(checkpoint=ckpt), out, _ctx(tmp_path))
+    expected = build_tiny_model("llama").state_dict()
+    with safe_open(out / "model.safetensors", "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            want = expected[name] if dtype is None else expected[name].bfloat16()
+            assert torch.equal(f.get_tensor(name), want), name
