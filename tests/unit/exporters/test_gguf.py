@@ -560,6 +560,37 @@ def test_qwen3_with_per_head_norms_runs_like_transformers(tmp_path: Path) -> Non
     assert result.summary["verification"]["tensors_checked"] == len(types)
 
 
+def test_llama3_rope_scaling_writes_rope_freqs_as_transformers_scales(tmp_path: Path) -> None:
+    """``rope_freqs`` = default inverse frequencies / transformers' llama3-scaled ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        rope_parameters=rope,
+        architectures=["LlamaForCausalLM"],
+    )
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path / "ckpt"))
+    result, _ = _export(tmp_path / "ckpt", tmp_path / "out", "q8_0")
+    tensors = _tensors(gguf.GGUFReader(tmp_path / "out" / "model-q8_0.gguf"))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    default = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    assert np.allclose(tensors["rope_freqs.weight"], (default / scaled).numpy(), rtol=1e-5)
+    assert result.summary["verification"]["tensors_checked"] == len(tensors)
+
+
 def test_without_qk_permutation_verification_fails(
     llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
 ) -> None:
