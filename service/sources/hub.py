@@ -16,7 +16,9 @@ else: it is not logged, not put in messages, details or the ResolvedSource.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import re
 import shutil
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import httpx2
 from huggingface_hub import HfApi, hf_hub_download
@@ -42,9 +44,11 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils._paths import filter_repo_objects
 from huggingface_hub.utils._validators import validate_repo_id
 from pydantic import SecretStr
+from tqdm import tqdm
 
 from service.config import Settings
 from service.errors import (
+    DiskFull,
     DownloadFailed,
     DownloadTooLarge,
     InvalidRequest,
@@ -195,6 +199,8 @@ def _map_error(exc: Exception, ref: HubRef) -> ServiceError | None:
         if status in _TRANSIENT_STATUS:
             return None
         return DownloadFailed(f"the hub answered HTTP {status} for {what}")
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return DiskFull(f"disk full while downloading {what}")
     if isinstance(exc, httpx2.TransportError | LocalEntryNotFoundError | OSError):
         return None
     return DownloadFailed(f"fetching {what} failed: {type(exc).__name__}")
@@ -221,37 +227,32 @@ def _with_retries(call: Callable[[], T], ref: HubRef, settings: Settings) -> T:
             time.sleep(settings.download_backoff_seconds * 2 ** (attempt - 1))
 
 
-class _JobProgress:
-    """A duck-typed tqdm for ``huggingface_hub``: bytes go to the job's progress and every
-    chunk is a cancellation point."""
+class _NullFile(io.TextIOBase):
+    def write(self, s: str) -> int:
+        return len(s)
+
+
+class _JobProgress(tqdm):  # type: ignore[misc]  # tqdm ships no type information
+    """The progress bar ``huggingface_hub`` updates while downloading (plain HTTP and Xet
+    alike): bytes go to the job's progress and every update is a cancellation point.
+
+    A real, enabled tqdm writing nowhere, so that every attribute the Xet progress reporter
+    reads (``total``, ``format_dict``...) exists.
+    """
 
     ctx: JobContext | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        kwargs.pop("name", None)
+        kwargs.update(file=_NullFile(), disable=False, mininterval=1.0)
+        super().__init__(*args, **kwargs)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: float | None = 1) -> None:
+    def update(self, n: float | None = 1) -> bool | None:
         if self.ctx is not None:
             self.ctx.check_abort()
             self.ctx.advance(int(n or 0))
-
-    def close(self) -> None:
-        return None
-
-    def refresh(self) -> None:
-        return None
-
-    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def set_description(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        result: bool | None = super().update(n)
+        return result
 
 
 def _progress_for(ctx: JobContext | None) -> type[_JobProgress]:

@@ -119,7 +119,7 @@ def test_only_safetensors_are_fetched_when_bin_is_present_too(
     assert "tokenizer.json" in names and "generation_config.json" in names
     assert "pytorch_model.bin" not in names and "README.md" not in names and "onnx" not in names
     assert local_hub.served("GET", "/org/both/resolve/") == len(names)
-    assert local_hub.served("GET", "pytorch_model.bin") == 0
+    assert local_hub.served("GET", "/org/both/", "pytorch_model.bin") == 0
     assert ctx.details["source"]["format"] == "safetensors"
 
 
@@ -132,7 +132,7 @@ def test_sharded_checkpoint_fetches_the_shards_its_index_names(
     settings = _settings(tmp_path, local_hub.endpoint)
     resolved = fetch_source(SourceRequest("hf://org/sharded"), settings, _ctx(settings))
     assert _names(resolved.path) == _names(sharded)
-    assert local_hub.served("GET", "consolidated.safetensors") == 0
+    assert local_hub.served("GET", "/org/sharded/", "consolidated.safetensors") == 0
 
 
 @dataclass
@@ -154,12 +154,12 @@ def test_cancelled_job_stops_between_shards_and_publishes_nothing(
     ctx = _CancelAfterFirstBytes(settings=settings, work_dir=tmp_path / "w")
     with pytest.raises(JobCancelled):
         fetch_source(SourceRequest("hf://org/cancelled"), settings, ctx)
-    assert local_hub.served("GET", "-of-00004.safetensors") == 1
+    assert local_hub.served("GET", "/org/cancelled/", "-of-00004.safetensors") == 1
     assert not list(settings.cache_dir.glob("entries/*/entry.json"))
     # a later job resumes the entry: the shard already there is not downloaded again
     resolved = fetch_source(SourceRequest("hf://org/cancelled"), settings, _ctx(settings))
     assert _names(resolved.path) == _names(sharded)
-    assert local_hub.served("GET", "-of-00004.safetensors") == 4
+    assert local_hub.served("GET", "/org/cancelled/", "-of-00004.safetensors") == 4
 
 
 def test_pickle_only_repo_fetches_bin(local_hub: LocalHub, tmp_path: Path) -> None:
