@@ -168,17 +168,15 @@ def dispatch_checkpoint(
         for name, slot in slots.items()
         if getattr(slot[0][0], slot[0][1]) is not None and getattr(slot[0][0], slot[0][1]).is_meta
     ]
-    metrics = store.metrics()
-    ctx.set_detail("offload", {**metrics, "placed": placed})
-    ctx.set_metric("offload_bytes_written", metrics["bytes_written"])
-    ctx.set_metric("offload_bytes_referenced", metrics["bytes_referenced"])
     if missing and strict:
         raise WeightsMismatch(
             f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
             + ", ".join(missing[:5])
             + (" ..." if len(missing) > 5 else "")
         )
-    return DispatchResult(model, device_map, store, placed, missing)
+    result = DispatchResult(model, device_map, store, placed, missing)
+    publish_offload_metrics(store, ctx, result)
+    return result
 
 
 def dispatch_model(
@@ -203,11 +201,23 @@ def dispatch_model(
     result = dispatch_checkpoint(
         built.model, reader, planned, store, ctx, quantization=quantization, strict=strict
     )
-    ctx.set_detail(
-        "offload",
-        {**store.metrics(), **result.summary(), "device_map": _summarize_map(planned)},
-    )
+    publish_offload_metrics(store, ctx, result)
     return result
+
+
+def publish_offload_metrics(
+    store: OffloadStore, ctx: JobContext, result: DispatchResult | None = None
+) -> dict[str, Any]:
+    """Refresh ``details.offload`` and the ``offload_*`` metrics after the store was used
+    (forward passes, exports) and persist its counters for GET /v1/offload."""
+    section = store.metrics()
+    if result is not None:
+        section.update(result.summary(), device_map=_summarize_map(result.device_map))
+    store.save_metrics()
+    ctx.set_detail("offload", section)
+    for key in ("bytes_written", "bytes_referenced", "reloads", "bytes_read", "bytes_on_disk"):
+        ctx.set_metric(f"offload_{key}", section[key])
+    return section
 
 
 def _summarize_map(device_map: DeviceMap) -> dict[str, Any]:

@@ -123,7 +123,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
         if exc.errno == errno.ENOSPC:
             raise DiskFull(f"disk full while writing {path.name}") from exc
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
@@ -303,6 +307,7 @@ class OffloadStore:
             }
             self._dirty = False
         try:
+            _fsync_dir(self.root / DATA_DIR)  # data files' names are durable before the index
             write_json_atomic(self.root / INDEX_NAME, index)
         except DiskFull as exc:
             self._abort(str(exc))

@@ -235,3 +235,25 @@ def test_huge_linears_and_embeddings_are_paged_in_slices(
     assert store.bytes_read < sum(p.nbytes for p in params.values())
     assert row_bytes * len(torch.unique(ids)) <= params[embed[0]].nbytes
     assert all("forward" not in vars(m) for m in built.model.modules())  # patches undone
+
+
+def test_job_store_figures_reach_the_job_json_and_get_v1_offload(
+    llama_bin_dir: Path, ctx: InMemoryContext
+) -> None:
+    from service.offload.dispatch import publish_offload_metrics
+    from service.offload.store import open_job_store
+    from service.offload.usage import offload_usage
+
+    store = open_job_store(ctx.settings, "job-1", llama_bin_dir)
+    with open_checkpoint(llama_bin_dir) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        result = dispatch_model(built, ckpt.reader, store, ctx, max_memory="40KB")
+        streamed_forward(built.model, sample_inputs("llama"))
+    section = publish_offload_metrics(store, ctx, result)
+    assert ctx.metrics["offload_reloads"] == store.reloads > 0
+    assert ctx.metrics["offload_bytes_written"] == section["bytes_written"] > 0
+    usage = offload_usage(ctx.settings)["jobs"]["job-1"]
+    assert (usage["reloads"], usage["bytes_read"]) == (store.reloads, store.bytes_read)
+    assert usage["tensors_written"] == result.placed["disk_owned"]
+    store.close()
+    assert offload_usage(ctx.settings)["jobs"] == {}
