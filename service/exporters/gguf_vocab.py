@@ -166,7 +166,10 @@ def _add_gpt2(writer: GGUFWriter, root: Path, vocab_size: int) -> dict[str, Any]
         raise _NotThisEncoding(f"tokenizer.json model is {model.get('type')!r}, not BPE")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except (OSError, ValueError, ImportError) as exc:  # e.g. a class needing remote code
+        raise _NotThisEncoding(f"transformers cannot load it: {exc}") from None
     vocab: dict[str, int] = tokenizer.get_vocab()
     if vocab and max(vocab.values()) >= vocab_size:
         raise ExportFailed(
