@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from service.api.auth import KEY_REQUIRED, Keyring
 from service.api.errors import install_error_handlers
 from service.api.metrics import service_registry
-from service.api.routes import artifacts, events, health, jobs, metrics
+from service.api.routes import artifacts, events, health, jobs, metrics, offload
 from service.api.telemetry import RequestTelemetry, request_latency_histogram
 from service.config import Settings
 from service.jobs.executors import executor_for
@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     # Every /v1 router needs a key (a route that forgets its PrincipalDep is still guarded).
-    for module in (jobs, artifacts, events):
+    for module in (jobs, artifacts, events, offload):
         app.include_router(module.router, dependencies=[KEY_REQUIRED])
     for module in (health, metrics):  # open probes; /metrics has its own guard
         app.include_router(module.router)

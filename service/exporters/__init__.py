@@ -1,0 +1,12 @@
+"""Export formats; importing this package registers every built-in exporter.
+
+Each module registers itself at import and keeps its heavy imports (gguf, torch_to_nnef,
+tract) inside functions, so the API process can validate specs cheaply.
+"""
+
+from service.exporters import gguf as _gguf  # noqa: F401
+from service.exporters import nnef as _nnef  # noqa: F401
+from service.exporters import safetensors as _safetensors  # noqa: F401
+from service.exporters.base import ExportInputs, ExportResult, Exporter, ExportSpec, registry
+
+__all__ = ["ExportInputs", "ExportResult", "ExportSpec", "Exporter", "registry"]
