@@ -326,10 +326,14 @@ class HttpFetcher:
             downloaded = download_file(request.uri, target_dir / name, settings, ctx)
             path, hit = target_dir / name, False
         else:
-            cache = DownloadCache.from_settings(settings)
-            entry = cache.acquire(
-                f"sha256--{sha256}",
-                lambda files: download_file(request.uri, files / name, settings, ctx, sha256),
+            def fill(files: Path) -> int:
+                received = download_file(request.uri, files / name, settings, ctx, sha256)
+                for stray in files.glob(".*.part"):  # an earlier try under another URL's name
+                    stray.unlink()
+                return received
+
+            entry = DownloadCache.from_settings(settings).acquire(
+                f"sha256--{sha256}", fill,
                 source={"uri": public_url(request.uri), "sha256": sha256},
             )
             # The cached file may carry the name of the first URL it came from.

@@ -66,6 +66,25 @@ def test_cut_connection_is_resumed_with_range_and_checksum_matches(
     assert not list(resolved.path.parent.glob(".*.part"))
 
 
+def test_later_job_resumes_the_part_file_a_cancelled_job_left(
+    http_server: FileServer, tmp_path: Path, settings: Settings
+) -> None:
+    big = tmp_path / "big.safetensors"
+    big.write_bytes(os.urandom(24 * 1024 * 1024))
+    url = http_server.add("/big.safetensors", Route(body=big))
+    cancelled = _CancelAfterFirstChunk(settings=settings, work_dir=tmp_path / "a")
+    with pytest.raises(JobCancelled):
+        fetch_source(SourceRequest(url, sha256=_sha(big)), settings, cancelled)
+
+    ctx = _ctx(settings, "b")
+    resolved = fetch_source(SourceRequest(url, sha256=_sha(big)), settings, ctx)
+    assert _sha(resolved.path) == _sha(big)
+    resumed_at = int(str(http_server.seen[-1].headers.get("Range")).split("=")[1].rstrip("-"))
+    assert 0 < resumed_at < big.stat().st_size
+    assert resolved.bytes_downloaded == big.stat().st_size - resumed_at
+    assert (ctx.done, ctx.total) == (big.stat().st_size, big.stat().st_size)
+
+
 def test_server_ignoring_range_restarts_from_zero(
     http_server: FileServer, payload: Path, settings: Settings
 ) -> None:
