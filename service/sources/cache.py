@@ -16,6 +16,7 @@ On-disk format, under ``settings.cache_dir``::
 
 Lock files are never deleted: two processes must always lock the same inode. ``flock`` locks
 belong to the open file, so the kernel drops them when a job process dies, however it dies.
+The cache must therefore live on a local filesystem (some NFS setups do not honour ``flock``).
 Keys are chosen by the fetchers (``hub--<org>--<repo>--<commit>--<endpoint>``,
 ``sha256--<hex>``) and must be plain file names.
 
