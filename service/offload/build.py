@@ -8,6 +8,8 @@ they are tiny and some (rotary ``inv_freq``) are computed at construction, not s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,7 +147,7 @@ def build_meta_model(config: Any, settings: Settings, dtype: torch.dtype, cls: A
     import transformers
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), _skip_meta_initialization():
         if cls is not None:
             model = cls._from_config(config, dtype=dtype)
         elif settings.trust_remote_code and getattr(config, "auto_map", None):
@@ -160,6 +162,33 @@ def build_meta_model(config: Any, settings: Settings, dtype: torch.dtype, cls: A
     if callable(tie):
         tie()  # _from_config leaves tied heads (lm_head -> embeddings) untied
     return model.eval()
+
+
+@contextmanager
+def _skip_meta_initialization() -> Iterator[None]:
+    """Skip weight initialization of meta tensors, keep it for real ones (buffers).
+
+    ``post_init`` initializes every parameter even on meta, where torch's reference
+    ``normal_`` costs milliseconds a call: seconds for a 70B skeleton, for values that do not
+    exist. transformers' init functions look their torch implementation up in
+    ``TORCH_INIT_FUNCTIONS`` at call time, so wrapping that table's entries is enough.
+    """
+    from transformers import initialization
+
+    table: dict[str, Callable[..., Any]] = initialization.TORCH_INIT_FUNCTIONS  # type: ignore[assignment]
+    originals = dict(table)
+
+    def skipping_meta(init: Callable[..., Any]) -> Callable[..., Any]:
+        def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return tensor if tensor.is_meta else init(tensor, *args, **kwargs)
+
+        return run
+
+    table.update({name: skipping_meta(init) for name, init in originals.items()})
+    try:
+        yield
+    finally:
+        table.update(originals)
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:
