@@ -104,6 +104,24 @@ def test_later_job_of_same_commit_is_a_cache_hit(
     assert (first_ctx.done, first_ctx.total) == (weights, weights)
 
 
+def test_size_limit_evicts_finished_jobs_entries_but_not_a_running_jobs(
+    local_hub: LocalHub, llama_v1: Path, llama_v2: Path, tmp_path: Path
+) -> None:
+    local_hub.create_repo("org/lru-a", files_of(llama_v1))
+    local_hub.create_repo("org/lru-b", files_of(llama_v2))
+    local_hub.create_repo("org/lru-c", files_of(llama_v1))
+    one_model = sum(p.stat().st_size for p in llama_v1.iterdir())
+    settings = _settings(tmp_path, local_hub.endpoint, cache_max_bytes=one_model + one_model // 2)
+
+    a = fetch_source(SourceRequest("hf://org/lru-a"), settings, _ctx(settings, "a"))
+    release_all()  # job a ended
+    b = fetch_source(SourceRequest("hf://org/lru-b"), settings, _ctx(settings, "b"))
+    assert not a.path.exists()  # least recently used and no longer in use
+    c = fetch_source(SourceRequest("hf://org/lru-c"), settings, _ctx(settings, "c"))
+    assert b.path.exists() and c.path.exists()  # b's job still runs: over the limit, not evicted
+    release_all()
+
+
 def test_only_safetensors_are_fetched_when_bin_is_present_too(
     local_hub: LocalHub, llama_v1: Path, tmp_path: Path
 ) -> None:
