@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.units import parse_size
@@ -110,6 +110,15 @@ class Settings(BaseSettings):
     @classmethod
     def _human_size(cls, value: object) -> object:
         return parse_size(value) if isinstance(value, str) and value.strip() else value
+
+    @model_validator(mode="after")
+    def _heartbeat_outlasts_intervals(self) -> Settings:
+        # A timeout within a few intervals would retry jobs whose worker is merely slow.
+        if self.heartbeat_timeout_seconds < 3 * self.heartbeat_interval_seconds:
+            raise ValueError(
+                "heartbeat_timeout_seconds must be at least 3 x heartbeat_interval_seconds"
+            )
+        return self
 
     @field_validator("data_dir")
     @classmethod
