@@ -211,6 +211,37 @@ def child_accelerate(ckpt: Path, work: Path) -> dict[str, Any]:
     }
 
 
+def child_skeleton_70b(ckpt: Path, work: Path) -> dict[str, Any]:
+    """Time to build a 70B Llama on meta once imports are done, and what it costs in RAM."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from service.config import Settings
+    from service.offload.build import build_meta_model
+
+    config = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        model = build_meta_model(config, Settings(), torch.bfloat16, LlamaForCausalLM)
+        times.append(round(time.perf_counter() - t0, 3))
+    return {
+        "build_s": times,
+        "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 2),
+        "rss_growth_mib": round(
+            (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024, 1
+        ),
+    }
+
+
 def run_child(kind: str, ckpt: Path, work: Path) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -235,19 +266,25 @@ def run_child(kind: str, ckpt: Path, work: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--work", type=Path, default=REPO / "var" / "bench")
-    parser.add_argument("--child", choices=["ours", "accelerate"])
+    parser.add_argument("--work", type=Path, default=REPO / "var" / "bench-offload")
+    parser.add_argument("--child", choices=["ours", "accelerate", "skeleton70b"])
     parser.add_argument("--ckpt", type=Path)
     parser.add_argument("--skip-accelerate", action="store_true")
     args = parser.parse_args()
 
     if args.child:
-        runner = child_ours if args.child == "ours" else child_accelerate
-        result = runner(args.ckpt, args.work)
+        runners = {
+            "ours": child_ours,
+            "accelerate": child_accelerate,
+            "skeleton70b": child_skeleton_70b,
+        }
+        result = runners[args.child](args.ckpt, args.work)
         result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         print(json.dumps(result))
         return
 
+    skeleton = run_child("skeleton70b", Path("-"), args.work / "run-skeleton")
+    print("# 70B Llama skeleton on meta:", json.dumps(skeleton), flush=True)
     rows = []
     for layers in args.layers:
         ckpt = args.work / f"llama-{layers}l"
