@@ -4,7 +4,8 @@ A dispatcher thread in the service process claims queued jobs (FIFO) while fewer
 ``settings.workers`` run, spawns one process per job (``spawn`` start method: no state
 inherited from the server), and reaps them. A child that exits without writing a terminal
 status crashed (signal, OOM kill); the dispatcher fails its job with ``worker_crashed``. A
-cancelled job's whole process group is killed, then its files are removed.
+cancelled job's whole process group is killed, then its files are removed. The child
+process handling is shared with distributed workers (``executors/process.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from multiprocessing.process import BaseProcess
 
 from service.config import Settings
 from service.jobs.executors.process import (
-    kill_process_group,
     settle_exited,
     spawn_job_process,
     stop_cancelled,
@@ -28,8 +28,6 @@ from service.jobs.recovery import recover_interrupted
 from service.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
-
-__all__ = ["LocalExecutor", "kill_process_group"]
 
 
 class LocalExecutor:
