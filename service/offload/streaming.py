@@ -15,7 +15,7 @@ largest tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -43,12 +43,15 @@ class StreamStats:
 
 
 class _Pager:
-    def __init__(self, stats: StreamStats) -> None:
+    def __init__(self, stats: StreamStats, check_abort: Callable[[], None] | None = None) -> None:
         self.stats = stats
+        self.check_abort = check_abort
         self.swapped: dict[int, tuple[nn.Module, dict[str, torch.Tensor], int]] = {}
         self.resident = 0
 
     def page_in(self, module: nn.Module, args: Any) -> None:
+        if self.check_abort is not None:
+            self.check_abort()  # a long forward stays cancellable, module by module
         originals: dict[str, torch.Tensor] = {}
         nbytes = 0
         for attr, value in module._parameters.items():
@@ -138,6 +141,8 @@ class _Sliced:
         )
 
     def _rows(self, start: int, stop: int, first: bool) -> torch.Tensor:
+        if first and self.pager.check_abort is not None:
+            self.pager.check_abort()
         w = self.weight
         before = w.store.bytes_read
         rows: torch.Tensor = w.store.load_rows(w.key, start, stop, w.dtype, count_reload=first)
@@ -180,10 +185,15 @@ class _Sliced:
 
 
 @contextmanager
-def streamed(model: nn.Module, page_bytes: int = PAGE_BYTES) -> Iterator[StreamStats]:
-    """Within the block, calling ``model`` pages offloaded weights in and out per module."""
+def streamed(
+    model: nn.Module,
+    page_bytes: int = PAGE_BYTES,
+    check_abort: Callable[[], None] | None = None,
+) -> Iterator[StreamStats]:
+    """Within the block, calling ``model`` pages offloaded weights in and out per module;
+    ``check_abort`` (e.g. ``ctx.check_abort``) runs before each module pages in."""
     stats = StreamStats()
-    pager = _Pager(stats)
+    pager = _Pager(stats, check_abort)
     handles: list[RemovableHandle] = []
     patched: list[nn.Module] = []
     try:
@@ -219,12 +229,15 @@ def model_output(output: Any) -> torch.Tensor:
 
 
 def streamed_forward(
-    model: nn.Module, inputs: dict[str, torch.Tensor], page_bytes: int = PAGE_BYTES
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    page_bytes: int = PAGE_BYTES,
+    check_abort: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, StreamStats]:
     """One forward pass with weights streamed from the store; returns (output tensor, stats)."""
     kwargs: dict[str, Any] = dict(inputs)
     if getattr(getattr(model, "config", None), "use_cache", None) is not None:
         kwargs["use_cache"] = False
-    with torch.inference_mode(), streamed(model, page_bytes) as stats:
+    with torch.inference_mode(), streamed(model, page_bytes, check_abort) as stats:
         output = model(**kwargs)
     return model_output(output).clone(), stats

@@ -95,7 +95,9 @@ def streamed_outputs(
         )
         ctx.check_abort()
         started = time.perf_counter()
-        output, stats = streamed_forward(result.model, _inputs(input_ids))
+        output, stats = streamed_forward(
+            result.model, _inputs(input_ids), check_abort=ctx.check_abort
+        )
         figures = {
             "architecture": built.architecture,
             "forward_seconds": round(time.perf_counter() - started, 4),
@@ -221,6 +223,7 @@ class _QuietContext:
         self.job_id = ctx.job_id
         self.settings = ctx.settings
         self.work_dir = ctx.work_dir
+        self.details: dict[str, Any] = {}
 
     def set_phase(self, phase: Any, total: int | None = None, unit: str = "bytes") -> None:
         pass

@@ -257,3 +257,19 @@ def test_job_store_figures_reach_the_job_json_and_get_v1_offload(
     assert usage["tensors_written"] == result.placed["disk_owned"]
     store.close()
     assert offload_usage(ctx.settings)["jobs"] == {}
+
+
+def test_a_cancelled_job_stops_between_modules(
+    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+) -> None:
+    from service.errors import JobCancelled
+
+    with open_checkpoint(llama_safetensors_dir) as ckpt:
+        built = build_on_meta(ckpt, ctx.settings)
+        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
+        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+    ctx.cancel_event.set()
+    with pytest.raises(JobCancelled):
+        streamed_forward(built.model, sample_inputs("llama"), check_abort=ctx.check_abort)
+    assert store.reloads == 0
+    assert all(isinstance(p, OffloadedTensor) for p in built.model.parameters())
