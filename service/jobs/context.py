@@ -21,6 +21,8 @@ class JobContext(Protocol):
     settings: Settings
     work_dir: Path
     """Scratch space of this job; removed when the job ends whatever the outcome."""
+    details: dict[str, Any]
+    """Sections published so far with :meth:`set_detail` (read-only for stages)."""
 
     def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None: ...
 

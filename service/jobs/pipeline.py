@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.checkpoint import open_checkpoint
+from service.checkpoint.base import Checkpoint
+from service.errors import NoModelConfig
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec
 from service.fsutil import atomic_write_json, fsync_tree, sha256_file
@@ -21,6 +24,10 @@ from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact, Phase
 from service.jobs.spec import JobSpec
 from service.sources import check_source, fetch_source
+
+if TYPE_CHECKING:
+    from service.offload.build import BuiltModel
+    from service.offload.store import OffloadStore
 
 log = logging.getLogger(__name__)
 
@@ -61,32 +68,27 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
     with open_checkpoint(resolved.path) as checkpoint:
         infos = checkpoint.reader.tensor_infos()
         ctx.advance(len(infos))
-        model_info: dict[str, Any] = {
+        counts: dict[str, Any] = {
             "format": checkpoint.format,
             "tensor_count": len(infos),
             "parameter_count": sum(i.numel for i in infos),
             "bytes": sum(i.nbytes for i in infos),
-            "architecture": (checkpoint.config or {}).get("architectures", [None])[0],
         }
-        ctx.set_detail("model", model_info)
         specs = spec.export_specs()
         for export in specs:
             exporters[export.format].check(export, checkpoint.config)
 
-        inputs = ExportInputs(checkpoint=checkpoint)
-        summaries: list[dict[str, Any]] = []
-        digests: dict[str, str] = {}
-        for export, dirname in zip(specs, export_dirs(specs), strict=True):
-            ctx.check_abort()
-            out_dir = layout.staging / dirname
-            out_dir.mkdir(parents=True, exist_ok=True)
-            result = exporters[export.format].export(export, inputs, out_dir, ctx)
-            for rel, digest in result.digests.items():
-                digests[f"{dirname}/{rel}"] = digest
-            summaries.append(
-                {"format": export.format, "dir": dirname, "spec": export.model_dump(mode="json"),
-                 **result.summary}
-            )
+        model = _build(checkpoint, spec, specs, ctx, counts)
+        session = _ModelSession.open(checkpoint, model, spec, ctx) if model else None
+        try:
+            inputs = ExportInputs(checkpoint=checkpoint, model=model.model if model else None)
+            summaries, digests = _export_all(specs, inputs, layout, ctx)
+            if session is not None:
+                session.verify(specs, summaries, layout)
+        finally:
+            if session is not None:
+                session.close()
+        model_info = {**counts, **ctx.details.get("model", {})}
 
     ctx.set_phase(Phase.FINALIZE, unit="files")
     artifacts = _describe_files(layout.staging, digests, ctx)
@@ -106,6 +108,143 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
     fsync_tree(layout.staging)
     layout.publish()
     return artifacts
+
+
+def _build(
+    checkpoint: Checkpoint,
+    spec: JobSpec,
+    specs: list[ExportSpec],
+    ctx: JobContext,
+    counts: dict[str, Any],
+) -> BuiltModel | None:
+    """BUILD: the architecture on meta with a keys report. Without a usable config.json the job
+    still runs every state-dict-level export; only what needs a module is refused."""
+    from service.offload.build import build_phase
+
+    needs_module = [s.format for s in specs if registry()[s.format].needs_model]
+    built = build_phase(checkpoint, ctx.settings, ctx, dtype=_compute_dtype(spec))
+    ctx.set_detail("model", {**counts, **ctx.details.get("model", {})})
+    if built is None and needs_module:
+        raise NoModelConfig(
+            f"exports {needs_module} need the model's architecture, but the checkpoint has no "
+            "usable config.json"
+        )
+    return built
+
+
+def _compute_dtype(spec: JobSpec) -> Any:
+    import torch
+
+    # Verification compares in float32 whatever the checkpoint's dtype.
+    return torch.float32 if spec.verify else None
+
+
+def _export_all(
+    specs: list[ExportSpec], inputs: ExportInputs, layout: JobLayout, ctx: JobContext
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """EXPORT: each export into its own staging directory; the checkpoint is read once per
+    export, tensor by tensor."""
+    exporters = registry()
+    summaries: list[dict[str, Any]] = []
+    digests: dict[str, str] = {}
+    for export, dirname in zip(specs, export_dirs(specs), strict=True):
+        ctx.check_abort()
+        out_dir = layout.staging / dirname
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result = exporters[export.format].export(export, inputs, out_dir, ctx)
+        for rel, digest in result.digests.items():
+            digests[f"{dirname}/{rel}"] = digest
+        summaries.append(
+            {"format": export.format, "dir": dirname, "spec": export.model_dump(mode="json"),
+             **result.summary}
+        )
+    return summaries, digests
+
+
+@dataclass
+class _ModelSession:
+    """The job's one offload store and its dispatched model, used to compute the source's
+    reference outputs once for every export that is verified against them."""
+
+    checkpoint: Checkpoint
+    store: OffloadStore | None
+    ctx: JobContext
+    max_memory: str
+    reference: Any = None
+
+    @classmethod
+    def open(
+        cls, checkpoint: Checkpoint, built: BuiltModel, spec: JobSpec, ctx: JobContext
+    ) -> _ModelSession:
+        from service.offload.dispatch import dispatch_model, publish_offload_metrics
+        from service.offload.store import open_job_store
+
+        max_memory = spec.max_memory or ctx.settings.default_max_memory
+        session = cls(checkpoint, None, ctx, max_memory)
+        if not spec.verify:
+            return session
+        ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
+        store = open_job_store(ctx.settings, ctx.job_id, checkpoint.root)
+        session.store = store
+        result = dispatch_model(built, checkpoint.reader, store, ctx, max_memory=max_memory)
+        publish_offload_metrics(store, ctx, result)
+        session.reference = _reference(result.model, checkpoint, ctx)
+        publish_offload_metrics(store, ctx, result)
+        return session
+
+    def verify(
+        self, specs: list[ExportSpec], summaries: list[dict[str, Any]], layout: JobLayout
+    ) -> None:
+        """VERIFY: exports the pipeline checks itself (safetensors) against the reference;
+        GGUF and NNEF verify inside their exporters (read-back, tract) and report there."""
+        from service.verify.parity import verify_safetensors_export
+
+        pending = [
+            (s, summary) for s, summary in zip(specs, summaries, strict=True)
+            if s.format == "safetensors" and self.reference is not None
+        ]
+        if not pending:
+            return
+        self.ctx.set_phase(Phase.VERIFY, total=len(pending), unit="exports")
+        for export, summary in pending:
+            dtype = getattr(export, "dtype", None) or _source_dtype(self.checkpoint)
+            summary["verify"] = verify_safetensors_export(
+                self.checkpoint,
+                layout.staging / summary["dir"],
+                dtype,
+                self.ctx,
+                reference=self.reference,
+                max_memory=self.max_memory,
+            )
+            self.ctx.advance(1)
+
+    def close(self) -> None:
+        if self.store is not None:
+            from service.offload.dispatch import publish_offload_metrics
+
+            publish_offload_metrics(self.store, self.ctx)
+            self.store.destroy()
+
+
+def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
+    from service.offload.streaming import streamed_forward
+    from service.verify.parity import fixed_input_ids
+
+    vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)
+    input_ids = fixed_input_ids(vocab)
+    ctx.check_abort()
+    output, _stats = streamed_forward(
+        model, {"input_ids": input_ids, "attention_mask": input_ids.new_ones(input_ids.shape)}
+    )
+    return output.float()
+
+
+def _source_dtype(checkpoint: Checkpoint) -> str:
+    counts: Counter[str] = Counter()
+    for info in checkpoint.reader.tensor_infos():
+        if info.dtype.is_floating_point:
+            counts[str(info.dtype).removeprefix("torch.")] += info.nbytes
+    return counts.most_common(1)[0][0] if counts else "float32"
 
 
 def _describe_files(root: Path, digests: dict[str, str], ctx: JobContext) -> list[Artifact]:
