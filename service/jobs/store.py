@@ -1,7 +1,11 @@
 """The job store: SQLAlchemy Core over SQLite (default) or PostgreSQL, one table.
 
 ``version`` grows by one with every change of a row, so a watcher (the events stream) knows
-whether it has seen the latest state.
+whether it has seen the latest state; a worker's timer heartbeat (``heartbeat_at`` alone, not
+part of the job JSON) is the one write that leaves it.
+
+The schema is created and upgraded by the alembic migrations in ``migrations/`` (see
+:meth:`JobStore.create_schema`); ``jobs_table`` below is the definition they must match.
 
 Every state change is a single UPDATE guarded by the expected current status, so the API
 process, the local pool and job child processes (each with its own engine) can write
