@@ -27,7 +27,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigurationError as exc:
         print(f"modelprep serve: {exc.message}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_config=None, access_log=False,
+        timeout_keep_alive=settings.http_keep_alive_seconds,
+    )
     return 0
 
 

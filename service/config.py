@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(
         default=None, description="A JSON file holding the same list, read once at start-up."
     )
+    http_keep_alive_seconds: int = Field(
+        default=30, ge=1,
+        description="Idle keep-alive of client connections; longer than clients' own (httpx: "
+        "5 s), so a client never reuses a connection the server is closing at that moment.",
+    )
     metrics_open: bool = Field(
         default=False, description="Serve /metrics without a key (default: admin keys only)."
     )

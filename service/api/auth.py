@@ -146,8 +146,12 @@ def keygen_line(tenant: str, admin: bool) -> tuple[str, str]:
 
 _bearer = HTTPBearer(auto_error=False, description="An API key made by `modelprep keygen`.")
 
+# The dependencies below are ``async`` although they never await: FastAPI runs a sync
+# dependency in the thread pool, and a thread hop per dependency per request was the largest
+# cost of a status poll under load (bench/api_latency.py).
 
-def _principal(
+
+async def _principal(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
@@ -157,7 +161,7 @@ def _principal(
     return principal
 
 
-def _admin(principal: Annotated[Principal, Depends(_principal)]) -> Principal:
+async def _admin(principal: Annotated[Principal, Depends(_principal)]) -> Principal:
     if not principal.admin:
         raise Forbidden("this endpoint needs an admin key")
     return principal
@@ -173,14 +177,14 @@ AdminDep = Annotated[Principal, Depends(_admin)]
 """An admin caller; 403 for a tenant key."""
 
 
-def _scraper(
+async def _scraper(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal | None:
     settings: Settings = request.app.state.settings
     if settings.metrics_open:
         return None
-    principal = _principal(request, credentials)
+    principal = await _principal(request, credentials)
     if not principal.admin:
         raise Forbidden("/metrics needs an admin key (or MODELPREP_METRICS_OPEN=true)")
     return principal

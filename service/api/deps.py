@@ -1,4 +1,6 @@
-"""Typed dependencies: the routes get the domain objects the app factory built."""
+"""Typed dependencies: the routes get the domain objects the app factory built.
+
+``async`` because they do not block: FastAPI would otherwise run each in the thread pool."""
 
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ from service.config import Settings
 from service.jobs.service import JobService
 
 
-def _jobs(request: Request) -> JobService:
+async def _jobs(request: Request) -> JobService:
     jobs: JobService = request.app.state.jobs
     return jobs
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
