@@ -58,7 +58,11 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
     exporters = registry()
     ctx.set_phase(Phase.DOWNLOAD, unit="bytes")
     resolved = fetch_source(spec.source_request(), ctx.settings, ctx)
-    source_info: dict[str, Any] = {"uri": resolved.uri, "cache_hit": resolved.cache_hit}
+    source_info: dict[str, Any] = {
+        **ctx.details.get("source", {}),  # what the fetcher published (files, format, ...)
+        "uri": resolved.uri,
+        "cache_hit": resolved.cache_hit,
+    }
     if resolved.revision:
         source_info["revision"] = resolved.revision
     ctx.set_detail("source", source_info)
