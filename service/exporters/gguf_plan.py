@@ -237,7 +237,13 @@ def plan_tensors(
         # Tied, with the head stored as the canonical copy: llama.cpp reuses token_embd.
         skipped.append(next(m[1] for m in mapped if m[0] == "output.weight"))
         mapped = [m for m in mapped if m[0] != "output.weight"]
-    has_output = any(m[0] == "output.weight" for m in mapped)
+    names = [m[0] for m in mapped]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise UnsupportedExport(f"several checkpoint tensors map to GGUF {twice[:3]}")
+    if missing := {"token_embd.weight", "output_norm.weight"} - set(names):
+        raise UnsupportedExport(f"the checkpoint has no tensor for GGUF {sorted(missing)}")
+    has_output = "output.weight" in names
     tensors = [
         replace(
             _tensor(new_name, src, shape, out_type, has_output, heads),

@@ -745,6 +745,36 @@ def test_unsupported_configs_are_refused(changes: dict[str, Any], match: str) ->
         GGUFExporter().check(GGUFSpec(), config)
 
 
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ("drop-embedding", "token_embd"),
+        ("extra-tensor", "cannot map tensor 'model.vision_tower.weight'"),
+    ],
+)
+def test_checkpoints_llama_cpp_could_not_load_are_refused_before_writing(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path, change: str, match: str
+) -> None:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ckpt_dir, model = llama
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(ckpt_dir / "config.json", ckpt / "config.json")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if change == "drop-embedding":
+        del state["model.embed_tokens.weight"]
+    else:
+        state["model.vision_tower.weight"] = torch.ones(4, 4)
+    save_file(state, str(ckpt / "model.safetensors"))
+    out = tmp_path / "out"
+    with pytest.raises(UnsupportedExport, match=match):
+        _export(ckpt, out, "q8_0")
+    assert list(out.iterdir()) == []
+
+
 def test_supported_configs_and_unknown_config_pass_check() -> None:
     exporter = GGUFExporter()
     exporter.check(GGUFSpec(), None)
