@@ -168,15 +168,15 @@ def build_meta_model(config: Any, settings: Settings, dtype: torch.dtype, cls: A
 def _skip_meta_initialization() -> Iterator[None]:
     """Skip weight initialization of meta tensors, keep it for real ones (buffers).
 
-    ``post_init`` initializes every parameter even on meta, where torch's reference
-    ``normal_`` costs milliseconds a call: seconds for a 70B skeleton, for values that do not
-    exist. transformers' init functions look their torch implementation up in
-    ``TORCH_INIT_FUNCTIONS`` at call time, so wrapping that table's entries is enough.
+    Module constructors (``reset_parameters``) and ``post_init`` initialize every parameter even
+    on meta, where torch's reference ``normal_``/``uniform_`` cost milliseconds a call: seconds
+    for a 70B skeleton, for values that do not exist. Like transformers' ``no_init_weights`` we
+    patch the init functions where they are looked up (its ``TORCH_INIT_FUNCTIONS`` table and
+    the torch modules it lists), but only meta tensors are skipped.
     """
-    from transformers import initialization
+    import sys
 
-    table: dict[str, Callable[..., Any]] = initialization.TORCH_INIT_FUNCTIONS  # type: ignore[assignment]
-    originals = dict(table)
+    from transformers import initialization
 
     def skipping_meta(init: Callable[..., Any]) -> Callable[..., Any]:
         def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -184,11 +184,26 @@ def _skip_meta_initialization() -> Iterator[None]:
 
         return run
 
-    table.update({name: skipping_meta(init) for name, init in originals.items()})
+    table: dict[str, Callable[..., Any]] = initialization.TORCH_INIT_FUNCTIONS  # type: ignore[assignment]
+    patched: list[tuple[Any, str, Any]] = [(table, name, init) for name, init in table.items()]
+    for module_name in initialization.TORCH_MODULES_TO_PATCH:
+        module = sys.modules.get(module_name)
+        for name in table:
+            if module is not None and hasattr(module, name):
+                patched.append((module, name, getattr(module, name)))
     try:
+        for owner, name, init in patched:
+            if isinstance(owner, dict):
+                owner[name] = skipping_meta(init)
+            else:
+                setattr(owner, name, skipping_meta(init))
         yield
     finally:
-        table.update(originals)
+        for owner, name, init in reversed(patched):
+            if isinstance(owner, dict):
+                owner[name] = init
+            else:
+                setattr(owner, name, init)
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:
