@@ -516,3 +516,17 @@ def open_job_store(settings: Settings, job_id: str, checkpoint_root: Path | None
     if checkpoint_root is not None:
         store.add_root(checkpoint_root if checkpoint_root.is_dir() else checkpoint_root.parent)
     return store
+
+
+def discard_job_store(settings: Settings, job_id: str, failed: bool) -> bool:
+    """Remove a job's offload directory when the job ended, even if its process died without
+    closing the store (crash, kill); kept only for a failed job with ``keep_failed_offload``.
+    Returns True when the directory was removed."""
+    path = job_store_dir(settings.jobs_dir, job_id)
+    if failed and settings.keep_failed_offload:
+        return False
+    if path.is_symlink():
+        path.unlink()  # never follow a link out of the jobs directory
+        return True
+    shutil.rmtree(path, ignore_errors=True)
+    return not path.exists()

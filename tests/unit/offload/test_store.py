@@ -272,3 +272,19 @@ def test_offload_usage_reports_each_job_and_the_total(
     assert usage["total"]["files"] == ja["files"] + jb["files"]
     assert usage["total"]["stores"] == 2
     assert usage["free_disk_bytes"] > 0
+
+
+def test_a_crashed_jobs_store_is_discarded_by_job_id(tmp_path: Path) -> None:
+    from service.offload.store import discard_job_store
+
+    settings = Settings(data_dir=tmp_path / "var")
+    store = open_job_store(settings, "crashed", None)
+    store.put_tensor("w", torch.ones(8))
+    store.commit()  # the process dies here without close()
+    assert discard_job_store(settings, "crashed", failed=True) is True
+    assert not store.root.exists()
+    kept = Settings(data_dir=tmp_path / "var", keep_failed_offload=True)
+    open_job_store(kept, "kept", None).commit()
+    assert discard_job_store(kept, "kept", failed=True) is False
+    assert (kept.jobs_dir / "kept" / "offload" / "index.json").exists()
+    assert discard_job_store(kept, "kept", failed=False) is True
