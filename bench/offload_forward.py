@@ -135,8 +135,10 @@ def _input_ids() -> Any:
 
 
 def child_ours(ckpt: Path, work: Path) -> dict[str, Any]:
+    # import time is not build time: load what build_on_meta imports lazily first
+    import accelerate  # noqa: F401
     import torch
-    import transformers  # noqa: F401  (import time is not build time)
+    from transformers import AutoConfig, LlamaForCausalLM  # noqa: F401
 
     from service.checkpoint import open_checkpoint
     from service.config import Settings
