@@ -88,6 +88,12 @@ class OffloadedTensor(torch.Tensor):
     ) -> Any:
         if func in _SHARE_OPS and isinstance(args[0], OffloadedTensor):
             return args[0].share()
+        if func._schema.is_mutable and any(
+            isinstance(arg, OffloadedTensor) and info.alias_info and info.alias_info.is_write
+            for arg, info in zip(args, func._schema.arguments, strict=False)
+        ):
+            # the write would land in a temporary copy and vanish: refuse it loudly
+            raise TypeError(f"{func} would modify an offloaded (read-only) tensor")
 
         def unwrap(value: Any) -> Any:
             return value.materialize() if isinstance(value, OffloadedTensor) else value

@@ -32,6 +32,7 @@ SEQ_LEN = 8
 SEED = 0
 
 TOLERANCES: dict[str, float] = {
+    "float64": 1e-5,
     "float32": 1e-5,
     "float16": 2e-2,
     "bfloat16": 6e-2,

@@ -101,3 +101,16 @@ def test_an_offloaded_tensor_cannot_be_pickled(store: OffloadStore) -> None:
     store.put_tensor("w", torch.ones(2))
     with pytest.raises(TypeError, match="handle"):
         pickle.dumps(OffloadedTensor.from_store(store, "w", torch.float32))
+
+
+def test_writing_into_an_offloaded_tensor_is_refused_not_lost(store: OffloadStore) -> None:
+    store.put_tensor("w", torch.ones(4))
+    w = OffloadedTensor.from_store(store, "w", torch.float32)
+    with pytest.raises(TypeError, match="read-only"):
+        w.mul_(2)
+    with pytest.raises(TypeError, match="read-only"):
+        w.copy_(torch.zeros(4))
+    assert torch.equal(w + 0, torch.ones(4))
+    out = torch.empty(4)
+    torch.add(w, 1, out=out)  # writing *from* it is fine
+    assert torch.equal(out, torch.full((4,), 2.0))
