@@ -11,6 +11,7 @@ file: no root needed, other processes' cache untouched):
 
     .venv/bin/python bench/safetensors_export.py --layers 3 7 [--keep]
 
+Walls are medians of ``--rounds`` interleaved pairs (the host is shared); peak RSS is the max.
 Targets: peak RSS <= 2 x largest tensor + 512 MiB; exporter wall <= 1.0 x cp -r.
 Generated data lives under var/bench (gitignored) and is deleted at the end unless --keep.
 """
@@ -22,6 +23,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -67,12 +69,14 @@ def child_export(src: Path, out: Path, dtype: str, chunk_mib: int) -> None:
             ctx,
         )
     wall = time.monotonic() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peak = usage.ru_maxrss * 1024
     print(
         json.dumps(
             {
                 "wall": wall,
                 "peak_rss": peak,
+                "cpu": usage.ru_utime + usage.ru_stime,
                 "shards": result.summary["shards"],
                 "bytes_read": ctx.metrics["bytes_read"],
                 "bytes_written": ctx.metrics["bytes_written"],
@@ -113,6 +117,8 @@ class BenchRow:
     cp_fsync_wall: float
     export_wall: float
     peak_rss: int
+    export_cpu: float
+    """User + system CPU seconds of the export process (cast, sha256, copies)."""
     shards: int
     load_average: float
     """1-minute load average at the end (the host has 2 cores shared with other work)."""
@@ -129,26 +135,32 @@ class BenchRow:
         return (
             f"layers={self.layers} source={self.source_bytes / 1e9:.2f} GB  "
             f"cp -r {self.cp_wall:.1f}s (+fsync {self.cp_fsync_wall:.1f}s)  "
-            f"export {self.export_wall:.1f}s (x{self.wall_ratio:.2f})  "
+            f"export {self.export_wall:.1f}s (x{self.wall_ratio:.2f}, cpu {self.export_cpu:.1f}s)  "
             f"peak RSS {self.peak_rss / MiB:.0f} MiB (budget {self.rss_budget / MiB:.0f} MiB, "
             f"ok={self.peak_rss <= self.rss_budget})  load {self.load_average:.1f}"
         )
 
 
-def bench(layers: int, work: Path, dtype: str, chunk_mib: int, keep: bool) -> BenchRow:
+def bench(layers: int, work: Path, dtype: str, chunk_mib: int, keep: bool, rounds: int) -> BenchRow:
+    """``rounds`` interleaved (cp -r, export) pairs; medians, since the host is shared."""
     from bench.synth_checkpoint import write_checkpoint
 
     src = work / f"llama-{layers}l"
     if not (src / "config.json").exists():
         print(f"generating {src} ...", file=sys.stderr)
         write_checkpoint(src, layers=layers)
+    cps: list[tuple[float, float]] = []
+    exports: list[dict[str, float]] = []
     try:
         largest = max(i.nbytes for i in _infos(src))
-        evict(src)
-        cp_wall, cp_fsync_wall = run_cp(src, work / "cp-copy")
-        shutil.rmtree(work / "cp-copy")
-        evict(src)
-        figures = run_export(src, work / "export", dtype, chunk_mib)
+        for _ in range(rounds):
+            evict(src)
+            cps.append(run_cp(src, work / "cp-copy"))
+            shutil.rmtree(work / "cp-copy")
+            evict(src)
+            exports.append(run_export(src, work / "export", dtype, chunk_mib))
+            shutil.rmtree(work / "export")
+            print(f"  round: cp {cps[-1][0]:.1f}s export {exports[-1]['wall']:.1f}s", flush=True)
     finally:
         for leftover in (work / "cp-copy", work / "export"):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -159,12 +171,13 @@ def bench(layers: int, work: Path, dtype: str, chunk_mib: int, keep: bool) -> Be
         layers=layers,
         source_bytes=size,
         largest_tensor=largest,
-        cp_wall=cp_wall,
-        cp_fsync_wall=cp_fsync_wall,
+        cp_wall=statistics.median(c[0] for c in cps),
+        cp_fsync_wall=statistics.median(c[1] for c in cps),
         load_average=os.getloadavg()[0],
-        export_wall=float(figures["wall"]),
-        peak_rss=int(figures["peak_rss"]),
-        shards=int(figures["shards"]),
+        export_wall=statistics.median(e["wall"] for e in exports),
+        peak_rss=int(max(e["peak_rss"] for e in exports)),
+        export_cpu=statistics.median(e["cpu"] for e in exports),
+        shards=int(exports[0]["shards"]),
     )
 
 
@@ -185,10 +198,11 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--work", type=Path, default=ROOT / "var" / "bench")
     parser.add_argument("--keep", action="store_true", help="keep generated sources")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     for layers in args.layers:
-        row = bench(layers, args.work, args.dtype, args.chunk_mib, args.keep)
+        row = bench(layers, args.work, args.dtype, args.chunk_mib, args.keep, args.rounds)
         print(row.line(), flush=True)
 
 

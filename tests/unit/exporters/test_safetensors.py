@@ -329,3 +329,14 @@ def test_tiny_chunks_cycle_the_buffer_ring_without_corrupting_data(
         for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             want = expected[name] if dtype is None else expected[name].bfloat16()
             assert torch.equal(f.get_tensor(name), want), name
+
+
+def test_export_restores_torch_thread_count_even_when_cancelled(
+    tmp_path: Path, llama_safetensors_dir: Path
+) -> None:
+    before = torch.get_num_threads()
+    ctx = _ctx(tmp_path)
+    ctx.cancel_event.set()
+    with pytest.raises(JobCancelled):
+        _export(llama_safetensors_dir, tmp_path / "out", ctx)
+    assert torch.get_num_threads() == before
