@@ -157,6 +157,14 @@ def test_an_admin_key_sees_every_tenant(service: ServiceProcess, streamed: Strea
         assert job_id in {j["id"] for j in client.get("/v1/jobs").json()["items"]}
 
 
+def test_offload_figures_name_every_job_so_they_are_admin_only(service: ServiceProcess) -> None:
+    with service.client() as client:
+        assert client.get("/v1/offload").status_code == 401
+        forbidden = client.get("/v1/offload", headers=auth("a"))
+        assert forbidden.status_code == 403 and forbidden.json()["type"].endswith("forbidden")
+        assert client.get("/v1/offload", headers=auth("admin")).status_code == 200
+
+
 def test_probes_stay_open(service: ServiceProcess) -> None:
     with service.client() as client:
         assert client.get("/healthz").status_code == 200

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from service.api.auth import AdminDep
 from service.api.deps import SettingsDep
 from service.offload.usage import offload_usage
 
@@ -13,5 +14,6 @@ router = APIRouter(prefix="/v1", tags=["offload"])
 
 
 @router.get("/offload")
-def get_offload(settings: SettingsDep) -> dict[str, Any]:
+def get_offload(settings: SettingsDep, _admin: AdminDep) -> dict[str, Any]:
+    """Admin keys only: the figures name every tenant's jobs."""
     return offload_usage(settings)
