@@ -209,7 +209,7 @@ def test_metrics_need_an_admin_key_and_describe_jobs_and_requests(
 
     def sample(family: str, name: str, **labels: str) -> float:
         return sum(
-            s.value for s in families[family].samples
+            float(s.value) for s in families[family].samples
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
         )
 
