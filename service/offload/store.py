@@ -25,6 +25,8 @@ ever replaced whole (temp file in the same directory, fsync, ``os.replace``, fsy
 directory). A crash leaves the previous index; data files it does not name are leftovers of an
 interrupted write and are deleted when the store is reopened.
 
+One process (the job's) writes a store; others only read its files (``offload_usage``).
+
 Quota and disk full: only owned bytes count towards ``quota_bytes``. Exceeding it raises
 :class:`OffloadQuotaExceeded`; ``ENOSPC`` raises :class:`DiskFull`. Either way the store deletes
 its own files at once (a full disk must not stay full because of a failed job) and becomes
@@ -238,8 +240,9 @@ class OffloadStore:
     ) -> StoreEntry:
         """Stream a tensor's bytes, piece by piece, into one owned file (bounded memory)."""
         self._check_usable()
-        rel = f"{DATA_DIR}/{self._next_file:06d}.bin"
-        self._next_file += 1
+        with self._lock:
+            rel = f"{DATA_DIR}/{self._next_file:06d}.bin"
+            self._next_file += 1
         path = self.root / rel
         written = 0
         try:
