@@ -139,6 +139,12 @@ def export_nnef(
         ctx.advance(nbytes)
         ctx.add_metric("nnef_bytes_read", nbytes)
 
+    # Tracing, writing and verifying read every weight 4-7 times: keep those reads in the page
+    # cache (reclaimable, not process memory) instead of the reader's single-pass eviction.
+    reader: Any = checkpoint.reader
+    drop_page_cache = getattr(reader, "drop_page_cache", None)
+    if isinstance(drop_page_cache, bool):
+        reader.drop_page_cache = False
     try:
         with (
             off.job_tempdir(work / "tmp"),
@@ -160,6 +166,8 @@ def export_nnef(
                 io, report = _export_encoder(spec, built, launcher, work / "stage", out_dir, ctx)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if isinstance(drop_page_cache, bool):
+            reader.drop_page_cache = drop_page_cache
 
     (out_dir / "io.json").write_text(json.dumps(io.to_json(), indent=2))
     files = [ARCHIVE_NAME, "io.json", "example_inputs.npz", "example_outputs.npz"]
@@ -253,7 +261,7 @@ def _export_causal_lm(
             sample_generation_total_size=2,
             export_dir_struct=ExportDirStruct.FLAT,
         )
-    except T2NError as exc:
+    except (T2NError, RuntimeError, AssertionError, NotImplementedError) as exc:
         raise ExportFailed(f"torch-to-nnef could not export the model: {exc}") from exc
     ctx.check_abort()
     _collect(stage / ARCHIVE_NAME, stage / "tests", out_dir)
@@ -326,7 +334,7 @@ def _export_encoder(
             output_names=wrapper.output_names,
             log_level=T2N_LOG_LEVEL,
         )
-    except T2NError as exc:
+    except (T2NError, RuntimeError, AssertionError, NotImplementedError) as exc:
         raise ExportFailed(f"torch-to-nnef could not export the model: {exc}") from exc
     ctx.check_abort()
     tests = stage / "tests"

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 import shutil
+import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -292,16 +294,27 @@ def weights_only_unpickling() -> Iterator[None]:
         torch.load = real_load
 
 
+def _tgz_compress(dir_path: str, file_path: str, compression_level: int = 0) -> None:
+    """nnef_tools' ``tgz_compress`` with 8 MiB copies instead of tarfile's 16 KiB ones."""
+    with tarfile.open(file_path, "w:gz", compresslevel=compression_level) as tar:
+        tar.copybufsize = 8 << 20  # type: ignore[attr-defined]  # real attribute, not in typeshed
+        for name in sorted(os.listdir(dir_path)):
+            tar.add(os.path.join(dir_path, name), name)
+
+
 @contextlib.contextmanager
 def checkpoint_tensors_writable() -> Iterator[None]:
     """Teach torch-to-nnef's NNEF writer to write a :class:`CheckpointTensor` variable.
 
     Its ``write_offloaded_tensor`` reads the ``.pt`` file an ``OffloadedTensor`` normally has;
-    ours has none, so the value is reloaded from the checkpoint and written the same way.
+    ours has none, so the value is reloaded from the checkpoint and written the same way. The
+    archive step copies through Python in 16 KiB pieces (a third of the export time on a 1 GB
+    model); the same archive is written with larger copies.
     """
     from torch_to_nnef.nnef_io import writer
 
     original = writer.write_offloaded_tensor
+    original_tgz = writer.tgz_compress
 
     def write(tensor: Any, filename: str, quantized: bool) -> None:
         if isinstance(tensor, CheckpointTensor) and tensor.source is not None:
@@ -314,10 +327,12 @@ def checkpoint_tensors_writable() -> Iterator[None]:
         original(tensor, filename, quantized)
 
     writer.write_offloaded_tensor = write
+    writer.tgz_compress = _tgz_compress
     try:
         yield
     finally:
         writer.write_offloaded_tensor = original
+        writer.tgz_compress = original_tgz
 
 
 @contextlib.contextmanager

@@ -10,8 +10,9 @@ subset of the real CLI that torch-to-nnef invokes (``inference_target/tract.py``
           (--assert-output-bundle OUT.npz [--approx LEVEL] | --save-outputs-npz OUT.npz)
           [--allow-float-casts]
 
-Run it as ``python -m service.exporters.tract_cli``; :func:`write_launcher` writes an
-executable wrapper for code that needs a file path. Anything else (``dump``, ONNX input) exits
+Run it as ``python service/exporters/tract_cli.py`` (it imports nothing of the service, so the
+call costs the tract import only); :func:`write_launcher` writes an executable wrapper for code
+that needs a file path. Anything else (``dump``, ONNX input) exits
 with status 2 and an ``ERROR`` line, which torch-to-nnef reports as a tract failure.
 """
 
@@ -144,17 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def write_launcher(directory: Path) -> Path:
     """Write an executable ``tract`` script running this module with the current interpreter.
 
-    torch-to-nnef runs the CLI by path with ``subprocess``; the launcher pins the interpreter
-    (the job's venv) and needs no install step.
+    torch-to-nnef runs the CLI by path with ``subprocess`` (twice per export just for
+    ``--version``); the launcher pins the interpreter (the job's venv) and runs this file
+    directly, without importing the ``service`` package.
     """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tract"
-    root = Path(__file__).resolve().parents[2]
-    path.write_text(
-        "#!/bin/sh\n"
-        f'PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}" '
-        f'exec "{sys.executable}" -m service.exporters.tract_cli "$@"\n'
-    )
+    script = Path(__file__).resolve()
+    # -P: do not put this package directory on sys.path (its safetensors.py would shadow).
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -P "{script}" "$@"\n')
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path
 

@@ -1,0 +1,148 @@
+"""Benchmark: NNEF export of a >= 4 GB float32 Llama-shaped checkpoint vs torch-to-nnef's dump_llm.
+
+    .venv/bin/python bench/export_nnef.py [--layers 22] [--dir /tmp/nnef-bench] [--verify]
+
+Writes a synthetic TinyLlama-1.1B-like checkpoint (hidden 2048, 22 layers, vocab 32000, float32,
+one ``model.safetensors`` shard) with ``bench/synth_checkpoint.py`` (never held in RAM), then
+runs each measurement in its own child process and prints its wall time and peak RSS:
+
+* ``modelprep``: :class:`service.exporters.nnef.NNEFExporter` (weights re-read from the
+  checkpoint, torch-to-nnef LLM exporter), without tract verification;
+* ``modelprep-verify`` (``--verify``): the same plus the tract check (prompt + 2 greedy steps);
+* ``dump_llm-offload``: ``torch_to_nnef_llm.exporter.dump_llm(device_map="t2n_offload_disk")``
+  with its defaults, except ``no_verify=True`` (its tract check needs a tract binary) and
+  ``trust_remote_code=False``.
+
+Both children get ``TMPDIR`` inside ``--dir``; everything under it is deleted at the end unless
+``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (Linux reports KiB); mapped file pages included."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_modelprep(ckpt: Path, out: Path, verify: bool) -> dict[str, Any]:
+    from service.checkpoint import open_checkpoint
+    from service.config import Settings
+    from service.exporters.base import ExportInputs
+    from service.exporters.nnef import NNEFExporter, NNEFSpec
+    from service.jobs.context import InMemoryContext
+
+    ctx = InMemoryContext(settings=Settings(data_dir=out / "var"), work_dir=out / "work")
+    ctx.work_dir.mkdir(parents=True)
+    spec = NNEFSpec(verify=verify, decode_steps=2)
+    with open_checkpoint(ckpt) as checkpoint:
+        result = NNEFExporter().export(spec, ExportInputs(checkpoint=checkpoint), out / "nnef", ctx)
+    return {"summary": result.summary, "bytes_read": ctx.metrics.get("nnef_bytes_read")}
+
+
+def run_dump_llm(ckpt: Path, out: Path) -> dict[str, Any]:
+    from torch_to_nnef_llm.exporter import dump_llm
+
+    from service.exporters.tract_cli import write_launcher
+
+    launcher = write_launcher(out / "bin")
+    dump_llm(
+        local_dir=ckpt,
+        device_map="t2n_offload_disk",
+        export_dirpath=out / "dump",
+        tract_specific_path=launcher,
+        no_verify=True,
+        trust_remote_code=False,
+    )
+    archive = next((out / "dump").rglob("model.nnef.t*"))
+    return {"archive_bytes": archive.stat().st_size}
+
+
+def child(mode: str, ckpt: Path, out: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    start = time.monotonic()
+    if mode.startswith("modelprep"):
+        detail = run_modelprep(ckpt, out, verify=mode == "modelprep-verify")
+    else:
+        detail = run_dump_llm(ckpt, out)
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "seconds": round(time.monotonic() - start, 1),
+                "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3),
+                **detail,
+            }
+        )
+    )
+
+
+def measure(mode: str, ckpt: Path, base: Path) -> dict[str, Any]:
+    out = base / mode
+    tmp = out / "tmp"
+    tmp.mkdir(parents=True)
+    env = dict(os.environ, TMPDIR=str(tmp), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        return {"mode": mode, "error": proc.stderr[-2000:]}
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    leftovers = [p.name for p in tmp.iterdir()]
+    result["tmpdir_leftovers"] = len(leftovers)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/nnef-bench"))
+    parser.add_argument("--verify", action="store_true", help="also verify with tract (modelprep)")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--child", choices=["modelprep", "modelprep-verify", "dump_llm-offload"])
+    parser.add_argument("--ckpt", type=Path)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.ckpt, args.out)
+        return
+
+    sys.path.insert(0, str(ROOT))
+    from bench.synth_checkpoint import write_checkpoint
+    from tests.fixtures.models import write_tiny_tokenizer
+
+    base = args.dir
+    if base.exists():
+        raise SystemExit(f"{base} exists; remove it or pass another --dir")
+    try:
+        ckpt = base / "ckpt"
+        start = time.monotonic()
+        info = write_checkpoint(ckpt, args.layers, 2048, 5632, 32000, shard_size=10**12)
+        write_tiny_tokenizer(ckpt)  # dump_llm insists on a tokenizer.json
+        info["seconds"] = round(time.monotonic() - start, 1)
+        print(json.dumps({"checkpoint": info}), flush=True)
+        modes = ["modelprep"] + (["modelprep-verify"] if args.verify else [])
+        modes += [] if args.skip_baseline else ["dump_llm-offload"]
+        for mode in modes:
+            print(json.dumps(measure(mode, ckpt, base)), flush=True)
+            shutil.rmtree(base / mode, ignore_errors=True)  # disk: one export at a time
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
