@@ -338,3 +338,28 @@ def test_check_refuses_missing_config_and_another_tract_version() -> None:
 
 def test_exporter_is_registered_under_nnef() -> None:
     assert isinstance(registry()["nnef"], NNEFExporter)
+
+
+def test_checkpoint_tensor_rereads_the_checkpoint_casts_lazily_and_keeps_rewrites(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    from service.exporters.nnef_offload import CheckpointTensor
+
+    reads: list[int] = []
+    with open_checkpoint(tiny_checkpoint("llama", "safetensors")) as ckpt:
+        name = "model.embed_tokens.weight"
+        stored = ckpt.reader.read(name)
+        tensor = CheckpointTensor.create(
+            ckpt.reader, name, name, tuple(stored.shape), stored.dtype, tmp_path, reads.append
+        )
+        assert torch.equal(tensor.reload(), stored)
+        assert reads == [stored.nbytes]
+        assert list(tmp_path.iterdir()) == []  # the checkpoint is the store: no copy
+        tensor.to(torch.float16)
+        assert tensor.reload().dtype == torch.float16
+        assert torch.allclose(tensor.reload().float(), stored, atol=1e-3)
+        with weights_only_unpickling():
+            tensor.update_values(torch.zeros_like(stored))
+            assert tensor.source is None
+            assert torch.count_nonzero(tensor.reload()) == 0  # now from its own .pt payload
+        assert len(list(tmp_path.iterdir())) == 1
