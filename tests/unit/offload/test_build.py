@@ -106,3 +106,34 @@ def test_build_phase_publishes_the_model_section(
     assert model["architecture"] == "BertModel"
     assert model["keys"]["missing"] == []
     assert model["parameters"] == built.parameter_count
+
+
+def test_auto_map_of_a_70b_skeleton_keeps_layers_whole_within_budget(settings: Settings) -> None:
+    from transformers import LlamaForCausalLM
+
+    from service.offload.device_map import auto_device_map, placed_bytes
+    from service.offload.streaming import PAGE_BYTES
+
+    config = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    model = build_meta_model(config, settings, torch.bfloat16, LlamaForCausalLM)
+    budget = 20 * 2**30
+    device_map = auto_device_map(model, budget, ["LlamaDecoderLayer"], torch.bfloat16)
+    layers = {k: v for k, v in device_map.items() if k.startswith("model.layers.")}
+    assert all(k.count(".") == 2 for k in layers)  # whole decoder layers, never their parts
+    assert device_map["model.embed_tokens"] == "cpu"
+    layer_bytes = sum(p.numel() for p in model.get_submodule("model.layers.0").parameters()) * 2
+    embed_bytes = model.get_parameter("model.embed_tokens.weight").numel() * 2
+    # 2.1 GB of embeddings, then as many 1.7 GB layers as fit beside one page
+    fitting = (budget - PAGE_BYTES - embed_bytes) // layer_bytes
+    assert list(layers.values()).count("cpu") == fitting == 11
+    assert device_map["lm_head"] == "disk"
+    totals = placed_bytes(model, device_map, torch.bfloat16)
+    assert totals["cpu"] + PAGE_BYTES <= budget
+    assert totals["cpu"] + totals["disk"] == sum(p.numel() for p in model.parameters()) * 2
