@@ -93,6 +93,10 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(
         default=None, description="A JSON file holding the same list, read once at start-up."
     )
+    job_nice: int = Field(
+        default=10, ge=0, le=19,
+        description="Niceness added to job processes, so the API stays responsive under load.",
+    )
     http_keep_alive_seconds: int = Field(
         default=30, ge=1,
         description="Idle keep-alive of client connections; longer than clients' own (httpx: "

@@ -130,6 +130,9 @@ def run_job(
 ) -> None:
     """Child-process entry point: run job ``job_id`` to a terminal status."""
     os.setsid()  # own process group: the executor kills the job and all it started at once
+    # Below the API's priority: a job saturating the CPUs must not make status polls and
+    # event streams wait (bench/api_latency.py). Inherited by whatever the job starts.
+    os.nice(settings.job_nice)
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     from service.logs import configure_logging
