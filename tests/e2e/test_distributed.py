@@ -195,6 +195,24 @@ def test_a_job_whose_worker_is_killed_is_retried_on_the_other_with_one_set_of_ar
         c.assert_one_set_of_artifacts(done)
 
 
+def test_a_worker_stopped_by_sigterm_hands_its_job_to_the_other(
+    tmp_path: Path, root: Path, slow_source: str
+) -> None:
+    with cluster(tmp_path, root) as c:
+        job_id = c.submit(slow_source)
+        c.wait_until(job_id, "download")
+        leaving = c.worker_of(job_id)
+        [first] = c.starts(job_id)
+        leaving.stop()
+        assert leaving.process.returncode == 0, leaving.logs()[-3000:]
+        assert _gone(first["pid"])
+        done = c.api.wait_for(job_id, timeout=120)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["attempts"] == 2
+        assert "released at shutdown" in leaving.logs()
+        c.assert_one_set_of_artifacts(done)
+
+
 def test_cancelling_a_job_running_on_a_worker_stops_it_within_five_seconds(
     tmp_path: Path, root: Path, slow_source: str
 ) -> None:
