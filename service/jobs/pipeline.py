@@ -84,14 +84,16 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
 
         model = _build(checkpoint, spec, specs, ctx, counts)
         session = _ModelSession.open(checkpoint, model, spec, ctx) if model else None
+        failed = True
         try:
             inputs = ExportInputs(checkpoint=checkpoint, model=model.model if model else None)
             summaries, digests = _export_all(specs, inputs, layout, ctx)
             if session is not None:
                 session.verify(specs, summaries, layout)
+            failed = False
         finally:
             if session is not None:
-                session.close()
+                session.close(failed)
         model_info = {**counts, **ctx.details.get("model", {})}
 
     ctx.set_phase(Phase.FINALIZE, unit="files")
@@ -222,12 +224,14 @@ class _ModelSession:
             )
             self.ctx.advance(1)
 
-    def close(self) -> None:
+    def close(self, failed: bool) -> None:
+        """Final offload figures into the job, then the store goes (kept for a failed job only
+        with ``keep_failed_offload``)."""
         if self.store is not None:
             from service.offload.dispatch import publish_offload_metrics
 
             publish_offload_metrics(self.store, self.ctx)
-            self.store.destroy()
+            self.store.close(failed=failed)
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
@@ -238,7 +242,9 @@ def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
     input_ids = fixed_input_ids(vocab)
     ctx.check_abort()
     output, _stats = streamed_forward(
-        model, {"input_ids": input_ids, "attention_mask": input_ids.new_ones(input_ids.shape)}
+        model,
+        {"input_ids": input_ids, "attention_mask": input_ids.new_ones(input_ids.shape)},
+        check_abort=ctx.check_abort,
     )
     return output.float()
 
