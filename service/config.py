@@ -40,7 +40,6 @@ class Settings(BaseSettings):
     local_roots: list[Path] = Field(
         default_factory=list, description="Directories file:// sources may come from."
     )
-    cancel_grace_seconds: float = 2.0
     progress_interval_seconds: float = 0.25
 
     # distributed execution: MODELPREP_EXECUTOR=procrastinate, `modelprep worker` processes

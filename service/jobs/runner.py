@@ -11,8 +11,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import signal
 import resource
+import signal
 import tempfile
 import time
 import traceback
@@ -104,9 +104,7 @@ class StoreContext:
             metrics=self.metrics,
             details=self.details,
         )
-        if not still_running:
-            self._cancelled = True
-        elif self.store.get(self.job_id).cancel_requested:
+        if not still_running or self.store.get(self.job_id).cancel_requested:
             self._cancelled = True
 
 
@@ -170,7 +168,7 @@ def run_job(
         _finish_failed(store, ctx, JobStatus.FAILED, exc, started)
     except MemoryError as exc:
         _finish_failed(store, ctx, JobStatus.FAILED, exc, started, code="out_of_memory")
-    except Exception as exc:  # the job fails with the cause; the service never does
+    except Exception as exc:  # noqa: BLE001 - the job fails with the cause; the service never does
         log.error("internal error\n%s", traceback.format_exc(), extra={"job_id": job_id})
         _finish_failed(store, ctx, JobStatus.FAILED, exc, started, code="internal_error")
     finally:

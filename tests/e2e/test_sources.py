@@ -14,7 +14,7 @@ import pytest
 
 from tests.fixtures.http_server import FileServer, Route
 from tests.fixtures.hub import LocalHub, files_of
-from tests.fixtures.models import build_checkpoint, save_checkpoint, build_tiny_model
+from tests.fixtures.models import build_checkpoint, build_tiny_model, save_checkpoint
 from tests.fixtures.service import ServiceProcess, running_service
 
 

@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 
-import service.errors as errors
+from service import errors
 from service.errors import ServiceError
 
 
