@@ -1,9 +1,10 @@
 """Benchmark: NNEF export of a >= 4 GB float32 Llama-shaped checkpoint vs torch-to-nnef's dump_llm.
 
     .venv/bin/python bench/export_nnef.py [--layers 22] [--dir /tmp/nnef-bench] [--verify]
+                                          [--compression q4_0] [--skip-baseline] [--keep]
 
-Writes a synthetic TinyLlama-1.1B-like checkpoint (hidden 2048, 22 layers, vocab 32000, float32,
-one ``model.safetensors`` shard) with ``bench/synth_checkpoint.py`` (never held in RAM), then
+Writes a synthetic TinyLlama-1.1B-like checkpoint (hidden 2048, intermediate 5632, 22 layers,
+vocab 32000, 16 KV heads so 5.0 GB in float32, one ``model.safetensors`` shard) with ``bench/synth_checkpoint.py`` (never held in RAM), then
 runs each measurement in its own child process and prints its wall time and peak RSS:
 
 * ``modelprep``: :class:`service.exporters.nnef.NNEFExporter` (weights re-read from the
@@ -38,7 +39,9 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_modelprep(ckpt: Path, out: Path, verify: bool) -> dict[str, Any]:
+def run_modelprep(
+    ckpt: Path, out: Path, verify: bool, compression: str | None = None
+) -> dict[str, Any]:
     from service.checkpoint import open_checkpoint
     from service.config import Settings
     from service.exporters.base import ExportInputs
@@ -47,7 +50,9 @@ def run_modelprep(ckpt: Path, out: Path, verify: bool) -> dict[str, Any]:
 
     ctx = InMemoryContext(settings=Settings(data_dir=out / "var"), work_dir=out / "work")
     ctx.work_dir.mkdir(parents=True)
-    spec = NNEFSpec(verify=verify, decode_steps=2)
+    spec = NNEFSpec.model_validate(
+        {"format": "nnef", "verify": verify, "decode_steps": 2, "compression": compression}
+    )
     with open_checkpoint(ckpt) as checkpoint:
         result = NNEFExporter().export(spec, ExportInputs(checkpoint=checkpoint), out / "nnef", ctx)
     return {"summary": result.summary, "bytes_read": ctx.metrics.get("nnef_bytes_read")}
@@ -71,11 +76,11 @@ def run_dump_llm(ckpt: Path, out: Path) -> dict[str, Any]:
     return {"archive_bytes": archive.stat().st_size}
 
 
-def child(mode: str, ckpt: Path, out: Path) -> None:
+def child(mode: str, ckpt: Path, out: Path, compression: str | None) -> None:
     sys.path.insert(0, str(ROOT))
     start = time.monotonic()
     if mode.startswith("modelprep"):
-        detail = run_modelprep(ckpt, out, verify=mode == "modelprep-verify")
+        detail = run_modelprep(ckpt, out, mode == "modelprep-verify", compression)
     else:
         detail = run_dump_llm(ckpt, out)
     print(
@@ -90,12 +95,14 @@ def child(mode: str, ckpt: Path, out: Path) -> None:
     )
 
 
-def measure(mode: str, ckpt: Path, base: Path) -> dict[str, Any]:
+def measure(mode: str, ckpt: Path, base: Path, compression: str | None) -> dict[str, Any]:
     out = base / mode
     tmp = out / "tmp"
     tmp.mkdir(parents=True)
     env = dict(os.environ, TMPDIR=str(tmp), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--out", str(out)]
+    if compression and mode.startswith("modelprep"):
+        cmd += ["--compression", compression]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         return {"mode": mode, "error": proc.stderr[-2000:]}
@@ -112,12 +119,13 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true", help="also verify with tract (modelprep)")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--compression", choices=["q4_0"], help="modelprep runs only")
     parser.add_argument("--child", choices=["modelprep", "modelprep-verify", "dump_llm-offload"])
     parser.add_argument("--ckpt", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.ckpt, args.out)
+        child(args.child, args.ckpt, args.out, args.compression)
         return
 
     sys.path.insert(0, str(ROOT))
@@ -137,7 +145,7 @@ def main() -> None:
         modes = ["modelprep"] + (["modelprep-verify"] if args.verify else [])
         modes += [] if args.skip_baseline else ["dump_llm-offload"]
         for mode in modes:
-            print(json.dumps(measure(mode, ckpt, base)), flush=True)
+            print(json.dumps(measure(mode, ckpt, base, args.compression)), flush=True)
             shutil.rmtree(base / mode, ignore_errors=True)  # disk: one export at a time
     finally:
         if not args.keep:

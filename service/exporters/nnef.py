@@ -150,6 +150,7 @@ def export_nnef(
             off.job_tempdir(work / "tmp"),
             off.weights_only_unpickling(),
             off.checkpoint_tensors_writable(),
+            off.eager_q4_dequantize(),
         ):
             launcher = write_launcher(work / "bin")
             offload_dir = work / "offload"

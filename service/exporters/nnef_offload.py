@@ -336,6 +336,25 @@ def checkpoint_tensors_writable() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def eager_q4_dequantize() -> Iterator[None]:
+    """Run torch-to-nnef's q4_0 dequantization eagerly instead of through ``torch.compile``.
+
+    It is a reshape, a subtract and a multiply; compiling it costs tens of seconds and hundreds
+    of MB per export and writes an inductor cache under the system temp dir.
+    """
+    from torch_to_nnef.tensor.quant.base import QScalePerGroupF16
+
+    original = QScalePerGroupF16.__dict__["_dequantize"]
+    eager = getattr(QScalePerGroupF16, "_dequantize_original", None)
+    if eager is not None:
+        QScalePerGroupF16._dequantize = staticmethod(eager)
+    try:
+        yield
+    finally:
+        QScalePerGroupF16._dequantize = original
+
+
+@contextlib.contextmanager
 def job_tempdir(path: Path) -> Iterator[Path]:
     """Point ``tempfile`` (torch-to-nnef's ``mkdtemp``/``TemporaryDirectory``) at ``path``.
 
