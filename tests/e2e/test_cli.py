@@ -185,3 +185,25 @@ def test_keygen_prints_a_key_that_the_service_accepts(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "service.cli", "keygen", "--tenant", "a b"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "invalid tenant" in bad.stderr
+
+
+def test_wait_survives_a_service_restart(root: Path, tmp_path: Path) -> None:
+    """The stream drops when the service stops; ``wait`` reconnects with Last-Event-ID to the
+    restarted service (which re-queues the interrupted job) and still reports the outcome."""
+    keys = json.dumps([{"tenant": "cli", "sha256": key_digest(KEY)}])
+    env, port, data = {"MODELPREP_API_KEYS": keys}, free_port(), tmp_path / "data"
+    with running_service(data, [root], env=env, port=port) as first:
+        job_id = modelprep("submit", str(root / "llama"), "-e", "safetensors",
+                           url=first.url).stdout.strip()
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "wait", job_id],
+            env={**os.environ, "MODELPREP_URL": first.url, "MODELPREP_API_KEY": KEY},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        assert waiting.stderr is not None
+        first_line = waiting.stderr.readline()  # the stream is up: the job's first event
+        assert first_line.startswith(job_id), first_line
+    with running_service(data, [root], env=env, port=port):
+        _, stderr = waiting.communicate(timeout=240)
+    assert waiting.returncode == 0, stderr
+    assert f"{job_id} succeeded done" in stderr
