@@ -184,6 +184,10 @@ def build_offloaded_model(
             f"architecture {config.model_type!r} cannot be built: {exc}"
         ) from exc
     module.eval()
+    if hasattr(module, "tie_weights"):
+        # Tied weights (tie_word_embeddings) are stored once: make them one tensor before
+        # pointing it at the checkpoint, as from_pretrained would.
+        module.tie_weights()
     # torch-to-nnef writes _name_or_path into the archive properties: keep host paths out.
     module.config._name_or_path = checkpoint.root.name
     weight_bytes = attach_checkpoint_weights(module, checkpoint.reader, offload_dir, dtype, hook)

@@ -203,6 +203,16 @@ def test_bin_checkpoint_exports_through_the_weights_only_reader(
     assert exported.result.summary["verify"]["max_abs_err"] < 1e-4
 
 
+def test_tied_embeddings_stored_once_export_and_match(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    ckpt = tiny_checkpoint("llama", "safetensors", tied=True)
+    with open_checkpoint(ckpt) as opened:
+        assert "lm_head.weight" not in {i.name for i in opened.reader.tensor_infos()}
+    exported = _export(ckpt, tmp_path, NNEFSpec(decode_steps=1))
+    assert exported.result.summary["verify"]["max_abs_err"] < 1e-4
+
+
 # --- traps of torch-to-nnef -------------------------------------------------------------------
 
 
