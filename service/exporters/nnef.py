@@ -30,6 +30,7 @@ import logging
 import shutil
 import time
 import uuid
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -267,6 +268,10 @@ def _export_causal_lm(
     ctx.check_abort()
     _collect(stage / ARCHIVE_NAME, stage / "tests", out_dir)
     io = _io_spec(out_dir, "causal_lm", target.dynamic_axes, spec)
+    cache_dtype = str(exporter.inputs_dtype).removeprefix("torch.")
+    # The example npz bundles hold the caches as float32 whatever the model's dtype.
+    io.inputs = io.inputs[:1] + [replace(t, dtype=cache_dtype) for t in io.inputs[1:]]
+    io.outputs = io.outputs[:1] + [replace(t, dtype=cache_dtype) for t in io.outputs[1:]]
     io.notes = {
         "inputs": "input_ids[1,S] then per layer in_cache_key/value[1,kv_heads,P,head_dim]",
         "outputs": "logits of the last token, then caches extended to P+S",

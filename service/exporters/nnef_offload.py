@@ -142,6 +142,19 @@ def model_kind(config: dict[str, Any]) -> ModelKind:
     return "encoder"
 
 
+def _architecture_class(config: dict[str, Any]) -> Any:
+    """The transformers class named by ``architectures[0]``, when transformers has it."""
+    import transformers
+
+    architectures = config.get("architectures") or []
+    if not architectures or not isinstance(architectures[0], str):
+        return None
+    cls = getattr(transformers, architectures[0], None)
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+        return cls
+    return None
+
+
 def build_offloaded_model(
     checkpoint: Checkpoint,
     *,
@@ -170,15 +183,18 @@ def build_offloaded_model(
     except (ValueError, KeyError, OSError) as exc:
         raise UnsupportedExport(f"cannot build a model from config.json: {exc}") from exc
     dtype = export_dtype(checkpoint)
-    auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModel
     try:
         with init_empty_weights(include_buffers=False):
-            module = auto.from_config(  # type: ignore[no-untyped-call]
-                config,
-                trust_remote_code=trust_remote_code,
-                attn_implementation="eager",
-                dtype=dtype,
-            )
+            kwargs: dict[str, Any] = {"attn_implementation": "eager", "dtype": dtype}
+            named = _architecture_class(checkpoint.config) if kind == "encoder" else None
+            if named is not None:
+                # The checkpoint's own head (BertForMaskedLM...): its weights are all there.
+                module = named._from_config(config, **kwargs)
+            else:
+                auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModel
+                module = auto.from_config(  # type: ignore[no-untyped-call]
+                    config, trust_remote_code=trust_remote_code, **kwargs
+                )
     except (ValueError, KeyError, ImportError) as exc:
         raise UnsupportedExport(
             f"architecture {config.model_type!r} cannot be built: {exc}"

@@ -71,6 +71,14 @@ class ParityReport:
         return asdict(self)
 
 
+_TRACT_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64"}
+
+
+def _fact_dtype(fact: Any, fallback: str) -> str:
+    """The dtype tract expects for an input (its fact prints as ``1,2,P,16,F16``)."""
+    return _TRACT_DTYPES.get(str(fact).rsplit(",", 1)[-1].strip(), fallback)
+
+
 def _check(
     found: list[np.ndarray], expected: list[np.ndarray], atol: float, rtol: float
 ) -> tuple[float, float, float]:
@@ -127,9 +135,9 @@ def verify_causal_lm(
     """
     runnable = load_runnable(archive)
     caches = []
-    for spec in io.inputs[1:]:
+    for i, spec in enumerate(io.inputs[1:], start=1):
         shape = [0 if dim == "P" else int(dim) for dim in spec.shape]
-        caches.append(np.zeros(shape, dtype=np.dtype(spec.dtype)))
+        caches.append(np.zeros(shape, dtype=_fact_dtype(runnable.input_fact(i), spec.dtype)))
     step_ids = np.asarray([expected.prompt], dtype=np.int64)
     found: list[np.ndarray] = []
     agreed: list[bool] = []

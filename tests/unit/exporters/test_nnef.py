@@ -33,7 +33,14 @@ from service.exporters.tract_cli import write_launcher
 from service.jobs.context import InMemoryContext
 from service.jobs.model import Phase
 from tests.conftest import TinyCheckpointFactory
-from tests.fixtures.models import build_checkpoint, copy_tree, write_pickle_with_object
+from tests.fixtures.models import (
+    build_checkpoint,
+    build_tiny_llama,
+    copy_tree,
+    save_checkpoint,
+    tiny_bert_config,
+    write_pickle_with_object,
+)
 
 
 @dataclass
@@ -210,6 +217,26 @@ def test_tied_embeddings_stored_once_export_and_match(
     with open_checkpoint(ckpt) as opened:
         assert "lm_head.weight" not in {i.name for i in opened.reader.tensor_infos()}
     exported = _export(ckpt, tmp_path, NNEFSpec(decode_steps=1))
+    assert exported.result.summary["verify"]["max_abs_err"] < 1e-4
+
+
+def test_float16_llama_keeps_float16_caches_and_matches(tmp_path: Path) -> None:
+    model = build_tiny_llama()
+    torch.nn.Module.to(model, torch.float16)
+    ckpt = save_checkpoint(model, tmp_path / "ckpt")
+    exported = _export(ckpt, tmp_path / "job", NNEFSpec(decode_steps=1))
+    assert exported.result.summary["dtype"] == "float16"
+    assert exported.result.summary["verify"]["max_abs_err"] < 1e-3
+    assert {t.dtype for t in _io(exported.out).inputs[1:]} == {"float16"}
+
+
+def test_encoder_with_a_head_exports_the_checkpoint_architecture(tmp_path: Path) -> None:
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(BertForMaskedLM(tiny_bert_config()), tmp_path / "ckpt")
+    exported = _export(ckpt, tmp_path / "job", NNEFSpec())
+    assert [t.name for t in _io(exported.out).outputs] == ["logits"]
     assert exported.result.summary["verify"]["max_abs_err"] < 1e-4
 
 
