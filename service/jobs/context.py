@@ -6,14 +6,19 @@ benchmarks and tests an :class:`InMemoryContext`.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from service.config import Settings
 from service.errors import JobCancelled
 from service.jobs.model import Phase
+
+log = logging.getLogger(__name__)
 
 
 class JobContext(Protocol):
@@ -47,7 +52,9 @@ class JobContext(Protocol):
 
 @dataclass
 class InMemoryContext:
-    """A complete context that keeps everything in memory (benchmarks, tests, offline runs)."""
+    """A complete context that keeps everything in memory (benchmarks, tests, offline runs);
+    the runner's store-backed context extends it by persisting every change (:meth:`_changed`).
+    """
 
     settings: Settings
     work_dir: Path
@@ -60,15 +67,32 @@ class InMemoryContext:
     details: dict[str, Any] = field(default_factory=dict)
     phases_seen: list[Phase] = field(default_factory=list)
     cancel_event: threading.Event = field(default_factory=threading.Event)
+    _phase_started: float = 0.0
 
     def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None:
+        self.close_phase()
+        self._phase_started = time.monotonic()
+        # details["phases"]: the timeline the API's /metrics turns into per-phase histograms.
+        self.details.setdefault("phases", []).append(
+            {"phase": phase.value, "started_at": datetime.now(UTC).isoformat(), "seconds": None}
+        )
         self.phase, self.total, self.unit, self.done = phase, total, unit, 0
         self.phases_seen.append(phase)
+        log.info("phase %s", phase.value, extra={"job_id": self.job_id, "phase": phase.value})
+        self._changed(force=True)
+
+    def close_phase(self) -> None:
+        """Record how long the current phase took (its ``seconds`` in details["phases"])."""
+        phases = self.details.get("phases")
+        if phases and phases[-1]["seconds"] is None:
+            phases[-1]["seconds"] = round(time.monotonic() - self._phase_started, 3)
 
     def advance(self, n: int) -> None:
         self.done += n
+        self._changed()
 
     def check_abort(self) -> None:
+        self._changed()
         if self.cancel_event.is_set():
             raise JobCancelled(f"job {self.job_id} was cancelled")
 
@@ -80,3 +104,7 @@ class InMemoryContext:
 
     def set_detail(self, section: str, value: Any) -> None:
         self.details[section] = value
+        self._changed(force=True)
+
+    def _changed(self, force: bool = False) -> None:
+        """Called after every change of progress or details; nothing to persist here."""

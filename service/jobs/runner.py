@@ -16,15 +16,14 @@ import signal
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 from service.config import Settings
 from service.errors import JobCancelled, ServiceError
+from service.jobs.context import InMemoryContext
 from service.jobs.layout import JobLayout
-from service.jobs.model import JobError, JobStatus, Phase, Progress
-from service.jobs.store import JobStore, utcnow
+from service.jobs.model import JobError, JobStatus, Progress
+from service.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -36,60 +35,17 @@ def peak_rss_bytes() -> int:
     return max(own, children) * 1024
 
 
-@dataclass
-class StoreContext:
+@dataclass(kw_only=True)
+class StoreContext(InMemoryContext):
     """A :class:`JobContext` that reports to the job store, throttled so that byte-level
-    progress costs a database write at most every ``settings.progress_interval_seconds``."""
+    progress costs a database write at most every ``settings.progress_interval_seconds``;
+    a cancellation seen in the store makes the next ``check_abort`` raise."""
 
-    job_id: str
-    settings: Settings
-    work_dir: Path
     store: JobStore
-    phase: Phase = Phase.QUEUED
-    done: int = 0
-    total: int | None = None
-    unit: str = "bytes"
-    metrics: dict[str, Any] = field(default_factory=dict)
-    details: dict[str, Any] = field(default_factory=dict)
     _last_flush: float = 0.0
-    _cancelled: bool = False
-    _phase_started: float = 0.0
 
-    def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None:
-        self.close_phase()
-        self._phase_started = time.monotonic()
-        # details["phases"]: the timeline the API's /metrics turns into per-phase histograms.
-        self.details.setdefault("phases", []).append(
-            {"phase": phase.value, "started_at": utcnow().isoformat(), "seconds": None}
-        )
-        self.phase, self.total, self.unit, self.done = phase, total, unit, 0
-        log.info("phase %s", phase.value, extra={"job_id": self.job_id, "phase": phase.value})
-        self.flush(force=True)
-
-    def close_phase(self) -> None:
-        """Record how long the current phase took (its ``seconds`` in details["phases"])."""
-        phases = self.details.get("phases")
-        if phases and phases[-1]["seconds"] is None:
-            phases[-1]["seconds"] = round(time.monotonic() - self._phase_started, 3)
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        self.flush()
-
-    def check_abort(self) -> None:
-        self.flush()
-        if self._cancelled:
-            raise JobCancelled(f"job {self.job_id} was cancelled")
-
-    def add_metric(self, key: str, value: float) -> None:
-        self.metrics[key] = self.metrics.get(key, 0) + value
-
-    def set_metric(self, key: str, value: Any) -> None:
-        self.metrics[key] = value
-
-    def set_detail(self, section: str, value: Any) -> None:
-        self.details[section] = value
-        self.flush(force=True)
+    def _changed(self, force: bool = False) -> None:
+        self.flush(force)
 
     def flush(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -105,7 +61,7 @@ class StoreContext:
             details=self.details,
         )
         if not still_running or self.store.get(self.job_id).cancel_requested:
-            self._cancelled = True
+            self.cancel_event.set()
 
 
 def _die_with_parent(parent_pid: int) -> None:
