@@ -17,10 +17,18 @@ runs each measurement in its own child process and prints its wall time and peak
 Both children get ``TMPDIR`` inside ``--dir``; everything under it is deleted at the end unless
 ``--keep``.
 
-Run of 2026-11-22 (2 shared cores, other benchmarks running; 5.05 GB checkpoint):
-modelprep 361 s, peak RSS 0.86 GiB; modelprep-verify 599 s, 6.72 GiB (tract holds the whole
-model); dump_llm-offload 1074 s, 5.14 GiB, and its 4.8 GB mkdtemp offload dir left behind.
-q4_0 on a 4-layer (1.35 GB) variant, with verification: 160 s, 1.63 GiB, archive 415 MB.
+Runs of 2026-11-22 on a 5.05 GB checkpoint (2 cores shared with other engineers' jobs):
+
+==================  ==============  ===============  ================
+run                 modelprep       modelprep-verify dump_llm-offload
+==================  ==============  ===============  ================
+07:23 (quieter)     107 s, 0.84 GiB        -         210 s, 5.14 GiB
+06:25 (loaded)      361 s, 0.86 GiB 599 s, 6.72 GiB  1074 s, 5.14 GiB
+==================  ==============  ===============  ================
+
+dump_llm leaves its 4.8 GB ``mkdtemp`` offload directory behind each time; the verify peak is
+tract holding the whole float32 model. q4_0 on a 4-layer (1.35 GB) variant, with verification:
+160 s, 1.63 GiB, 415 MB archive.
 """
 
 from __future__ import annotations
