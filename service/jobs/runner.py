@@ -64,31 +64,45 @@ class StoreContext(InMemoryContext):
             self.cancel_event.set()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the service dies, so no orphan job keeps writing
-    into a directory that recovery will hand to the next attempt."""
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the forkserver, which lives exactly
+    as long as the service) dies, so no orphan job keeps writing into a directory that recovery
+    will hand to the next attempt."""
+    _release_forkserver()
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
 _PR_SET_PDEATHSIG = 1
 
 
-def run_job(
-    job_id: str, settings: Settings, secrets: dict[str, str], parent_pid: int | None = None
-) -> None:
+def _release_forkserver() -> None:
+    """Close the forkserver's "alive" pipe that multiprocessing hands every forked child.
+
+    While any child holds it the forkserver outlives the service; closed, the forkserver exits
+    as soon as the service's end closes (even on SIGKILL), and with it every job process."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
     """Child-process entry point: run job ``job_id`` to a terminal status."""
     os.setsid()  # own process group: the executor kills the job and all it started at once
     # Below the API's priority: a job saturating the CPUs must not make status polls and
     # event streams wait (bench/api_latency.py). Inherited by whatever the job starts.
     os.nice(settings.job_nice)
-    if parent_pid is not None:
-        _die_with_parent(parent_pid)
+    _die_with_parent()
     from service.logs import configure_logging
 
     configure_logging(settings, job_id=job_id)

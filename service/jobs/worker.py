@@ -56,6 +56,7 @@ from service.jobs.executors.process import (
     spawn_job_process,
     stop_cancelled,
     stop_interrupted,
+    warm_up,
 )
 from service.jobs.layout import JobLayout
 from service.jobs.model import JobStatus
@@ -100,9 +101,8 @@ class WorkerRuntime:
         if job is None:  # cancelled before it started, or delivered again after it ended
             log.info("job is not queued; nothing to run", extra={"job_id": job_id})
             return "not queued"
-        # Spawned from the event loop's thread, which lives as long as the worker: the child's
-        # parent-death signal is tied to the thread that started it.
-        process = spawn_job_process(job_id, self.settings, {})
+        # Off the loop: a fork from the forkserver must not delay heartbeats.
+        process = await asyncio.to_thread(spawn_job_process, job_id, self.settings, {})
         self.running[job_id] = process
         log.info(
             "started",
@@ -277,6 +277,7 @@ async def serve(settings: Settings, health_file: Path | None = None) -> None:
         name=f"{socket.gethostname()}:{os.getpid()}",
         health_file=health_file,
     )
+    await asyncio.to_thread(warm_up)  # before taking jobs: their heartbeats must not wait
     app = worker_app(settings)
     async with app.open_async():
         side_tasks = [

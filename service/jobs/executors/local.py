@@ -22,6 +22,7 @@ from service.jobs.executors.process import (
     spawn_job_process,
     stop_cancelled,
     stop_interrupted,
+    warm_up,
 )
 from service.jobs.model import Job, JobStatus
 from service.jobs.recovery import recover_interrupted
@@ -96,6 +97,7 @@ class LocalExecutor:
             return list(self._running)
 
     def _loop(self) -> None:
+        warm_up()
         while not self._stopping.is_set():
             try:
                 self._tick()
