@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from service.api.auth import key_digest
+from tests.fixtures.http_server import FileServer, Route
 from tests.fixtures.models import build_checkpoint, copy_tree, truncate_file
 from tests.fixtures.service import ServiceProcess, free_port, running_service
 
@@ -135,8 +136,13 @@ def test_a_failed_job_exits_1_with_its_error(service: ServiceProcess, root: Path
     assert modelprep("download", job_id, url=service.url).returncode == 1
 
 
-def test_cancel_then_wait_exits_3(service: ServiceProcess, root: Path) -> None:
-    submitted = modelprep("submit", str(root / "llama"), "-e", "safetensors", url=service.url)
+def test_cancel_then_wait_exits_3(
+    service: ServiceProcess, root: Path, http_server: FileServer
+) -> None:
+    # a source that trickles in: the job is still running when the cancel arrives
+    weights = (root / "llama" / "model.safetensors").read_bytes()
+    url = http_server.add("/slow/model.safetensors", Route(body=weights, bytes_per_second=20_000))
+    submitted = modelprep("submit", url, "-e", "safetensors", url=service.url)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     cancelled = modelprep("cancel", job_id, url=service.url)
