@@ -34,6 +34,7 @@ from bench.safetensors_export import evict, run_cp
 from bench.synth_checkpoint import write_checkpoint
 from service.config import Settings
 from service.jobs.executors.local import LocalExecutor
+from service.jobs.executors.process import warm_up
 from service.jobs.model import Job, JobStatus, Phase
 from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore, utcnow
@@ -161,6 +162,8 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true", help="also run the verify phase")
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
+    # The service starts its forkserver when it starts, not on a job: measure jobs, not that.
+    warm_up()
     rows = [bench(n, args.work.resolve(), args.rounds, args.keep, args.verify) for n in args.layers]
     print(f"load average {os.getloadavg()[0]:.1f} (2 cores)")
     for row in rows:
