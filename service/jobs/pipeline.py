@@ -82,6 +82,11 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
         for export in specs:
             exporters[export.format].check(export, checkpoint.config)
 
+        if not spec.verify:  # the job's "verify": false also skips the exporters' own checks
+            specs = [
+                s.model_copy(update={"verify": False}) if "verify" in type(s).model_fields else s
+                for s in specs
+            ]
         model = _build(checkpoint, spec, specs, ctx, counts)
         session = _ModelSession.open(checkpoint, model, spec, ctx) if model else None
         failed = True
