@@ -99,19 +99,7 @@ def _add_sentencepiece(writer: GGUFWriter, root: Path, vocab_size: int) -> dict[
             tokens[token_id] = token.encode()
             scores[token_id] = -1000.0
             types[token_id] = int(T.CONTROL if is_special else T.USER_DEFINED)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    special = gguf.SpecialVocab(root, n_vocab=len(tokens))
-    special.add_to_gguf(writer, quiet=True)
-    return {
-        "model": "llama",
-        "source": "tokenizer.model",
-        "tokens": len(tokens),
-        "special": dict(special.special_token_ids),
-    }
+    return _write_llama_vocab(writer, root, tokens, scores, types, "tokenizer.model")
 
 
 def _added_tokens(root: Path) -> list[tuple[int, str, bool]]:
@@ -139,6 +127,20 @@ def _add_llama_hf(writer: GGUFWriter, root: Path, vocab_size: int) -> dict[str, 
         tokens.append(text)
         scores.append(score)
         types.append(int(kind))
+    return _write_llama_vocab(writer, root, tokens, scores, types, "tokenizer.json")
+
+
+def _write_llama_vocab(
+    writer: GGUFWriter,
+    root: Path,
+    tokens: list[bytes],
+    scores: list[float],
+    types: list[int],
+    source: str,
+) -> dict[str, Any]:
+    """The keys of a SentencePiece-style ("llama") vocabulary, whichever file it came from."""
+    import gguf
+
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -148,7 +150,7 @@ def _add_llama_hf(writer: GGUFWriter, root: Path, vocab_size: int) -> dict[str, 
     special.add_to_gguf(writer, quiet=True)
     return {
         "model": "llama",
-        "source": "tokenizer.json",
+        "source": source,
         "tokens": len(tokens),
         "special": dict(special.special_token_ids),
     }
