@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import Checkpoint
+from service.config import Settings
 from service.errors import NoModelConfig
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec
@@ -45,9 +46,17 @@ def export_dirs(specs: list[ExportSpec]) -> list[str]:
     return names
 
 
-def check_spec(spec: JobSpec, ctx_settings: Any, config: dict[str, Any] | None = None) -> None:
-    """Everything knowable before running: source allowed, each export possible."""
-    check_source(spec.source_request(), ctx_settings)
+def check_spec(
+    spec: JobSpec, settings: Settings, config: dict[str, Any] | None, *, config_known: bool
+) -> None:
+    """Everything knowable before running: source allowed, each export possible.
+
+    ``config_known`` is False when the checkpoint is not local yet (hub, HTTP): exporters then
+    check their spec in the job, once the config is there, rather than refusing a config that
+    is merely not downloaded."""
+    check_source(spec.source_request(), settings)
+    if not config_known:
+        return
     exporters = registry()
     for export in spec.export_specs():
         exporters[export.format].check(export, config)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import Settings
-from service.errors import ArtifactNotFound, CheckpointError, TenantLimitExceeded
+from service.errors import ArtifactNotFound, TenantLimitExceeded
 from service.jobs.executors.base import Executor
 from service.jobs.layout import JobLayout
 from service.jobs.model import Job, JobStatus, Phase
@@ -30,7 +30,8 @@ class JobService:
     def submit(self, spec: JobSpec, tenant: str | None = None) -> Job:
         """Validate what can be known now (422 rather than a failed job), check the tenant's
         limits (429), then queue."""
-        check_spec(spec, self.settings, self._local_config(spec))
+        known, config = self._local_config(spec)
+        check_spec(spec, self.settings, config, config_known=known)
         if tenant is not None:
             self._check_tenant_limits(tenant)
         job = Job(
@@ -89,20 +90,19 @@ class JobService:
                 return total
             before = (page[-1].created_at, page[-1].id)
 
-    def _local_config(self, spec: JobSpec) -> dict[str, Any] | None:
-        """config.json of a file:// source, so exporters can refuse an architecture at once."""
+    def _local_config(self, spec: JobSpec) -> tuple[bool, dict[str, Any] | None]:
+        """(known, config.json) of the source: known only for file:// sources, whose config an
+        exporter can judge at once (None when absent or unusable, as the job will see it)."""
         fetcher = fetcher_for(spec.source)
         if not isinstance(fetcher, LocalFetcher):
-            return None
+            return False, None
         path = fetcher.path(spec.source_request(), self.settings)
         config_path = path / "config.json" if path.is_dir() else path.parent / "config.json"
-        if not config_path.is_file():
-            return None
         try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"config.json is not valid JSON: {exc}") from exc
-        return config if isinstance(config, dict) else None
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return True, None
+        return True, config if isinstance(config, dict) else None
 
     def get(self, job_id: str, tenant: str | None = None) -> Job:
         return self.store.get(job_id, tenant)

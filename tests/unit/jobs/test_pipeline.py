@@ -6,11 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from service.config import Settings
+from service.errors import UnsupportedExport
 from service.jobs.context import InMemoryContext
 from service.jobs.layout import JobLayout
 from service.jobs.model import Phase
-from service.jobs.pipeline import run_pipeline
+from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
 from tests.fixtures.models import build_checkpoint
 
@@ -50,3 +53,17 @@ def test_verify_false_skips_the_offload_and_every_exporters_own_check(tmp_path: 
     safetensors, nnef = manifest["exports"]
     assert "verify" not in safetensors
     assert nnef["verify"] is None
+
+
+def test_exports_are_judged_at_submission_only_when_the_config_is_at_hand(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(data_dir=tmp_path)
+    hub = JobSpec.model_validate({"source": "hf://org/tiny", "exports": [{"format": "nnef"}]})
+    check_spec(hub, settings, None, config_known=False)  # not downloaded yet: judged in the job
+    with pytest.raises(UnsupportedExport):
+        check_spec(hub, settings, None, config_known=True)  # known to have no config.json
+    bert = {"model_type": "bert", "architectures": ["BertModel"]}
+    gguf = JobSpec.model_validate({"source": "hf://org/tiny", "exports": [{"format": "gguf"}]})
+    with pytest.raises(UnsupportedExport):
+        check_spec(gguf, settings, bert, config_known=True)
