@@ -67,3 +67,23 @@ def test_exports_are_judged_at_submission_only_when_the_config_is_at_hand(
     gguf = JobSpec.model_validate({"source": "hf://org/tiny", "exports": [{"format": "gguf"}]})
     with pytest.raises(UnsupportedExport):
         check_spec(gguf, settings, bert, config_known=True)
+
+
+def test_a_checkpoint_without_config_is_exported_and_says_why_it_was_not_verified(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "models"
+    source = build_checkpoint(root / "llama", "llama", "safetensors")
+    (source / "config.json").unlink()
+    settings = Settings(data_dir=tmp_path / "data", local_roots=[root])
+    layout = JobLayout.for_job(settings, "d" * 32)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="d" * 32)
+    spec = JobSpec.model_validate(
+        {"source": f"file://{source}", "exports": [{"format": "safetensors", "dtype": "float16"}]}
+    )
+    run_pipeline(spec, ctx, layout)
+    manifest = json.loads((layout.artifacts / "manifest.json").read_text())
+    assert manifest["model"]["buildable"] is False
+    assert "config" in manifest["exports"][0]["verify"]["skipped"]
+    assert (layout.artifacts / "safetensors" / "model.safetensors").is_file()
