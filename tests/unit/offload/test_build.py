@@ -8,7 +8,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from service.checkpoint import open_checkpoint
 from service.config import Settings
@@ -16,18 +15,11 @@ from service.errors import NoModelConfig
 from service.jobs.context import InMemoryContext
 from service.jobs.model import Phase
 from service.offload.build import build_meta_model, build_on_meta, build_phase, match_keys
-from tests.fixtures.models import copy_tree
+from tests.fixtures.models import copy_tree, llama_70b_config
 
 
 def test_70b_llama_skeleton_builds_on_meta_without_weight_memory(settings: Settings) -> None:
-    config = LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    )
+    config = llama_70b_config()
     from transformers import LlamaForCausalLM
 
     gc.collect()
@@ -114,14 +106,7 @@ def test_auto_map_of_a_70b_skeleton_keeps_layers_whole_within_budget(settings: S
     from service.offload.device_map import auto_device_map, placed_bytes
     from service.offload.streaming import PAGE_BYTES
 
-    config = LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    )
+    config = llama_70b_config()
     model = build_meta_model(config, settings, torch.bfloat16, LlamaForCausalLM)
     budget = 20 * 2**30
     device_map = auto_device_map(model, budget, ["LlamaDecoderLayer"], torch.bfloat16)
