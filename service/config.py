@@ -79,6 +79,11 @@ class Settings(BaseSettings):
     )
     keep_failed_offload: bool = False
     default_max_memory: str = "1GiB"
+    tract_max_memory: str | None = Field(
+        default=None,
+        description="RAM an NNEF verification may give tract, which holds every weight of the "
+        "archive; default: 90% of the memory available when it starts.",
+    )
 
     # operability
     log_json: bool = True

@@ -244,6 +244,13 @@ class VerificationFailed(JobFailed):
     title = "Verification failed"
 
 
+class VerificationTooLarge(VerificationFailed):
+    """The verifying runtime would need more RAM than this worker may give it."""
+
+    code = "verification_too_large"
+    title = "Verification needs more memory than allowed"
+
+
 class WeightsMismatch(CheckpointError):
     """The checkpoint lacks weights the model needs (a module cannot run without them)."""
 

@@ -30,6 +30,10 @@ class ExportInputs:
     checkpoint: Checkpoint
     model: Any | None = None
     """The meta-built, disk-dispatched model when the offload engine built one (else None)."""
+    skeleton: Any | None = None
+    """The job's one meta build, never dispatched: an exporter that rewrites modules copies it."""
+    store: Any | None = None
+    """The job's offload store (:class:`service.offload.store.OffloadStore`), when opened."""
 
 
 @dataclass

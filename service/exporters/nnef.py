@@ -1,18 +1,19 @@
-"""NNEF export for tract, through torch-to-nnef, with weights streamed from the checkpoint.
+"""NNEF export for tract, through torch-to-nnef, with weights streamed from the offload store.
 
-The model is built on ``meta`` and each weight is a torch-to-nnef ``OffloadedTensor`` backed by
-the checkpoint itself (:mod:`service.exporters.nnef_offload`), so peak memory is the largest
-tensor or two, not the model. Causal LMs go through torch-to-nnef's LLM exporter (the one behind
-``dump_llm``: KV cache inputs/outputs, symbolic ``S``/``P`` axes); other models through
-``export_model_to_nnef``. ``q4_0`` applies torch-to-nnef's ``min_max_q4_0`` compression, whose
-blocks stay offloaded (in the job's work dir) while being computed.
+The model is a copy of the job's one meta build (no weight memory) and each weight is a
+torch-to-nnef ``OffloadedTensor`` reading from the job's offload store, or the checkpoint
+(:mod:`service.exporters.nnef_offload`), so peak memory is the largest tensor or two, not the
+model. Causal LMs go through torch-to-nnef's LLM exporter (the one behind ``dump_llm``: KV cache
+inputs/outputs, symbolic ``S``/``P`` axes); other models through ``export_model_to_nnef``.
+``q4_0`` applies torch-to-nnef's ``min_max_q4_0`` compression, whose blocks stay offloaded (in
+the job's work dir) while being computed.
 
 torch-to-nnef is used with its traps closed: weights come from the project's safe readers (its
 ``.bin`` loader may unpickle without restriction), every ``torch.load`` it makes is weights-only,
 ``trust_remote_code`` follows the settings, its ``mkdtemp`` directories live in the job's work
 dir and are removed, and its tract CLI is :mod:`service.exporters.tract_cli` (it would
-otherwise download a binary). tract itself (PyPI bindings) then verifies the archive
-(:mod:`service.exporters.nnef_verify`).
+otherwise download a binary). tract itself (PyPI bindings) then verifies the archive in a child
+process (:mod:`service.exporters.nnef_verify`): tract holds every weight in RAM, the job must not.
 
 Output directory::
 
@@ -96,8 +97,7 @@ class NNEFSpec(ExportSpec):
 class NNEFExporter:
     format: ClassVar[str] = "nnef"
     spec_type: ClassVar[type[ExportSpec]] = NNEFSpec
-    needs_model: ClassVar[bool] = False
-    """It builds its own meta model: torch-to-nnef needs its own OffloadedTensor type."""
+    needs_model: ClassVar[bool] = True
 
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
         nspec = _nnef_spec(spec)
@@ -114,7 +114,7 @@ class NNEFExporter:
     ) -> ExportResult:
         nspec = _nnef_spec(spec)
         self.check(nspec, inputs.checkpoint.config)
-        return export_nnef(nspec, inputs.checkpoint, out_dir, ctx)
+        return export_nnef(nspec, inputs, out_dir, ctx)
 
 
 def _nnef_spec(spec: ExportSpec) -> NNEFSpec:
@@ -124,11 +124,19 @@ def _nnef_spec(spec: ExportSpec) -> NNEFSpec:
 
 
 def export_nnef(
-    spec: NNEFSpec, checkpoint: Checkpoint, out_dir: Path, ctx: JobContext
+    spec: NNEFSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
 ) -> ExportResult:
-    """Export ``checkpoint`` to ``out_dir`` (see the module docstring for its layout)."""
+    """Export the job's checkpoint to ``out_dir`` (see the module docstring for its layout).
+
+    The model is a copy of the job's meta build (``inputs.skeleton``) reading its weights from
+    the job's offload store (``inputs.store``); called alone, with neither, it builds on meta
+    itself and reads the checkpoint."""
     from service.exporters import nnef_offload as off
+    from service.exporters.nnef_verify import ensure_tract_fits
     from service.exporters.tract_cli import write_launcher
+    from service.offload.build import build_on_meta
+
+    checkpoint = inputs.checkpoint
 
     started = time.monotonic()
     work = ctx.work_dir / f"nnef-{uuid.uuid4().hex[:8]}"
@@ -156,12 +164,15 @@ def export_nnef(
             launcher = write_launcher(work / "bin")
             offload_dir = work / "offload"
             offload_dir.mkdir()
-            built = off.build_offloaded_model(
-                checkpoint,
-                trust_remote_code=ctx.settings.trust_remote_code,
-                offload_dir=offload_dir,
-                hook=on_read,
+            skeleton = inputs.skeleton
+            if skeleton is None:
+                skeleton = build_on_meta(checkpoint, ctx.settings).model
+            built = off.offloaded_model(
+                skeleton, checkpoint, offload_dir=offload_dir, store=inputs.store, hook=on_read
             )
+            if spec.verify and spec.compression is None:
+                # Fail before exporting, not after: tract will need every weight in RAM.
+                ensure_tract_fits(built.weight_bytes, ctx.settings.tract_max_memory)
             if built.kind == "causal_lm":
                 io, report = _export_causal_lm(spec, built, launcher, work / "stage", out_dir, ctx)
             else:
@@ -226,7 +237,7 @@ def _export_causal_lm(
     from torch_to_nnef_llm.config import ExportDirStruct
     from torch_to_nnef_llm.exporter import LLMExporter
 
-    from service.exporters.nnef_verify import greedy_reference, verify_causal_lm
+    from service.exporters.nnef_verify import ensure_tract_fits, greedy_reference, verify_causal_lm
 
     vocab = int(built.config.vocab_size)
     # 16 example tokens: torch-to-nnef traces with 1 token and 2 past ones.
@@ -280,8 +291,12 @@ def _export_causal_lm(
     if expected is None:
         return io, None
     ctx.set_phase(Phase.VERIFY, total=spec.decode_steps + 1, unit="steps")
+    archive = out_dir / ARCHIVE_NAME
+    ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory)
     atol, rtol = _tolerance(spec, built.dtype)
-    report = verify_causal_lm(out_dir / ARCHIVE_NAME, io, expected, atol, rtol)
+    report = verify_causal_lm(
+        archive, io, expected, atol, rtol, work=stage / "verify", check_abort=ctx.check_abort
+    )
     ctx.advance(spec.decode_steps + 1)
     return io, report
 
@@ -302,7 +317,7 @@ def _export_encoder(
     from torch_to_nnef.inference_target.tract import TractNNEF
 
     from service.exporters.nnef_offload import TensorOutputs
-    from service.exporters.nnef_verify import verify_encoder
+    from service.exporters.nnef_verify import ensure_tract_fits, verify_encoder
 
     wrapper = TensorOutputs(built.module)
     seq = spec.sequence_length
@@ -354,8 +369,13 @@ def _export_encoder(
     if not spec.verify:
         return io, None
     ctx.set_phase(Phase.VERIFY, total=1, unit="steps")
+    archive = out_dir / ARCHIVE_NAME
+    ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory)
     atol, rtol = _tolerance(spec, built.dtype)
-    report = verify_encoder(out_dir / ARCHIVE_NAME, [a.numpy() for a in args], expected, atol, rtol)
+    report = verify_encoder(
+        archive, example_in, expected, atol, rtol, work=stage / "verify",
+        check_abort=ctx.check_abort,
+    )  # fmt: skip
     ctx.advance(1)
     return io, report
 

@@ -1,11 +1,13 @@
-"""A meta-built model whose weights stay in the checkpoint, as torch-to-nnef ``OffloadedTensor``s.
+"""The job's meta-built model with every weight offloaded, as torch-to-nnef ``OffloadedTensor``s.
 
 torch-to-nnef's own on-disk loader (``t2n_load_checkpoint_and_dispatch``) loads a whole shard into
 RAM, then copies every tensor into a ``.pt`` file of an offload directory made with
 ``tempfile.mkdtemp`` and never removed; its ``.bin`` path falls back to unrestricted unpickling.
-Here the checkpoint itself is the offload store: each parameter is a :class:`CheckpointTensor`
-that re-reads its bytes through the project's :class:`~service.checkpoint.base.WeightReader`
-(``pread`` into a fresh tensor, nothing left resident) every time torch-to-nnef touches it.
+Here an export takes a copy of the job's one meta build and each weight becomes a
+:class:`CheckpointTensor` that re-reads its bytes from the job's offload store (which, for a
+safetensors checkpoint, points into the shards themselves) or through the project's
+:class:`~service.checkpoint.base.WeightReader` (``pread`` into a fresh tensor, nothing left
+resident) every time torch-to-nnef touches it.
 
 Everything torch-to-nnef itself still writes (offloaded q4_0 blocks, archive staging) lands in
 an ``offload_dir``/``TMPDIR`` owned by the job (:func:`job_tempdir`), and every ``torch.load`` it
@@ -17,7 +19,9 @@ This module imports torch and torch-to-nnef at import time: import it inside fun
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -26,7 +30,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -37,9 +41,18 @@ from torch_to_nnef.tensor.updater import ModTensorUpdater
 from service.checkpoint.base import Checkpoint, WeightReader
 from service.errors import CheckpointError, NoModelConfig, UnsafePickle, UnsupportedExport
 
+if TYPE_CHECKING:
+    from service.offload.store import OffloadStore
+
 LOGGER = logging.getLogger(__name__)
 
 ModelKind = Literal["causal_lm", "encoder"]
+class TensorSource(Protocol):
+    """Where a :class:`CheckpointTensor` re-reads its bytes: a checkpoint reader or the store."""
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
 ReloadHook = Callable[[int], None]
 """Called with the byte size of every weight read: progress, metrics, cancellation."""
 
@@ -52,14 +65,14 @@ class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
     """
 
     elem: torch.Tensor
-    reader: WeightReader
+    reader: TensorSource
     source: str | None
     hook: ReloadHook | None
 
     @classmethod
     def create(
         cls,
-        reader: WeightReader,
+        reader: TensorSource,
         source: str,
         name: str,
         shape: tuple[int, ...],
@@ -142,99 +155,99 @@ def model_kind(config: dict[str, Any]) -> ModelKind:
     return "encoder"
 
 
-def _architecture_class(config: dict[str, Any]) -> Any:
-    """The transformers class named by ``architectures[0]``, when transformers has it."""
-    import transformers
-
-    architectures = config.get("architectures") or []
-    if not architectures or not isinstance(architectures[0], str):
-        return None
-    cls = getattr(transformers, architectures[0], None)
-    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
-        return cls
-    return None
-
-
-def build_offloaded_model(
+def offloaded_model(
+    skeleton: nn.Module,
     checkpoint: Checkpoint,
     *,
-    trust_remote_code: bool,
     offload_dir: Path,
+    store: OffloadStore | None = None,
     hook: ReloadHook | None = None,
 ) -> OffloadedModel:
-    """Build the model on ``meta`` and point every weight at the checkpoint (no data is read).
+    """A private copy of the job's meta-built ``skeleton`` whose weights are all offloaded.
 
-    Buffers computed at construction (rotary ``inv_freq``, BERT ``position_ids``) stay real CPU
-    tensors. Raises :class:`NoModelConfig` without a config and :class:`CheckpointError` when the
-    checkpoint lacks a weight the model needs or stores it with another shape.
+    torch-to-nnef rewrites the module it exports (q4_0 weights, tracing wrappers), so each
+    export gets its own deep copy of the one meta build (no data: a 70B skeleton copies in a
+    tenth of a second). Weights are read from the job's offload ``store`` where it holds them,
+    else from the checkpoint. Buffers computed at construction (rotary ``inv_freq``, BERT
+    ``position_ids``) are real CPU tensors and are copied as they are. Raises
+    :class:`NoModelConfig` without a config, :class:`UnsupportedExport` when the skeleton is not
+    the kind of model the config names, :class:`CheckpointError` when a weight is missing or of
+    another shape.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
     if checkpoint.config is None:
         raise NoModelConfig("NNEF export builds the model graph and needs a config.json")
     kind = model_kind(checkpoint.config)
-    try:
-        config = AutoConfig.from_pretrained(
-            str(checkpoint.root.resolve()),
-            trust_remote_code=trust_remote_code,
-            local_files_only=True,
-        )
-    except (ValueError, KeyError, OSError) as exc:
-        raise UnsupportedExport(f"cannot build a model from config.json: {exc}") from exc
-    dtype = export_dtype(checkpoint)
-    try:
-        with init_empty_weights(include_buffers=False):
-            kwargs: dict[str, Any] = {"attn_implementation": "eager", "dtype": dtype}
-            named = _architecture_class(checkpoint.config) if kind == "encoder" else None
-            if named is not None:
-                # The checkpoint's own head (BertForMaskedLM...): its weights are all there.
-                module = named._from_config(config, **kwargs)
-            else:
-                auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModel
-                module = auto.from_config(  # type: ignore[no-untyped-call]
-                    config, trust_remote_code=trust_remote_code, **kwargs
-                )
-    except (ValueError, KeyError, ImportError) as exc:
+    if kind == "causal_lm" and not _is_causal_lm(skeleton):
         raise UnsupportedExport(
-            f"architecture {config.model_type!r} cannot be built: {exc}"
-        ) from exc
+            f"config.json names a causal LM, but the checkpoint's weights fit "
+            f"{type(skeleton).__name__}, which has no language-model head"
+        )
+    module = copy.deepcopy(skeleton)
     module.eval()
-    if hasattr(module, "tie_weights"):
-        # Tied weights (tie_word_embeddings) are stored once: make them one tensor before
-        # pointing it at the checkpoint, as from_pretrained would.
-        module.tie_weights()
+    set_attn = getattr(module, "set_attn_implementation", None)
+    if callable(set_attn):
+        set_attn("eager")  # torch-to-nnef traces the eager attention, not sdpa's kernel
     # torch-to-nnef writes _name_or_path into the archive properties: keep host paths out.
-    module.config._name_or_path = checkpoint.root.name
-    weight_bytes = attach_checkpoint_weights(module, checkpoint.reader, offload_dir, dtype, hook)
+    config: Any = module.config
+    config._name_or_path = checkpoint.root.name
+    dtype = export_dtype(checkpoint)
+    weight_bytes = attach_offloaded_weights(
+        module, checkpoint.reader, offload_dir, dtype, store=store, hook=hook
+    )
     return OffloadedModel(module, kind, config, dtype, weight_bytes)
 
 
-def attach_checkpoint_weights(
+def _is_causal_lm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+class _StoreWeights:
+    """The job's offload store read like a checkpoint: by the module's tensor names."""
+
+    def __init__(self, store: OffloadStore) -> None:
+        self.store = store
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.store.load(name)
+
+
+def attach_offloaded_weights(
     module: nn.Module,
     reader: WeightReader,
     offload_dir: Path,
     dtype: torch.dtype,
+    *,
+    store: OffloadStore | None = None,
     hook: ReloadHook | None = None,
 ) -> int:
     """Replace every meta tensor of ``module`` by a :class:`CheckpointTensor`; returns bytes mapped.
 
-    Names are matched as stored, through the reader's aliases, then with the model's
-    ``base_model_prefix`` removed or added (a ``BertForMaskedLM`` checkpoint into ``BertModel``).
+    A tensor the offload ``store`` holds (under the module's canonical, untied name, as
+    :func:`service.offload.dispatch.dispatch_checkpoint` puts it) is read from there. Others
+    are matched in the checkpoint as stored, through the reader's aliases, then with the
+    model's ``base_model_prefix`` removed or added (a ``BertForMaskedLM`` checkpoint into
+    ``BertModel``).
     """
+    from service.offload.build import tied_names
+
     infos = {i.name: i for i in reader.tensor_infos()}
     aliases = reader.aliases()
     prefix = getattr(module, "base_model_prefix", "") or ""
-
-    def source_of(name: str) -> str | None:
+    tied = tied_names(module)
+    def source_of(name: str) -> tuple[TensorSource, str, tuple[int, ...], torch.dtype] | None:
+        canonical = tied.get(name, name)
+        if store is not None and canonical in store:
+            entry = store.entry(canonical)
+            return _StoreWeights(store), canonical, entry.shape, entry.torch_dtype
         candidates = [name]
         if prefix:
             candidates += [name.removeprefix(prefix + "."), f"{prefix}.{name}"]
         for candidate in candidates:
+            if candidate not in infos and aliases.get(candidate) in infos:
+                candidate = aliases[candidate]
             if candidate in infos:
-                return candidate
-            if candidate in aliases and aliases[candidate] in infos:
-                return aliases[candidate]
+                info = infos[candidate]
+                return reader, candidate, tuple(info.shape), info.dtype
         return None
 
     updater = ModTensorUpdater(
@@ -246,23 +259,23 @@ def attach_checkpoint_weights(
     for name, tensor in module.state_dict(keep_vars=True).items():
         if tensor.device.type != "meta" or id(tensor) in done:
             continue
-        source = source_of(name)
-        if source is None:
+        found = source_of(name)
+        if found is None:
             missing.append(name)
             continue
-        info = infos[source]
-        if tuple(info.shape) != tuple(tensor.shape):
+        source_reader, source, shape, stored_dtype = found
+        if shape != tuple(tensor.shape):
             raise CheckpointError(
-                f"weight {source} has shape {list(info.shape)}, the model expects "
+                f"weight {source} has shape {list(shape)}, the model expects "
                 f"{list(tensor.shape)} for {name}"
             )
-        target = dtype if info.dtype.is_floating_point else info.dtype
+        target = dtype if stored_dtype.is_floating_point else stored_dtype
         replacement = CheckpointTensor.create(
-            reader, source, name, tuple(info.shape), target, offload_dir, hook
+            source_reader, source, name, shape, target, offload_dir, hook
         )
         done.add(id(tensor))
         updater.update_by_name(name, replacement, enforce_tensor_consistency=False)
-        total += info.numel * target.itemsize
+        total += math.prod(shape) * target.itemsize
     if missing:
         shown = ", ".join(sorted(missing)[:5])
         raise CheckpointError(f"checkpoint lacks {len(missing)} weights of the model: {shown}")

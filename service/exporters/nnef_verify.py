@@ -1,5 +1,8 @@
 """Numerical parity of an NNEF archive run by tract (PyPI bindings) with the PyTorch model it came from.
 
+tract runs in a child process (:func:`run_tract`): it holds every weight of the archive in RAM,
+which must not count against the job process, whose own peak stays that of one weight or two.
+
 Causal LMs are checked the way they are served: tract runs the prompt with an empty KV cache,
 then a few greedy decode steps feeding back its own cache; PyTorch computes the logits of the
 same token sequence in one cache-less forward (whose weights are streamed from the checkpoint,
@@ -10,15 +13,22 @@ within ``atol + rtol * max|reference|``, else :class:`VerificationFailed`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from service.errors import VerificationFailed
-from service.exporters.tract_cli import load_runnable
+from service.errors import VerificationFailed, VerificationTooLarge
+from service.exporters import tract_cli
+from service.units import parse_size
 
 
 @dataclass(frozen=True)
@@ -66,17 +76,15 @@ class ParityReport:
     """Greedy tokens of the reference decode (causal LMs)."""
     argmax_agreed: list[bool] = field(default_factory=list)
     """Whether tract's argmax was the reference token at each step (causal LMs)."""
+    tract_peak_rss_bytes: int = 0
+    """Peak RSS of the tract child process (it holds the whole archive in RAM)."""
 
     def summary(self) -> dict[str, Any]:
         return asdict(self)
 
 
-_TRACT_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64"}
-
-
-def _fact_dtype(fact: Any, fallback: str) -> str:
-    """The dtype tract expects for an input (its fact prints as ``1,2,P,16,F16``)."""
-    return _TRACT_DTYPES.get(str(fact).rsplit(",", 1)[-1].strip(), fallback)
+TRACT_BASE_BYTES = 256 * 2**20
+"""tract's own footprint beyond the weights (runtime, activations of a short prompt)."""
 
 
 def _check(
@@ -125,32 +133,114 @@ def greedy_reference(model: Any, prompt: Sequence[int], decode_steps: int) -> Gr
     return GreedyReference([int(t) for t in prompt], tokens, logits)
 
 
+def tract_memory_limit(setting: str | None) -> int:
+    """Bytes tract may take: the setting, else 90% of what the machine has available now."""
+    if setting is not None:
+        return parse_size(setting)
+    import psutil
+
+    return int(psutil.virtual_memory().available * 0.9)
+
+
+def ensure_tract_fits(weight_bytes: int, setting: str | None) -> None:
+    """Refuse up front a verification tract cannot hold: it loads every weight of the archive
+    into RAM (no offload, no mmap), so its need grows with the model, unlike the export's."""
+    limit = tract_memory_limit(setting)
+    need = int(weight_bytes * 1.1) + TRACT_BASE_BYTES
+    if need > limit:
+        raise VerificationTooLarge(
+            f"tract needs about {need / 2**30:.1f} GiB of RAM to run this archive (it holds "
+            f"every weight), more than the {limit / 2**30:.1f} GiB this worker allows "
+            "(MODELPREP_TRACT_MAX_MEMORY); export with \"verify\": false, or on a bigger worker"
+        )
+
+
+@dataclass(frozen=True)
+class TractRun:
+    outputs: dict[str, np.ndarray]
+    peak_rss_bytes: int
+
+
+def run_tract(
+    archive: Path,
+    command: str,
+    request: dict[str, np.ndarray],
+    work: Path,
+    check_abort: Callable[[], None] | None = None,
+) -> TractRun:
+    """Run ``tract_cli.py ARCHIVE COMMAND`` in a child process and read its outputs.
+
+    tract holds the whole archive in RAM; in a child, that memory is returned to the system the
+    moment it exits and never counts towards the job process, and a crash of tract (or the OOM
+    killer) fails the verification instead of the job process. The child's peak RSS is read
+    from ``wait4``; ``check_abort`` is polled while it runs (a cancel kills it)."""
+    work.mkdir(parents=True, exist_ok=True)
+    request_path, outputs_path = work / "request.npz", work / "outputs.npz"
+    np.savez(request_path, **request)  # type: ignore[arg-type]
+    argv = [
+        sys.executable, "-P", str(Path(tract_cli.__file__).resolve()), str(archive),
+        "--nnef-tract-core", "--nnef-tract-extra", "--nnef-tract-transformers", "-O", command,
+        "--input-from-bundle", str(request_path), "--save-outputs-npz", str(outputs_path),
+    ]  # fmt: skip
+    env = {**os.environ, "RUST_LOG": "error"}
+    with tempfile.TemporaryFile(dir=work) as stderr:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=stderr, env=env)  # fmt: skip
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if check_abort is not None:
+                    check_abort()
+                time.sleep(0.1)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        stderr.seek(0)
+        tail = stderr.read()[-2000:].decode("utf-8", "replace").strip()
+    if code != 0:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+        raise VerificationFailed(f"tract {how}{hint} running the archive: {tail[-500:]}")
+    with np.load(outputs_path) as bundle:
+        outputs = {k: bundle[k] for k in bundle.files}
+    return TractRun(outputs, usage.ru_maxrss * 1024)
+
+
 def verify_causal_lm(
-    archive: Path, io: IOSpec, expected: GreedyReference, atol: float, rtol: float
+    archive: Path,
+    io: IOSpec,
+    expected: GreedyReference,
+    atol: float,
+    rtol: float,
+    *,
+    work: Path,
+    check_abort: Callable[[], None] | None = None,
 ) -> ParityReport:
     """Replay ``expected``'s greedy decode in tract, feeding back tract's own KV cache.
 
     tract is fed PyTorch's tokens (teacher forcing), so one diverging argmax on near-equal logits
     does not derail the comparison; the report says whether tract's argmax agreed at each step.
     """
-    runnable = load_runnable(archive)
-    caches = []
-    for i, spec in enumerate(io.inputs[1:], start=1):
-        shape = [0 if dim == "P" else int(dim) for dim in spec.shape]
-        caches.append(np.zeros(shape, dtype=_fact_dtype(runnable.input_fact(i), spec.dtype)))
-    step_ids = np.asarray([expected.prompt], dtype=np.int64)
-    found: list[np.ndarray] = []
-    agreed: list[bool] = []
-    for token in expected.tokens:
-        outputs = [t.to_numpy() for t in runnable.run([step_ids, *caches])]
-        logits = outputs[0].reshape(-1, outputs[0].shape[-1])[-1]
-        found.append(logits)
-        agreed.append(int(np.argmax(logits)) == token)
-        caches = outputs[1:]
-        step_ids = np.asarray([[token]], dtype=np.int64)
-    del runnable, caches
+    request = {
+        "prompt": np.asarray([expected.prompt], dtype=np.int64),
+        "tokens": np.asarray(expected.tokens, dtype=np.int64),
+        "cache_shapes": np.asarray(
+            [[0 if dim == "P" else int(dim) for dim in t.shape] for t in io.inputs[1:]],
+            dtype=np.int64,
+        ).reshape(len(io.inputs) - 1, -1),
+        "cache_dtypes": np.asarray([t.dtype for t in io.inputs[1:]]),
+    }
+    run = run_tract(archive, "decode", request, work, check_abort)
+    found = list(run.outputs["logits"])
+    agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
     err, ref, tol = _check(found, expected.logits, atol, rtol)
-    report = ParityReport(err, ref, tol, len(found), expected.tokens, agreed)
+    report = ParityReport(
+        err, ref, tol, len(found), expected.tokens, agreed, tract_peak_rss_bytes=run.peak_rss_bytes
+    )
     if err > tol:
         raise VerificationFailed(
             f"tract logits differ from PyTorch by {err:.3g} (tolerance {tol:.3g}) over "
@@ -161,19 +251,21 @@ def verify_causal_lm(
 
 def verify_encoder(
     archive: Path,
-    inputs: list[np.ndarray],
+    inputs: dict[str, np.ndarray],
     expected: list[np.ndarray],
     atol: float,
     rtol: float,
+    *,
+    work: Path,
+    check_abort: Callable[[], None] | None = None,
 ) -> ParityReport:
     """One tract run on ``inputs`` (graph input order) vs PyTorch's ``expected`` outputs."""
-    runnable = load_runnable(archive)
-    found = [t.to_numpy() for t in runnable.run([np.ascontiguousarray(a) for a in inputs])]
-    del runnable
+    run = run_tract(archive, "run", inputs, work, check_abort)
+    found = [run.outputs[f"output_{i}"] for i in range(len(run.outputs))]
     if len(found) != len(expected):
         raise VerificationFailed(f"tract gave {len(found)} outputs, PyTorch {len(expected)}")
     err, ref, tol = _check(found, expected, atol, rtol)
-    report = ParityReport(err, ref, tol, len(found))
+    report = ParityReport(err, ref, tol, len(found), tract_peak_rss_bytes=run.peak_rss_bytes)
     if err > tol:
         raise VerificationFailed(
             f"tract outputs differ from PyTorch by {err:.3g} (tolerance {tol:.3g})"

@@ -10,6 +10,15 @@ subset of the real CLI that torch-to-nnef invokes (``inference_target/tract.py``
           (--assert-output-bundle OUT.npz [--approx LEVEL] | --save-outputs-npz OUT.npz)
           [--allow-float-casts]
 
+One command of its own serves :mod:`service.exporters.nnef_verify`, which runs tract in a child
+process (tract holds the whole archive in RAM; the job process must not)::
+
+    tract MODEL.nnef.tgz decode --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
+
+``REQUEST.npz`` holds ``prompt`` [1,S], ``tokens`` [n] and ``cache_shapes`` [k,4] (past axis 0,
+dtypes ``cache_dtypes``); it replays a greedy decode feeding back tract's own KV cache and saves
+the last-position logits of every step as ``logits`` [n,vocab].
+
 Run it as ``python service/exporters/tract_cli.py`` (it imports nothing of the service, so the
 call costs the tract import only); :func:`write_launcher` writes an executable wrapper for code
 that needs a file path. Anything else (``dump``, ONNX input) exits
@@ -75,6 +84,31 @@ def run_bundle(runnable: Any, inputs: dict[str, np.ndarray]) -> list[np.ndarray]
     return [t.to_numpy() for t in runnable.run(arrays)]
 
 
+_TRACT_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64"}
+
+
+def fact_dtype(fact: Any, fallback: str) -> str:
+    """The dtype tract expects for an input (its fact prints as ``1,2,P,16,F16``)."""
+    return _TRACT_DTYPES.get(str(fact).rsplit(",", 1)[-1].strip(), fallback)
+
+
+def run_decode(runnable: Any, request: dict[str, np.ndarray]) -> np.ndarray:
+    """Teacher-forced greedy decode: the prompt with empty caches, then each given token with
+    tract's own caches fed back; the last position's logits at every step."""
+    caches = []
+    dtypes = [str(d) for d in request["cache_dtypes"]]
+    for i, (shape, dtype) in enumerate(zip(request["cache_shapes"], dtypes, strict=True), 1):
+        caches.append(np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype)))
+    step_ids = np.ascontiguousarray(request["prompt"], dtype=np.int64)
+    found = []
+    for token in request["tokens"]:
+        outputs = [t.to_numpy() for t in runnable.run([step_ids, *caches])]
+        found.append(outputs[0].reshape(-1, outputs[0].shape[-1])[-1])
+        caches = outputs[1:]
+        step_ids = np.asarray([[int(token)]], dtype=np.int64)
+    return np.stack(found)
+
+
 def compare(found: np.ndarray, expected: np.ndarray, tol: Tolerance) -> str | None:
     """None when ``found`` is close enough to ``expected``, else a one-line reason."""
     if found.shape != expected.shape:
@@ -117,12 +151,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.version:
         print(f"tract {tract_version()}")
         return 0
-    if args.model is None or args.command != "run" or args.input_from_bundle is None:
-        print("ERROR unsupported invocation (only --version and run)", file=sys.stderr)
+    if (
+        args.model is None
+        or args.command not in ("run", "decode")
+        or args.input_from_bundle is None
+    ):
+        print("ERROR unsupported invocation (only --version, run and decode)", file=sys.stderr)
         return 2
     runnable = load_runnable(Path(args.model))
     with np.load(args.input_from_bundle) as bundle:
         inputs = {k: bundle[k] for k in bundle.files}
+    if args.command == "decode":
+        if args.save_outputs_npz is None:
+            print("ERROR decode needs --save-outputs-npz", file=sys.stderr)
+            return 2
+        np.savez(args.save_outputs_npz, logits=run_decode(runnable, inputs))
+        return 0
     outputs = run_bundle(runnable, inputs)
     if args.save_outputs_npz is not None:
         named: dict[str, Any] = {f"output_{i}": o for i, o in enumerate(outputs)}

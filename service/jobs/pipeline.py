@@ -7,6 +7,7 @@ reports goes through the :class:`JobContext`. All files are written under ``layo
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+ALL_ON_DISK = 1
+"""A ``max_memory`` (bytes) no module fits in: every weight stays in the offload store."""
 
 
 def export_dirs(specs: list[ExportSpec]) -> list[str]:
@@ -97,10 +100,22 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
                 for s in specs
             ]
         model = _build(checkpoint, spec, specs, ctx, counts)
-        session = _ModelSession.open(checkpoint, model, spec, ctx) if model else None
+        needs_module = any(exporters[s.format].needs_model for s in specs)
+        # Exporters that rewrite modules copy the one meta build; dispatch fills the original.
+        skeleton = copy.deepcopy(model.model) if model and needs_module else None
+        session = (
+            _ModelSession.open(checkpoint, model, spec, ctx, needs_store=needs_module)
+            if model
+            else None
+        )
         failed = True
         try:
-            inputs = ExportInputs(checkpoint=checkpoint, model=model.model if model else None)
+            inputs = ExportInputs(
+                checkpoint=checkpoint,
+                model=model.model if model else None,
+                skeleton=skeleton,
+                store=session.store if session else None,
+            )
             summaries, digests = _export_all(specs, inputs, layout, ctx)
             if session is not None:
                 session.verify(specs, summaries, layout)
@@ -199,22 +214,34 @@ class _ModelSession:
 
     @classmethod
     def open(
-        cls, checkpoint: Checkpoint, built: BuiltModel, spec: JobSpec, ctx: JobContext
+        cls,
+        checkpoint: Checkpoint,
+        built: BuiltModel,
+        spec: JobSpec,
+        ctx: JobContext,
+        *,
+        needs_store: bool = False,
     ) -> _ModelSession:
+        """Dispatch into the job's store when verifying or when an export reads from it
+        (``needs_store``); without verification nothing is loaded into RAM (all on disk)."""
         from service.offload.dispatch import dispatch_model, publish_offload_metrics
         from service.offload.store import open_job_store
 
         max_memory = spec.max_memory or ctx.settings.default_max_memory
         session = cls(checkpoint, None, ctx, max_memory)
-        if not spec.verify:
+        if not (spec.verify or needs_store):
             return session
         ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
         store = open_job_store(ctx.settings, ctx.job_id, checkpoint.root)
         session.store = store
-        result = dispatch_model(built, checkpoint.reader, store, ctx, max_memory=max_memory)
+        result = dispatch_model(
+            built, checkpoint.reader, store, ctx,
+            max_memory=max_memory if spec.verify else ALL_ON_DISK,
+        )  # fmt: skip
         publish_offload_metrics(store, ctx, result)
-        session.reference = _reference(result.model, checkpoint, ctx)
-        publish_offload_metrics(store, ctx, result)
+        if spec.verify:
+            session.reference = _reference(result.model, checkpoint, ctx)
+            publish_offload_metrics(store, ctx, result)
         return session
 
     def verify(

@@ -143,6 +143,40 @@ def test_sharded_pickle_bert_round_trips_exactly_in_float32(
         )
 
 
+def test_one_job_exports_safetensors_gguf_and_nnef_each_verified(
+    service: ServiceProcess, root: Path, tmp_path: Path
+) -> None:
+    """Three formats from one download, one meta build and one offload store; each export
+    verified (safetensors against the source, GGUF read back, NNEF run in tract)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from service.exporters.tract_cli import load_runnable, run_bundle
+
+    job = submit(service, {"source": f"file://{root / 'llama'}", "exports": [
+        {"format": "safetensors", "dtype": "float16"},
+        {"format": "gguf", "type": "q8_0"},
+        {"format": "nnef", "compression": "q4_0"}]})
+    done = service.wait_for(job["id"])
+    assert done["status"] == "succeeded", done["error"]
+    out = download_all(service, done, tmp_path)
+    manifest = json.loads((out / "manifest.json").read_text())
+    safetensors, gguf, nnef = manifest["exports"]
+    assert safetensors["verify"]["passed"]
+    assert gguf["verification"]["tensors_checked"] == gguf["tensors"]
+    assert nnef["verify"]["max_abs_err"] <= nnef["verify"]["tolerance"]
+    assert nnef["verify"]["tract_peak_rss_bytes"] > 0
+
+    reader = GGUFReader(out / "gguf" / gguf["file"])
+    assert len(reader.tensors) == gguf["tensors"]
+    runnable = load_runnable(out / "nnef" / "model.nnef.tgz")
+    with np.load(out / "nnef" / "example_inputs.npz") as bundle:
+        outputs = run_bundle(runnable, {k: bundle[k] for k in bundle.files})
+    with np.load(out / "nnef" / "example_outputs.npz") as bundle:
+        expected = [bundle[k] for k in bundle.files]
+    assert np.allclose(outputs[0], expected[0], atol=1e-2)
+
+
 def test_artifact_download_supports_range_and_etag(service: ServiceProcess, root: Path) -> None:
     done = service.wait_for(submit(service, {"source": f"file://{root / 'llama'}",
                                              "exports": [{"format": "safetensors"}]})["id"])

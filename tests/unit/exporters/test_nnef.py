@@ -6,6 +6,7 @@ Every export runs with sockets refused and ``tempfile`` pointed at a private dir
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import socket
@@ -24,14 +25,22 @@ from pydantic import ValidationError
 
 from service.checkpoint import open_checkpoint
 from service.config import Settings
-from service.errors import JobCancelled, UnsafePickle, UnsupportedExport, VerificationFailed
+from service.errors import (
+    JobCancelled,
+    NoModelConfig,
+    UnsafePickle,
+    UnsupportedExport,
+    VerificationFailed,
+    VerificationTooLarge,
+)
 from service.exporters.base import ExportInputs, ExportResult, registry
 from service.exporters.nnef import NNEFExporter, NNEFSpec, prompt_ids
-from service.exporters.nnef_offload import build_offloaded_model, weights_only_unpickling
+from service.exporters.nnef_offload import offloaded_model, weights_only_unpickling
 from service.exporters.nnef_verify import IOSpec, greedy_reference, verify_causal_lm
 from service.exporters.tract_cli import write_launcher
 from service.jobs.context import InMemoryContext
 from service.jobs.model import Phase
+from service.offload.build import build_on_meta
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import (
     build_checkpoint,
@@ -89,7 +98,7 @@ def _reference(ckpt_dir: Path, tmp: Path, steps: int = 3) -> Any:
     """PyTorch's greedy decode of the checkpoint (weights streamed, as in the exporter)."""
     tmp.mkdir(parents=True, exist_ok=True)
     with open_checkpoint(ckpt_dir) as ckpt:
-        built = build_offloaded_model(ckpt, trust_remote_code=False, offload_dir=tmp)
+        built = offloaded_model(build_on_meta(ckpt, Settings()).model, ckpt, offload_dir=tmp)
         with weights_only_unpickling():
             return greedy_reference(built.module, prompt_ids(4, 128), steps)
 
@@ -136,6 +145,59 @@ def test_llama_archive_runs_in_tract_and_matches_pytorch_over_greedy_decode(
     assert llama_export.ctx.metrics["nnef_bytes_read"] > 0
 
 
+def test_tract_runs_in_a_child_whose_peak_memory_is_reported(llama_export: Exported) -> None:
+    import resource
+
+    verify = llama_export.result.summary["verify"]
+    # tract holds the whole archive: measured in its own process, reported in the manifest.
+    assert verify["tract_peak_rss_bytes"] > llama_export.result.summary["archive_bytes"]
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    assert children >= verify["tract_peak_rss_bytes"]
+
+
+def test_verification_tract_cannot_hold_fails_before_exporting(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    settings = Settings(data_dir=tmp_path / "data", tract_max_memory="100MB")
+    with pytest.raises(VerificationTooLarge, match="MODELPREP_TRACT_MAX_MEMORY"):
+        _export(tiny_checkpoint("llama", "safetensors"), tmp_path, NNEFSpec(), settings)
+    assert not (tmp_path / "out" / "model.nnef.tgz").exists()
+    assert list((tmp_path / "work").iterdir()) == []
+    # Without verification the same budget does not matter.
+    exported = _export(
+        tiny_checkpoint("llama", "safetensors"), tmp_path / "unverified",
+        NNEFSpec(verify=False), settings,
+    )  # fmt: skip
+    assert exported.result.summary["verify"] is None
+
+
+def test_export_reads_weights_from_the_jobs_offload_store(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    """The pipeline's path: one meta build, dispatched to one store; the export copies the
+    build and reads what the store holds from the store."""
+    from service.jobs.pipeline import ALL_ON_DISK
+    from service.offload.dispatch import dispatch_model
+    from service.offload.store import open_job_store
+
+    settings = Settings(data_dir=tmp_path / "data")
+    ctx = InMemoryContext(settings=settings, work_dir=tmp_path / "work", job_id="e" * 32)
+    ctx.work_dir.mkdir()
+    with open_checkpoint(tiny_checkpoint("llama", "bin")) as ckpt:
+        built = build_on_meta(ckpt, settings)
+        skeleton = copy.deepcopy(built.model)
+        store = open_job_store(settings, ctx.job_id, ckpt.root)
+        dispatch_model(built, ckpt.reader, store, ctx, max_memory=ALL_ON_DISK)
+        before = store.metrics()["bytes_read"]
+        inputs = ExportInputs(checkpoint=ckpt, model=built.model, skeleton=skeleton, store=store)
+        result = NNEFExporter().export(NNEFSpec(decode_steps=1), inputs, tmp_path / "out", ctx)
+        read = store.metrics()["bytes_read"] - before
+        store.close()
+    assert result.summary["verify"]["max_abs_err"] < 1e-4
+    assert read >= result.summary["weight_bytes"]  # every weight came through the store
+    assert all(p.is_meta for p in skeleton.parameters())  # the export worked on its own copy
+
+
 def test_llama_io_spec_names_symbolic_prompt_and_past_axes(llama_export: Exported) -> None:
     io_spec = _io(llama_export.out)
     assert io_spec.kind == "causal_lm"
@@ -160,12 +222,12 @@ def test_tampered_archive_fails_verification(
     io_spec = _io(llama_export.out)
     archive = llama_export.out / "model.nnef.tgz"
     # The untouched archive passes this very check ...
-    verify_causal_lm(archive, io_spec, expected, atol=1e-3, rtol=1e-3)
+    verify_causal_lm(archive, io_spec, expected, atol=1e-3, rtol=1e-3, work=tmp_path / "v")
     # ... and the same archive with one weight negated does not.
     bad = tmp_path / "tampered.nnef.tgz"
     _tamper(archive, bad)
     with pytest.raises(VerificationFailed, match="tract logits differ"):
-        verify_causal_lm(bad, io_spec, expected, atol=1e-3, rtol=1e-3)
+        verify_causal_lm(bad, io_spec, expected, atol=1e-3, rtol=1e-3, work=tmp_path / "v")
 
 
 def test_archive_compared_with_a_different_model_fails_verification(
@@ -180,6 +242,7 @@ def test_archive_compared_with_a_different_model_fails_verification(
             expected,
             atol=1e-3,
             rtol=1e-3,
+            work=tmp_path / "v",
         )
 
 
@@ -280,7 +343,7 @@ def test_remote_code_is_not_run_without_trust_remote_code(
     config["auto_map"] = {"AutoConfig": "evil_config.EvilConfig"}
     (ckpt / "config.json").write_text(json.dumps(config))
     assert not Settings().trust_remote_code
-    with pytest.raises(UnsupportedExport):
+    with pytest.raises(NoModelConfig, match="trust_remote_code"):
         _export(ckpt, tmp_path / "job", NNEFSpec())
     assert not marker.exists()
 
