@@ -7,9 +7,13 @@ Writes a synthetic TinyLlama-1.1B-like checkpoint (hidden 2048, intermediate 563
 vocab 32000, 16 KV heads so 5.0 GB in float32, one ``model.safetensors`` shard) with ``bench/synth_checkpoint.py`` (never held in RAM), then
 runs each measurement in its own child process and prints its wall time and peak RSS:
 
-* ``modelprep``: :class:`service.exporters.nnef.NNEFExporter` (weights re-read from the
-  checkpoint, torch-to-nnef LLM exporter), without tract verification;
-* ``modelprep-verify`` (``--verify``): the same plus the tract check (prompt + 2 greedy steps);
+* ``modelprep``: the job pipeline (:func:`service.jobs.pipeline.run_pipeline`) with one NNEF
+  export: meta build, offload store (references into the shard), torch-to-nnef LLM exporter
+  reading every weight from the store, no tract verification;
+* ``modelprep-verify`` (``--verify``): the same plus the tract check (prompt + 2 greedy steps),
+  which runs in a child of the job process: the job's peak and tract's are reported apart
+  (``peak_rss_gib`` is the job process, ``tract_child_peak_rss_gib`` tract's: it holds the
+  whole archive in RAM, so it grows with the model);
 * ``dump_llm-offload``: ``torch_to_nnef_llm.exporter.dump_llm(device_map="t2n_offload_disk")``
   with its defaults, except ``no_verify=True`` (its tract check needs a tract binary) and
   ``trust_remote_code=False``.
@@ -55,20 +59,34 @@ def peak_rss_bytes() -> int:
 def run_modelprep(
     ckpt: Path, out: Path, verify: bool, compression: str | None = None
 ) -> dict[str, Any]:
-    from service.checkpoint import open_checkpoint
+    """The job's own pipeline (download -> read -> build -> offload -> export -> finalize) on a
+    ``file://`` source, as a job process runs it; only the export spec varies."""
     from service.config import Settings
-    from service.exporters.base import ExportInputs
-    from service.exporters.nnef import NNEFExporter, NNEFSpec
     from service.jobs.context import InMemoryContext
+    from service.jobs.layout import JobLayout
+    from service.jobs.pipeline import run_pipeline
+    from service.jobs.spec import JobSpec
 
-    ctx = InMemoryContext(settings=Settings(data_dir=out / "var"), work_dir=out / "work")
-    ctx.work_dir.mkdir(parents=True)
-    spec = NNEFSpec.model_validate(
-        {"format": "nnef", "verify": verify, "decode_steps": 2, "compression": compression}
+    settings = Settings(data_dir=out / "var", local_roots=[ckpt.parent])
+    layout = JobLayout.for_job(settings, "b" * 32)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="b" * 32)
+    export = {"format": "nnef", "verify": verify, "decode_steps": 2, "compression": compression}
+    spec = JobSpec.model_validate(
+        {"source": f"file://{ckpt}", "exports": [export], "verify": verify}
     )
-    with open_checkpoint(ckpt) as checkpoint:
-        result = NNEFExporter().export(spec, ExportInputs(checkpoint=checkpoint), out / "nnef", ctx)
-    return {"summary": result.summary, "bytes_read": ctx.metrics.get("nnef_bytes_read")}
+    run_pipeline(spec, ctx, layout)
+    manifest = json.loads((layout.artifacts / "manifest.json").read_text())
+    summary = manifest["exports"][0]
+    verified = summary.get("verify") or {}
+    return {
+        "archive_bytes": summary["archive_bytes"],
+        "export_seconds": summary["seconds"],
+        "max_abs_err": verified.get("max_abs_err"),
+        "tract_child_peak_rss_gib": round(verified.get("tract_peak_rss_bytes", 0) / 2**30, 3),
+        "offload_bytes_written": ctx.details.get("offload", {}).get("bytes_written"),
+        "phases": list(dict.fromkeys(str(p) for p in ctx.phases_seen)),
+    }
 
 
 def run_dump_llm(ckpt: Path, out: Path) -> dict[str, Any]:

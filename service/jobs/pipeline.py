@@ -103,11 +103,12 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
         needs_module = any(exporters[s.format].needs_model for s in specs)
         # Exporters that rewrite modules copy the one meta build; dispatch fills the original.
         skeleton = copy.deepcopy(model.model) if model and needs_module else None
-        session = (
-            _ModelSession.open(checkpoint, model, spec, ctx, needs_store=needs_module)
-            if model
-            else None
-        )
+        needs_reference = spec.verify and any(s.format == "safetensors" for s in specs)
+        session = None
+        if model is not None:
+            session = _ModelSession.open(
+                checkpoint, model, spec, ctx, needs_store=needs_module, needs_reference=needs_reference
+            )
         failed = True
         try:
             inputs = ExportInputs(
@@ -220,26 +221,28 @@ class _ModelSession:
         spec: JobSpec,
         ctx: JobContext,
         *,
-        needs_store: bool = False,
+        needs_store: bool,
+        needs_reference: bool,
     ) -> _ModelSession:
-        """Dispatch into the job's store when verifying or when an export reads from it
-        (``needs_store``); without verification nothing is loaded into RAM (all on disk)."""
+        """Dispatch into the job's store when an export is verified against the source's
+        outputs (``needs_reference``, within ``max_memory``) or reads the model (``needs_store``,
+        all on disk: nothing of the model is loaded into RAM for it)."""
         from service.offload.dispatch import dispatch_model, publish_offload_metrics
         from service.offload.store import open_job_store
 
         max_memory = spec.max_memory or ctx.settings.default_max_memory
         session = cls(checkpoint, None, ctx, max_memory)
-        if not (spec.verify or needs_store):
+        if not (needs_reference or needs_store):
             return session
         ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
         store = open_job_store(ctx.settings, ctx.job_id, checkpoint.root)
         session.store = store
         result = dispatch_model(
             built, checkpoint.reader, store, ctx,
-            max_memory=max_memory if spec.verify else ALL_ON_DISK,
+            max_memory=max_memory if needs_reference else ALL_ON_DISK,
         )  # fmt: skip
         publish_offload_metrics(store, ctx, result)
-        if spec.verify:
+        if needs_reference:
             session.reference = _reference(result.model, checkpoint, ctx)
             publish_offload_metrics(store, ctx, result)
         return session
