@@ -16,7 +16,7 @@ safely. Secrets are never written here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -35,6 +35,7 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    bindparam,
     create_engine,
     event,
     func,
@@ -74,6 +75,12 @@ jobs_table = Table(
     Column("heartbeat_at", DateTime(timezone=True), nullable=True),
     Column("version", BigInteger, nullable=False, default=0),
 )
+
+
+_BY_ID = select(jobs_table).where(jobs_table.c.id == bindparam("job_id"))
+_BY_ID_OF_TENANT = _BY_ID.where(jobs_table.c.tenant == bindparam("tenant"))
+"""The point reads, built once: building a select (and its cache key) per call cost as much as
+running it, and status polls are the API's most frequent request (bench/api_latency.py)."""
 
 
 def utcnow() -> datetime:
@@ -161,6 +168,14 @@ class JobStore:
     def dispose(self) -> None:
         self.engine.dispose()
 
+    @property
+    def reads_never_wait(self) -> bool:
+        """Whether a point read is a local file read that waits for no lock and no network:
+        SQLite in WAL mode (readers never wait for writers). The API then reads on its event
+        loop, where a thread hop would cost more than the read; a network database's reads
+        may stall and stay off the loop."""
+        return self.engine.dialect.name == "sqlite"
+
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """One database transaction; an executor adds its own writes (its queue's) to it."""
@@ -180,17 +195,46 @@ class JobStore:
 
     def get(self, job_id: str, tenant: str | None = None, conn: Connection | None = None) -> Job:
         """The job, or JobNotFound (also when it belongs to another tenant)."""
-        query = select(jobs_table).where(jobs_table.c.id == job_id)
-        if tenant is not None:
-            query = query.where(jobs_table.c.tenant == tenant)
+        query, params = (
+            (_BY_ID, {"job_id": job_id})
+            if tenant is None
+            else (_BY_ID_OF_TENANT, {"job_id": job_id, "tenant": tenant})
+        )
         if conn is not None:
-            row = conn.execute(query).mappings().first()
+            row = conn.execute(query, params).mappings().first()
         else:
             with self.engine.connect() as own:
-                row = own.execute(query).mappings().first()
+                row = own.execute(query, params).mappings().first()
         if row is None:
             raise JobNotFound(f"no job {job_id}")
         return _to_job(row)
+
+    def changed(self, known: Mapping[str, int]) -> dict[str, Job | None]:
+        """The jobs of ``known`` (id -> version) whose version is no longer the known one, in
+        their current state (None: no such job any more).
+
+        One query for the versions, one more for the rows that moved: a watcher of many jobs
+        pays for the changes, not for every job at every poll."""
+        if not known:
+            return {}
+        ids = list(known)
+        with self.engine.connect() as conn:
+            versions: dict[str, int] = {
+                job_id: version
+                for job_id, version in conn.execute(
+                    select(jobs_table.c.id, jobs_table.c.version).where(jobs_table.c.id.in_(ids))
+                )
+            }
+            moved = [job_id for job_id in ids if versions.get(job_id) != known[job_id]]
+            present = [job_id for job_id in moved if job_id in versions]
+            rows = (
+                conn.execute(select(jobs_table).where(jobs_table.c.id.in_(present))).mappings().all()
+                if present
+                else []
+            )
+        found: dict[str, Job | None] = dict.fromkeys(moved)
+        found.update((row["id"], _to_job(row)) for row in rows)
+        return found
 
     def page(
         self,
@@ -225,6 +269,16 @@ class JobStore:
             query = query.where(jobs_table.c.tenant == tenant)
         with self.engine.connect() as conn:
             return int(conn.execute(query).scalar_one())
+
+    def cancel_requested(self, job_ids: Sequence[str]) -> set[str]:
+        """Those of ``job_ids`` flagged for cancellation (one query for all of them)."""
+        if not job_ids:
+            return set()
+        query = select(jobs_table.c.id).where(
+            jobs_table.c.id.in_(list(job_ids)), jobs_table.c.cancel_requested.is_(True)
+        )
+        with self.engine.connect() as conn:
+            return {r[0] for r in conn.execute(query)}
 
     def ids_with_status(self, statuses: Sequence[JobStatus]) -> list[str]:
         query = select(jobs_table.c.id).where(

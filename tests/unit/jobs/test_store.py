@@ -114,6 +114,31 @@ def test_cancelling_a_running_job_flags_it(store: JobStore) -> None:
     assert flagged.status is JobStatus.RUNNING and flagged.cancel_requested
 
 
+def test_cancel_flags_of_several_jobs_are_read_at_once(store: JobStore) -> None:
+    running = [store.create(new_job()) for _ in range(3)]
+    for job in running:
+        store.claim(job.id, "w")
+    store.request_cancel(running[1].id)
+    ids = [job.id for job in running] + ["0" * 32]
+    assert store.cancel_requested(ids) == {running[1].id}
+    assert store.cancel_requested([]) == set()
+
+
+def test_changed_reports_only_jobs_whose_version_moved(store: JobStore) -> None:
+    quiet, moving = store.create(new_job()), store.create(new_job())
+    known = {quiet.id: quiet.version, moving.id: moving.version, "0" * 32: 0}
+    store.claim(moving.id, "w")
+    store.report(moving.id, phase=Phase.READ, progress=Progress(done=1, total=2, unit="tensors"))
+    changed = store.changed(known)
+    assert set(changed) == {moving.id, "0" * 32}
+    assert changed["0" * 32] is None
+    moved = changed[moving.id]
+    assert moved is not None and moved == store.get(moving.id)
+    assert moved.version == moving.version + 2 and moved.phase is Phase.READ
+    assert store.changed({moving.id: moved.version}) == {}
+    assert store.changed({}) == {}
+
+
 def test_pages_walk_every_job_once_newest_first(store: JobStore) -> None:
     ids = [store.create(new_job(offset_seconds=i)).id for i in range(7)]
     seen: list[str] = []
