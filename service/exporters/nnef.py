@@ -134,6 +134,7 @@ def export_nnef(
     from service.exporters import nnef_offload as off
     from service.exporters.nnef_verify import ensure_tract_fits
     from service.exporters.tract_cli import write_launcher
+    from service.heap import HeapTrimmer
     from service.offload.build import build_on_meta
 
     checkpoint = inputs.checkpoint
@@ -143,10 +144,13 @@ def export_nnef(
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx.set_phase(Phase.EXPORT, total=None, unit="bytes")
 
+    trim = HeapTrimmer()
+
     def on_read(nbytes: int) -> None:
         ctx.check_abort()
         ctx.advance(nbytes)
         ctx.add_metric("nnef_bytes_read", nbytes)
+        trim(nbytes)  # earlier reloads were freed by now; hand their pages back
 
     # Tracing, writing and verifying read every weight 4-7 times: keep those reads in the page
     # cache (reclaimable, not process memory) instead of the reader's single-pass eviction.
