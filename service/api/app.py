@@ -12,6 +12,7 @@ from service.api.errors import install_error_handlers
 from service.api.metrics import service_registry
 from service.api.routes import artifacts, events, health, jobs, metrics, offload
 from service.api.telemetry import RequestTelemetry, request_latency_histogram
+from service.api.watch import JobWatch
 from service.config import Settings
 from service.jobs.executors import executor_for
 from service.jobs.service import JobService
@@ -45,6 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.jobs = job_service
+    app.state.watch = JobWatch(store)
     app.state.keyring = Keyring.from_settings(settings)
     app.state.metrics_registry = service_registry(store, settings)
     app.add_middleware(

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.watch import JobWatch
 from service.config import Settings
 from service.jobs.service import JobService
 
@@ -22,5 +23,11 @@ async def _settings(request: Request) -> Settings:
     return settings
 
 
+async def _watch(request: Request) -> JobWatch:
+    watch: JobWatch = request.app.state.watch
+    return watch
+
+
 JobsDep = Annotated[JobService, Depends(_jobs)]
+WatchDep = Annotated[JobWatch, Depends(_watch)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
