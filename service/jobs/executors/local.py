@@ -1,11 +1,16 @@
 """The embedded executor: a bounded pool of child processes fed from the job store.
 
 A dispatcher thread in the service process claims queued jobs (FIFO) while fewer than
-``settings.workers`` run, spawns one process per job (``spawn`` start method: no state
-inherited from the server), and reaps them. A child that exits without writing a terminal
+``settings.workers`` run, starts one process per job (forked by the preloaded forkserver: no
+state inherited from the server), and reaps them. A child that exits without writing a terminal
 status crashed (signal, OOM kill); the dispatcher fails its job with ``worker_crashed``. A
 cancelled job's whole process group is killed, then its files are removed. The child
 process handling is shared with distributed workers (``executors/process.py``).
+
+The dispatcher sleeps until something happens: a submit or a cancel of this process (a wake-up
+pipe), a job process ending (its sentinel), or, every ``poll_seconds``, a look at what only the
+store knows (a cancel flagged by another API process, a job queued by one). It shares the GIL
+with the API's event loop, so it does not wake up for nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
 from service.config import Settings
@@ -32,16 +38,18 @@ log = logging.getLogger(__name__)
 
 
 class LocalExecutor:
-    def __init__(self, settings: Settings, store: JobStore, poll_seconds: float = 0.2) -> None:
+    def __init__(self, settings: Settings, store: JobStore, poll_seconds: float = 1.0) -> None:
         self.settings = settings
         self.store = store
         self.poll_seconds = poll_seconds
+        """Longest sleep of the dispatcher: how late it sees what only the store tells."""
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         self._running: dict[str, BaseProcess] = {}
         self._secrets: dict[str, dict[str, str]] = {}
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake_pipe: tuple[int, int] | None = None
+        """(read, write) ends of the pipe that wakes the dispatcher; open while it runs."""
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -50,12 +58,16 @@ class LocalExecutor:
     def start(self) -> None:
         """Re-queue jobs a previous run of this pool left running, then start dispatching."""
         recover_interrupted(self.store, self.settings)
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        self._wake_pipe = (read_end, write_end)
         self._thread = threading.Thread(target=self._loop, name="modelprep-pool", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()
-        self._wake.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self._lock:
@@ -64,6 +76,11 @@ class LocalExecutor:
             stop_interrupted(process)
             # Interrupted by shutdown, not by the job: recovery re-queues it at next start.
             log.info("job interrupted by shutdown", extra={"job_id": job_id})
+        if self._thread is None or not self._thread.is_alive():
+            with self._lock:  # so that no _wake() writes to a closed (or reused) descriptor
+                for fd in self._wake_pipe or ():
+                    os.close(fd)
+                self._wake_pipe = None
 
     def submit(self, job: Job, secrets: dict[str, str]) -> Job:
         with self._lock:
@@ -75,7 +92,7 @@ class LocalExecutor:
             with self._lock:
                 self._secrets.pop(job.id, None)
             raise
-        self._wake.set()
+        self._wake()
         return job
 
     def cancel(self, job_id: str, tenant: str | None = None) -> Job:
@@ -83,7 +100,7 @@ class LocalExecutor:
         if job.status is JobStatus.RUNNING:
             with self._lock:
                 self._cancels.add(job_id)
-            self._wake.set()
+            self._wake()
         else:
             with self._lock:
                 self._secrets.pop(job_id, None)
@@ -96,6 +113,16 @@ class LocalExecutor:
         with self._lock:
             return list(self._running)
 
+    def _wake(self) -> None:
+        """Make the dispatcher tick now (from any thread; never blocks)."""
+        with self._lock:
+            if self._wake_pipe is None:
+                return  # not dispatching: the first tick after start() sees everything
+            try:
+                os.write(self._wake_pipe[1], b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
+
     def _loop(self) -> None:
         warm_up()
         while not self._stopping.is_set():
@@ -103,8 +130,22 @@ class LocalExecutor:
                 self._tick()
             except Exception:  # a store hiccup must not end the pool; next tick retries
                 log.exception("dispatcher tick failed")
-            self._wake.wait(self.poll_seconds)
-            self._wake.clear()
+                self._stopping.wait(self.poll_seconds)  # not a sentinel wait: one may be ready
+                continue
+            self._sleep()
+
+    def _sleep(self) -> None:
+        """Until a wake-up, a job process ends, or ``poll_seconds`` pass."""
+        assert self._wake_pipe is not None
+        read_end = self._wake_pipe[0]
+        with self._lock:
+            sentinels = [process.sentinel for process in self._running.values()]
+        if read_end in wait([read_end, *sentinels], timeout=self.poll_seconds):
+            try:
+                while os.read(read_end, 4096):
+                    pass
+            except BlockingIOError:
+                pass  # drained
 
     def _tick(self) -> None:
         self._apply_cancels()
@@ -117,9 +158,7 @@ class LocalExecutor:
             self._cancels.clear()
             running = dict(self._running)
         # Cancellation may also be requested through the store by another API process.
-        for job_id in running:
-            if job_id not in wanted and self.store.get(job_id).cancel_requested:
-                wanted.add(job_id)
+        wanted |= self.store.cancel_requested(list(running))
         for job_id in wanted:
             process = running.get(job_id)
             if process is None:
