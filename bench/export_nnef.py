@@ -1,7 +1,8 @@
 """Benchmark: NNEF export of a >= 4 GB float32 Llama-shaped checkpoint vs torch-to-nnef's dump_llm.
 
     .venv/bin/python bench/export_nnef.py [--layers 22] [--dir /tmp/nnef-bench] [--verify]
-                                          [--compression q4_0] [--skip-baseline] [--keep]
+                                          [--gguf f16,q8_0] [--compression q4_0]
+                                          [--skip-baseline] [--keep]
 
 Writes a synthetic TinyLlama-1.1B-like checkpoint (hidden 2048, intermediate 5632, 22 layers,
 vocab 32000, 16 KV heads so 5.0 GB in float32, one ``model.safetensors`` shard) with ``bench/synth_checkpoint.py`` (never held in RAM), then
@@ -14,6 +15,9 @@ runs each measurement in its own child process and prints its wall time and peak
   which runs in a child of the job process: the job's peak and tract's are reported apart
   (``peak_rss_gib`` is the job process, ``tract_child_peak_rss_gib`` tract's: it holds the
   whole archive in RAM, so it grows with the model);
+* ``modelprep-gguf-TYPE`` (``--gguf``): the same job with one GGUF export of that type,
+  verified by reading it back (the streamed writer's own comparison with ``GGUFWriter`` is
+  ``bench/export_gguf.py``);
 * ``dump_llm-offload``: ``torch_to_nnef_llm.exporter.dump_llm(device_map="t2n_offload_disk")``
   with its defaults, except ``no_verify=True`` (its tract check needs a tract binary) and
   ``trust_remote_code=False``.
@@ -57,10 +61,11 @@ def peak_rss_bytes() -> int:
 
 
 def run_modelprep(
-    ckpt: Path, out: Path, verify: bool, compression: str | None = None
+    ckpt: Path, out: Path, verify: bool, compression: str | None = None, gguf: str | None = None
 ) -> dict[str, Any]:
     """The job's own pipeline (download -> read -> build -> offload -> export -> finalize) on a
-    ``file://`` source, as a job process runs it; only the export spec varies."""
+    ``file://`` source, as a job process runs it; only the export spec varies (NNEF, or GGUF of
+    type ``gguf``)."""
     from service.config import Settings
     from service.jobs.context import InMemoryContext
     from service.jobs.layout import JobLayout
@@ -71,13 +76,20 @@ def run_modelprep(
     layout = JobLayout.for_job(settings, "b" * 32)
     layout.prepare()
     ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="b" * 32)
-    export = {"format": "nnef", "verify": verify, "decode_steps": 2, "compression": compression}
+    export: dict[str, Any] = (
+        {"format": "gguf", "type": gguf}
+        if gguf
+        else {"format": "nnef", "verify": verify, "decode_steps": 2, "compression": compression}
+    )
     spec = JobSpec.model_validate(
         {"source": f"file://{ckpt}", "exports": [export], "verify": verify}
     )
     run_pipeline(spec, ctx, layout)
     manifest = json.loads((layout.artifacts / "manifest.json").read_text())
     summary = manifest["exports"][0]
+    if gguf:
+        return {"gguf_bytes": summary["bytes"], "verified_tensors":
+                summary["verification"]["tensors_checked"]}  # fmt: skip
     verified = summary.get("verify") or {}
     return {
         "archive_bytes": summary["archive_bytes"],
@@ -110,7 +122,9 @@ def run_dump_llm(ckpt: Path, out: Path) -> dict[str, Any]:
 def child(mode: str, ckpt: Path, out: Path, compression: str | None) -> None:
     sys.path.insert(0, str(ROOT))
     start = time.monotonic()
-    if mode.startswith("modelprep"):
+    if mode.startswith("modelprep-gguf-"):
+        detail = run_modelprep(ckpt, out, True, gguf=mode.removeprefix("modelprep-gguf-"))
+    elif mode.startswith("modelprep"):
         detail = run_modelprep(ckpt, out, mode == "modelprep-verify", compression)
     else:
         detail = run_dump_llm(ckpt, out)
@@ -151,7 +165,8 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--compression", choices=["q4_0"], help="modelprep runs only")
-    parser.add_argument("--child", choices=["modelprep", "modelprep-verify", "dump_llm-offload"])
+    parser.add_argument("--gguf", default="", help="also GGUF exports of these types, e.g. f16,q8_0")
+    parser.add_argument("--child")
     parser.add_argument("--ckpt", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -174,6 +189,7 @@ def main() -> None:
         info["seconds"] = round(time.monotonic() - start, 1)
         print(json.dumps({"checkpoint": info}), flush=True)
         modes = ["modelprep"] + (["modelprep-verify"] if args.verify else [])
+        modes += [f"modelprep-gguf-{t}" for t in args.gguf.split(",") if t]
         modes += [] if args.skip_baseline else ["dump_llm-offload"]
         for mode in modes:
             print(json.dumps(measure(mode, ckpt, base, args.compression)), flush=True)

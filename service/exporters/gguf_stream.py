@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from service.errors import ExportFailed, VerificationFailed
 from service.exporters.gguf_directory import read_directory
 from service.exporters.gguf_plan import GGUFPlan, TensorPlan, permute_qk, unpermute_qk
+from service.heap import HeapTrimmer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -157,6 +158,7 @@ def write_gguf(
         header_len = out.tell()
         with open(tmp, "rb") as head:
             digest.update(head.read(header_len))
+        trim = HeapTrimmer()
         for t in plan.tensors:
             progress.check_abort()
             written = 0
@@ -166,7 +168,9 @@ def write_gguf(
                 digest.update(data)
                 written += data.nbytes
                 progress.advance(data.nbytes)
+                source_bytes = rows.nbytes
                 del rows, data
+                trim(source_bytes)  # encoding temporaries fragment the heap
                 progress.check_abort()
             if written != t.nbytes:
                 raise ExportFailed(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
@@ -233,10 +237,12 @@ def verify_gguf(
             f" unexpected {sorted(set(found) - planned)[:5]})"
         )
     report = VerifyReport()
+    trim = HeapTrimmer()
     fd = os.open(path, os.O_RDONLY)
     try:
         for t in plan.tensors:
             progress.check_abort()
+            trim(t.nbytes)  # dequantized blocks of earlier tensors are freed: return their pages
             stored = found[t.name]
             if stored.ggml_type != t.ggml_type:
                 kind = GGMLQuantizationType(stored.ggml_type).name
