@@ -10,6 +10,10 @@ needs no unpickling and can be referenced in place):
 
 Files that travel with the weights (config, generation config, tokenizer) are collected as
 ``aux_files``; ``config.json`` is parsed into ``Checkpoint.config`` when it is a JSON object.
+
+The readers (``checkpoint.safetensors``, ``checkpoint.torch_pickle``) import torch, so they are
+imported by :func:`open_checkpoint`, not here: the API process imports this package for its
+types and never opens a checkpoint.
 """
 
 from __future__ import annotations
@@ -20,16 +24,12 @@ from typing import Literal
 
 from service.checkpoint.base import Checkpoint, FileRegion, TensorInfo, WeightReader
 from service.checkpoint.index import ShardIndex, check_index_matches, load_index
-from service.checkpoint.safetensors import SafetensorsReader
-from service.checkpoint.torch_pickle import PickleReader
 from service.errors import CheckpointError, NoWeightFiles, SourceNotFound
 
 __all__ = [
     "AUX_FILE_NAMES",
     "Checkpoint",
     "FileRegion",
-    "PickleReader",
-    "SafetensorsReader",
     "TensorInfo",
     "WeightReader",
     "open_checkpoint",
@@ -68,6 +68,9 @@ def open_checkpoint(path: Path) -> Checkpoint:
     names an absent shard, :class:`CorruptCheckpoint` for truncated or lying files and
     :class:`UnsafePickle` for pickles holding arbitrary objects.
     """
+    from service.checkpoint.safetensors import SafetensorsReader
+    from service.checkpoint.torch_pickle import PickleReader
+
     if not path.exists():
         raise SourceNotFound(f"checkpoint path {path} does not exist")
     root = path if path.is_dir() else path.parent

@@ -9,9 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    # Annotations only: the API process imports these types (through the exporters' specs)
+    # and has no use for torch.
+    import torch
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def tied_targets_from_config(config: Mapping[str, Any] | None) -> set[str] | Non
     model_type = config.get("model_type")
     if not isinstance(archs, list) or not archs or not isinstance(model_type, str):
         return None
+    import torch
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

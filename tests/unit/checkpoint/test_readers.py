@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from service.checkpoint import PickleReader, SafetensorsReader, open_checkpoint
+from service.checkpoint import open_checkpoint
 from service.checkpoint.base import ReadsInto
-from service.checkpoint.safetensors import parse_header
+from service.checkpoint.safetensors import SafetensorsReader, parse_header
+from service.checkpoint.torch_pickle import PickleReader
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import KINDS, Arch, CheckpointKind, build_tiny_model, copy_tree
 
