@@ -14,7 +14,9 @@ ends: every job is a spawned process importing torch, so the two CPU cores are b
 * ``--streams`` clients follow ``GET /v1/jobs/{id}/events`` of current jobs, reconnecting to a
   new job when one ends (never again to a job whose final event they received, as a real
   follower would not: until the feeder replaced an ended job, they used to reconnect to it in
-  a loop, about 25 connections per second that no client makes).
+  a loop, about 25 connections per second that no client makes). A stream still open
+  ``STREAM_GRACE_SECONDS`` after the load ended counts as a stream error: its job ended, or will
+  not, without the final event reaching it.
 
 Prints p50/p90/p99/max client-side latency of the status polls, their rate and error count
 (non-200 or transport error), the events received and stream errors, and the service's own
@@ -50,6 +52,7 @@ from tests.fixtures.service import running_service
 KEY = "mp_bench-tenant-key-0123456789abcdef"
 ADMIN = "mp_bench-admin-key-0123456789abcdef"
 TERMINAL = {"succeeded", "failed", "cancelled"}
+STREAM_GRACE_SECONDS = 10
 
 
 @dataclass
@@ -165,7 +168,10 @@ async def streamer(
             continue
         job_id = followable[index % len(followable)]
         try:
-            async with aconnect_sse(client, "GET", f"/v1/jobs/{job_id}/events") as source:
+            grace = until + STREAM_GRACE_SECONDS - time.monotonic()
+            async with asyncio.timeout(grace), aconnect_sse(
+                client, "GET", f"/v1/jobs/{job_id}/events"
+            ) as source:
                 if source.response.status_code != 200:
                     figures.stream_errors.append(str(source.response.status_code))
                     continue
@@ -180,6 +186,11 @@ async def streamer(
                         return
         except httpx.HTTPError as exc:
             figures.stream_errors.append(f"{type(exc).__name__}: {exc}")
+        except TimeoutError:
+            figures.stream_errors.append(
+                f"job {job_id}: no final event {STREAM_GRACE_SECONDS} s after the load ended"
+            )
+            return
 
 
 def cpu_seconds(pid: int) -> float:
