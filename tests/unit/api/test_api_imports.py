@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[3]
 
 API_PROCESS = """
@@ -42,12 +40,6 @@ with TestClient(app) as client:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service/exporters/safetensors.py imports torch at module level (import torch, "
-    "_TORCH_DTYPES) and service.checkpoint.safetensors.DTYPE_NAMES, a dict keyed by torch "
-    "dtypes: both are to change with that exporter",
-)
 def test_an_api_process_that_took_a_submit_has_not_imported_torch(
     llama_safetensors_dir: Path, tmp_path: Path
 ) -> None:
