@@ -25,18 +25,24 @@ runs each measurement in its own child process and prints its wall time and peak
 Both children get ``TMPDIR`` inside ``--dir``; everything under it is deleted at the end unless
 ``--keep``.
 
-Runs of 2026-11-22 on a 5.05 GB checkpoint (2 cores shared with other engineers' jobs):
+Runs of 2026-11-22 (evening) on a 5.05 GB checkpoint, 2 cores shared with other work (load
+average 1-4); peak RSS is the job process's, tract's child is given apart:
 
-==================  ==============  ===============  ================
-run                 modelprep       modelprep-verify dump_llm-offload
-==================  ==============  ===============  ================
-07:23 (quieter)     107 s, 0.84 GiB        -         210 s, 5.14 GiB
-06:25 (loaded)      361 s, 0.86 GiB 599 s, 6.72 GiB  1074 s, 5.14 GiB
-==================  ==============  ===============  ================
+===========================  ===========================  ==============================
+mode                         run A                        run B
+===========================  ===========================  ==============================
+modelprep (NNEF)             83.8 s, 0.80 GiB             100.5 s, 0.80 GiB
+modelprep-verify             138.5 s, 1.05 GiB (+6.34     154.4 s, 0.82 GiB (+6.36 GiB
+                             GiB tract child)             tract child)
+modelprep-gguf-f16           29.2 s, 0.83 GiB                   -
+modelprep-gguf-q8_0          32.3 s, 2.04 GiB (before     45.6 s, 0.94 GiB
+                             the heap trim)
+dump_llm-offload             166.5 s, 5.15 GiB                  -
+===========================  ===========================  ==============================
 
-dump_llm leaves its 4.8 GB ``mkdtemp`` offload directory behind each time; the verify peak is
-tract holding the whole float32 model. q4_0 on a 4-layer (1.35 GB) variant, with verification:
-160 s, 1.63 GiB, 415 MB archive.
+dump_llm leaves its 4.8 GB ``mkdtemp`` offload directory behind each time. The verified job's own
+peak varied between 0.82 and 1.05 GiB over three runs; tract's child holds the whole float32
+archive.
 """
 
 from __future__ import annotations
