@@ -33,9 +33,12 @@ PRELOAD = [
     "service.jobs.runner",
     "service.jobs.pipeline",
     "service.exporters",
+    "service.checkpoint.safetensors",  # the readers: open_checkpoint imports them when called
+    "service.checkpoint.torch_pickle",
     "transformers",
     "transformers.models.llama.modeling_llama",
     "transformers.models.bert.modeling_bert",
+    "service.jobs.executors.freeze_preload",  # last: freezes what the modules above built
 ]
 """Imported once by the forkserver; a module that fails to import is simply left to the job."""
 
