@@ -33,6 +33,7 @@ PRELOAD = [
     "service.jobs.runner",
     "service.jobs.pipeline",
     "service.exporters",
+    "service.exporters.safetensors_writer",  # the writer export() imports: torch-only, no spec
     "service.checkpoint.safetensors",  # the readers: open_checkpoint imports them when called
     "service.checkpoint.torch_pickle",
     "transformers",
