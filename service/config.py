@@ -85,6 +85,12 @@ class Settings(BaseSettings):
         "archive; default: 90% of the memory available when it starts.",
     )
 
+    llama_cpp_dir: Path | None = Field(
+        default=None,
+        description="Directory of the llama.cpp tools (llama-quantize, llama-perplexity...); "
+        "default: the cache that scripts/build_llama_cpp.sh fills.",
+    )
+
     # operability
     log_json: bool = True
     log_level: str = "INFO"

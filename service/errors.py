@@ -239,6 +239,14 @@ class ExportFailed(JobFailed):
     title = "Export failed"
 
 
+class ToolMissing(JobFailed):
+    """A program the service runs (a llama.cpp tool) is not installed where it is looked for:
+    a deployment fault, reported with how to install it rather than as an internal error."""
+
+    code = "tool_missing"
+    title = "Tool missing"
+
+
 class VerificationFailed(JobFailed):
     code = "verification_failed"
     title = "Verification failed"

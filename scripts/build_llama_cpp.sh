@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build the pinned llama.cpp tools once per machine into a cache keyed by version.
+#
+# Why from source: llama-quantize (K-quants, imatrix mixtures), llama-imatrix, llama-perplexity and
+# llama-tokenize are what the GGUF exporter and its tests run as the real consumer of a GGUF file;
+# no registry ships them as binaries. The source is the llama.cpp that the PyPI sdist
+# llama-cpp-python==$VERSION vendors (the same gguf-py as the `gguf` package we pin), fetched
+# with pip like every other dependency.
+#
+# Usage: scripts/build_llama_cpp.sh [VERSION]   (default: the version service/llama_cpp.py pins)
+# Output: $MODELPREP_CACHE_HOME/llama.cpp/$VERSION/bin/llama-*  (MODELPREP_CACHE_HOME defaults to
+#         ${XDG_CACHE_HOME:-~/.cache}/modelprep). A second run with the binaries present does nothing.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+VERSION=${1:-$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' "$here/service/llama_cpp.py")}
+[ -n "$VERSION" ] || { echo "build_llama_cpp: no version" >&2; exit 2; }
+cache=${MODELPREP_CACHE_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/modelprep}
+dest=$cache/llama.cpp/$VERSION
+TOOLS=(llama-quantize llama-imatrix llama-perplexity llama-tokenize llama-simple llama-completion
+       llama-embedding llama-gguf-split)
+
+have_all() { for t in "${TOOLS[@]}"; do [ -x "$dest/bin/$t" ] || return 1; done; }
+if have_all; then echo "llama.cpp $VERSION: cached in $dest/bin"; exit 0; fi
+
+mkdir -p "$cache/llama.cpp"
+exec 9>"$cache/llama.cpp/.build-$VERSION.lock"
+flock 9                                   # two CI runs or make targets never build at once
+if have_all; then echo "llama.cpp $VERSION: built by another process in $dest/bin"; exit 0; fi
+
+work=$(mktemp -d "$cache/llama.cpp/.work-$VERSION.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work"
+tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
+src=$work/llama_cpp_python-$VERSION/vendor/llama.cpp
+
+flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF)
+if [ "$(uname -m)" = x86_64 ]; then
+  # x86-64-v3 rather than -march=native: the cache (and an image built here) runs on any AVX2 CPU.
+  flags+=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+fi
+echo "llama.cpp $VERSION: building ${TOOLS[*]} (several minutes, once per machine)"
+cmake -S "$src" -B "$work/build" "${flags[@]}" > "$work/cmake.log" 2>&1 \
+  || { tail -30 "$work/cmake.log" >&2; exit 1; }
+nice -n 5 cmake --build "$work/build" -j "$(nproc)" --target "${TOOLS[@]}" > "$work/build.log" 2>&1 \
+  || { tail -40 "$work/build.log" >&2; exit 1; }
+
+mkdir -p "$work/out/bin"
+for t in "${TOOLS[@]}"; do cp "$work/build/bin/$t" "$work/out/bin/"; done
+cp "$src/LICENSE" "$work/out/LICENSE"
+echo "$VERSION" > "$work/out/VERSION"
+rm -rf "$dest" && mv "$work/out" "$dest"     # the directory appears whole or not at all
+echo "llama.cpp $VERSION: built into $dest/bin"

@@ -1,0 +1,60 @@
+"""Where the pinned llama.cpp tools live, so the GGUF exporter and its tests run the real thing.
+
+llama.cpp is not a Python package: ``scripts/build_llama_cpp.sh`` (run by ``make install``, CI
+and the image build) compiles the tools of the llama.cpp that the PyPI sdist
+``llama-cpp-python==LLAMA_CPP_PYTHON_VERSION`` vendors, once per machine, into
+``<cache>/llama.cpp/<version>/bin``. This module only finds them; a missing tool is a typed
+:class:`~service.errors.ToolMissing` that says how to build it, never a bare ``FileNotFoundError``
+deep inside a job.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from service.errors import ToolMissing
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+"""The sdist whose vendored llama.cpp is built; its gguf-py is the ``gguf`` version we pin."""
+
+TOOLS = (
+    "llama-quantize",
+    "llama-imatrix",
+    "llama-perplexity",
+    "llama-tokenize",
+    "llama-simple",
+    "llama-completion",
+    "llama-embedding",
+    "llama-gguf-split",
+)
+
+
+def cache_home() -> Path:
+    """The per-machine cache of built tools and test fixtures (``MODELPREP_CACHE_HOME``)."""
+    explicit = os.environ.get("MODELPREP_CACHE_HOME")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "modelprep"
+
+
+def default_bin_dir() -> Path:
+    """Where ``scripts/build_llama_cpp.sh`` puts the binaries of the pinned version."""
+    return cache_home() / "llama.cpp" / LLAMA_CPP_PYTHON_VERSION / "bin"
+
+
+def llama_cpp_tool(name: str, bin_dir: Path | None = None) -> Path:
+    """The path of one llama.cpp tool (``llama-quantize``...), or :class:`ToolMissing`.
+
+    ``bin_dir`` is ``Settings.llama_cpp_dir`` when the operator installed the tools elsewhere
+    (the container image does); None means the build script's cache."""
+    if name not in TOOLS:
+        raise ValueError(f"{name} is not one of the llama.cpp tools modelprep builds: {TOOLS}")
+    path = (bin_dir or default_bin_dir()) / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise ToolMissing(
+            f"llama.cpp tool {name} not found at {path}; build the pinned llama.cpp with "
+            "`make llama-cpp` (scripts/build_llama_cpp.sh) or set MODELPREP_LLAMA_CPP_DIR"
+        )
+    return path
