@@ -188,7 +188,7 @@ def export_nnef(
 
     (out_dir / "io.json").write_text(json.dumps(io.to_json(), indent=2))
     files = [ARCHIVE_NAME, "io.json", "example_inputs.npz", "example_outputs.npz"]
-    files += _copy_aux_files(checkpoint, out_dir)
+    files += copy_aux_files(checkpoint, out_dir)
     summary: dict[str, Any] = {
         "kind": built.kind,
         "compression": spec.compression,
@@ -418,7 +418,7 @@ def _io_spec(
     )
 
 
-def _copy_aux_files(checkpoint: Checkpoint, out_dir: Path) -> list[str]:
+def copy_aux_files(checkpoint: Checkpoint, out_dir: Path) -> list[str]:
     """Config and tokenizer files travel with the archive; only regular files inside the root."""
     root = checkpoint.root.resolve()
     copied = []

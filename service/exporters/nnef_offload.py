@@ -162,6 +162,7 @@ def offloaded_model(
     offload_dir: Path,
     store: OffloadStore | None = None,
     hook: ReloadHook | None = None,
+    dtype: torch.dtype | None = None,
 ) -> OffloadedModel:
     """A private copy of the job's meta-built ``skeleton`` whose weights are all offloaded.
 
@@ -172,7 +173,7 @@ def offloaded_model(
     ``position_ids``) are real CPU tensors and are copied as they are. Raises
     :class:`NoModelConfig` without a config, :class:`UnsupportedExport` when the skeleton is not
     the kind of model the config names, :class:`CheckpointError` when a weight is missing or of
-    another shape.
+    another shape. Floating weights are cast to ``dtype`` on read (default: :func:`export_dtype`).
     """
     if checkpoint.config is None:
         raise NoModelConfig("NNEF export builds the model graph and needs a config.json")
@@ -190,7 +191,7 @@ def offloaded_model(
     # torch-to-nnef writes _name_or_path into the archive properties: keep host paths out.
     config: Any = module.config
     config._name_or_path = checkpoint.root.name
-    dtype = export_dtype(checkpoint)
+    dtype = dtype or export_dtype(checkpoint)
     weight_bytes = attach_offloaded_weights(
         module, checkpoint.reader, offload_dir, dtype, store=store, hook=hook
     )

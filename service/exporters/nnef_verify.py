@@ -13,12 +13,7 @@ within ``atol + rtol * max|reference|``, else :class:`VerificationFailed`.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +23,7 @@ import numpy as np
 
 from service.errors import VerificationFailed, VerificationTooLarge
 from service.exporters import tract_cli
+from service.exporters.child_process import run_child
 from service.units import parse_size
 
 
@@ -170,10 +166,7 @@ def run_tract(
 ) -> TractRun:
     """Run ``tract_cli.py ARCHIVE COMMAND`` in a child process and read its outputs.
 
-    tract holds the whole archive in RAM; in a child, that memory is returned to the system the
-    moment it exits and never counts towards the job process, and a crash of tract (or the OOM
-    killer) fails the verification instead of the job process. The child's peak RSS is read
-    from ``wait4``; ``check_abort`` is polled while it runs (a cancel kills it)."""
+    tract holds the whole archive in RAM: see :mod:`service.exporters.child_process`."""
     work.mkdir(parents=True, exist_ok=True)
     request_path, outputs_path = work / "request.npz", work / "outputs.npz"
     np.savez(request_path, **request)  # type: ignore[arg-type]
@@ -182,32 +175,10 @@ def run_tract(
         "--nnef-tract-core", "--nnef-tract-extra", "--nnef-tract-transformers", "-O", command,
         "--input-from-bundle", str(request_path), "--save-outputs-npz", str(outputs_path),
     ]  # fmt: skip
-    env = {**os.environ, "RUST_LOG": "error"}
-    with tempfile.TemporaryFile(dir=work) as stderr:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=stderr, env=env)  # fmt: skip
-        try:
-            while True:
-                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    break
-                if check_abort is not None:
-                    check_abort()
-                time.sleep(0.1)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        proc.returncode = code = os.waitstatus_to_exitcode(status)
-        stderr.seek(0)
-        tail = stderr.read()[-2000:].decode("utf-8", "replace").strip()
-    if code != 0:
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-        raise VerificationFailed(f"tract {how}{hint} running the archive: {tail[-500:]}")
+    peak = run_child(argv, work, "tract", check_abort, env={"RUST_LOG": "error"})
     with np.load(outputs_path) as bundle:
         outputs = {k: bundle[k] for k in bundle.files}
-    return TractRun(outputs, usage.ru_maxrss * 1024)
+    return TractRun(outputs, peak)
 
 
 def verify_causal_lm(
