@@ -84,6 +84,11 @@ class Settings(BaseSettings):
         description="RAM an NNEF verification may give tract, which holds every weight of the "
         "archive; default: 90% of the memory available when it starts.",
     )
+    ort_max_memory: str | None = Field(
+        default=None,
+        description="RAM an ONNX verification may give onnxruntime, which reads every weight "
+        "into memory; default: 90% of the memory available when it starts.",
+    )
 
     llama_cpp_dir: Path | None = Field(
         default=None,

@@ -6,6 +6,7 @@ tract) inside functions, so the API process can validate specs cheaply.
 
 from service.exporters import gguf as _gguf  # noqa: F401
 from service.exporters import nnef as _nnef  # noqa: F401
+from service.exporters import onnx as _onnx  # noqa: F401
 from service.exporters import safetensors as _safetensors  # noqa: F401
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, registry
 

@@ -1,0 +1,501 @@
+"""ONNX export through torch's dynamo exporter, with weights streamed from the offload store.
+
+The graph is captured from a copy of the job's one meta build: ``torch.onnx.export(...,
+dynamo=True)`` traces with fake tensors and never runs a kernel, so a 70B model's graph costs
+no weight memory. Every initializer of the captured graph is then replaced by an onnx-ir
+``LazyTensor`` that re-reads its weight from the job's offload store (or the checkpoint) through
+the same :class:`~service.exporters.nnef_offload.CheckpointTensor` the NNEF export uses, and
+onnx-ir writes the external data file one tensor at a time, serially, evaluating each lazy
+tensor only while it is written. Peak RSS of the job is therefore
+
+    base (torch, transformers, the graph: ~1 GiB) + 2 x the largest tensor (read, then cast)
+
+whatever the number of layers (bench/export_onnx.py shows it at two sizes).
+
+Tasks, in the layout optimum and onnxruntime-genai consume:
+
+``text-generation-with-past`` (causal LMs)
+    inputs ``input_ids`` [batch, sequence_length], ``attention_mask`` [batch,
+    total_sequence_length], ``position_ids`` [batch, sequence_length],
+    ``past_key_values.{i}.key|value`` [batch, kv_heads, past_sequence_length, head_dim];
+    outputs ``logits`` [batch, sequence_length, vocab] and ``present.{i}.key|value``.
+``feature-extraction`` (encoders)
+    inputs ``input_ids``, ``attention_mask`` (and ``token_type_ids`` when the model takes
+    them) [batch, sequence_length]; output ``last_hidden_state``.
+
+onnxruntime then runs the files in a child process (:mod:`service.exporters.onnx_verify`): it
+reads every weight into RAM, the job must not.
+
+Output directory::
+
+    model.onnx               the graph; every initializer is external
+    model.onnx_data          the weights, one tensor after the other (onnx-ir's layout)
+    config.json, tokenizer*  the checkpoint's auxiliary files, as-is
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import time
+import uuid
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
+from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
+from service.jobs.model import Phase
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+    import torch
+    from torch import nn
+
+    from service.exporters.onnx_verify import ParityReport
+    from service.jobs.context import JobContext
+
+LOGGER = logging.getLogger(__name__)
+
+MODEL_NAME = "model.onnx"
+DATA_NAME = "model.onnx_data"
+
+Task = Literal["text-generation-with-past", "feature-extraction"]
+
+DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Causal LMs whose dynamo export with a DynamicCache is checked in onnxruntime by the tests."""
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
+"""Encoders whose ``last_hidden_state`` export is checked in onnxruntime by the tests."""
+
+# Verification tolerances (atol, rtol of max|reference|) by exported dtype.
+TOLERANCES: dict[str, tuple[float, float]] = {"float32": (1e-3, 1e-3), "float16": (2e-2, 2e-2)}
+
+
+class ONNXSpec(ExportSpec):
+    """``{"format": "onnx", "dtype": null | "float32" | "float16", "task": ...}``."""
+
+    format: Literal["onnx"] = "onnx"
+    dtype: Literal["float32", "float16"] | None = Field(
+        default=None,
+        description="Weights and compute dtype; default float16 for a float16 checkpoint, "
+        "else float32 (onnxruntime's CPU kernels have no bfloat16 matmul)",
+    )
+    task: Task | None = Field(
+        default=None,
+        description="Default from the architecture: text-generation-with-past for causal "
+        "LMs, feature-extraction for encoders",
+    )
+    prompt_tokens: int = Field(default=4, ge=1, le=128, description="Causal LMs: prompt length")
+    decode_steps: int = Field(
+        default=3, ge=0, le=32, description="Causal LMs: greedy steps verified with the KV cache"
+    )
+    sequence_length: int = Field(default=8, ge=1, le=512, description="Encoders: input length")
+    verify: bool = Field(default=True, description="Run the model in onnxruntime and compare")
+    atol: float | None = Field(default=None, gt=0, description="Default by dtype")
+    rtol: float | None = Field(default=None, ge=0)
+
+
+def resolve_task(config: dict[str, Any], task: Task | None) -> Task:
+    """The task to export ``config``'s model as; :class:`UnsupportedExport` when it cannot be.
+
+    Checked at submission, from config.json alone: a causal LM (``*ForCausalLM``) of a tested
+    family exports as ``text-generation-with-past``, an encoder of a tested family as
+    ``feature-extraction``."""
+    model_type = str(config.get("model_type") or "")
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    natural: Task | None = None
+    if causal and model_type in DECODER_TYPES:
+        natural = "text-generation-with-past"
+    elif not causal and model_type in ENCODER_TYPES:
+        natural = "feature-extraction"
+    if natural is None:
+        kind = "causal LM" if causal else "model"
+        supported = sorted(DECODER_TYPES) if causal else sorted(ENCODER_TYPES)
+        raise UnsupportedExport(
+            f"ONNX export does not support the {kind} type {model_type or 'unknown'!r} "
+            f"(supported: {', '.join(supported)})"
+        )
+    if task is not None and task != natural:
+        raise UnsupportedExport(
+            f"task {task!r} does not fit a {model_type} {architectures or ['model']}: "
+            f"it exports as {natural!r}"
+        )
+    return natural
+
+
+class ONNXExporter:
+    format: ClassVar[str] = "onnx"
+    spec_type: ClassVar[type[ExportSpec]] = ONNXSpec
+    needs_model: ClassVar[bool] = True
+
+    def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
+        ospec = _onnx_spec(spec)
+        if config is None:
+            raise UnsupportedExport("ONNX export builds the model graph and needs a config.json")
+        resolve_task(config, ospec.task)
+
+    def export(
+        self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
+    ) -> ExportResult:
+        return export_onnx(_onnx_spec(spec), inputs, out_dir, ctx)
+
+
+def _onnx_spec(spec: ExportSpec) -> ONNXSpec:
+    if not isinstance(spec, ONNXSpec):
+        raise InvalidRequest(f"not an ONNX export spec: {spec.format}")
+    return spec
+
+
+def export_onnx(
+    spec: ONNXSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
+) -> ExportResult:
+    """Export the job's checkpoint to ``out_dir`` (see the module docstring for its layout).
+
+    The graph comes from a copy of ``inputs.skeleton`` (the job's meta build), the weights from
+    ``inputs.store`` (the job's offload store); called alone, with neither, it builds on meta
+    itself and reads the checkpoint."""
+    import torch
+
+    from service.exporters import nnef_offload as off
+    from service.exporters.onnx_verify import ensure_ort_fits
+    from service.heap import HeapTrimmer
+    from service.offload.build import build_on_meta
+
+    checkpoint = inputs.checkpoint
+    if checkpoint.config is None:
+        raise UnsupportedExport("ONNX export builds the model graph and needs a config.json")
+    task = resolve_task(checkpoint.config, spec.task)
+    started = time.monotonic()
+    work = ctx.work_dir / f"onnx-{uuid.uuid4().hex[:8]}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx.set_phase(Phase.EXPORT, total=None, unit="bytes")
+    trim = HeapTrimmer()
+
+    def on_read(nbytes: int) -> None:
+        ctx.check_abort()
+        ctx.advance(nbytes)
+        ctx.add_metric("onnx_bytes_read", nbytes)
+        trim(nbytes)  # the previous tensor was written and freed by now: hand its pages back
+
+    dtype = getattr(torch, spec.dtype) if spec.dtype else off.export_dtype(checkpoint)
+    # Writing and verifying read every weight twice: keep those reads in the page cache.
+    reader: Any = checkpoint.reader
+    drop_page_cache = getattr(reader, "drop_page_cache", None)
+    if isinstance(drop_page_cache, bool):
+        reader.drop_page_cache = False
+    try:
+        skeleton = inputs.skeleton
+        if skeleton is None:
+            skeleton = build_on_meta(checkpoint, ctx.settings).model
+        weights = off.offloaded_model(
+            skeleton, checkpoint, offload_dir=work / "offload", store=inputs.store, hook=on_read,
+            dtype=dtype,
+        )  # fmt: skip
+        if spec.verify:
+            # Fail before exporting, not after: onnxruntime will need every weight in RAM.
+            ensure_ort_fits(weights.weight_bytes, ctx.settings.ort_max_memory)
+        graph = capture_graph(skeleton, task, dtype)
+        ctx.check_abort()
+        attach_weights(graph.model, weights.module)
+        _save(graph.model, out_dir)
+        ctx.check_abort()
+        report = None
+        if spec.verify:
+            report = _verify(spec, task, weights.module, dtype, out_dir, work, ctx)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if isinstance(drop_page_cache, bool):
+            reader.drop_page_cache = drop_page_cache
+
+    from service.exporters.nnef import copy_aux_files
+
+    files = [MODEL_NAME, DATA_NAME, *copy_aux_files(checkpoint, out_dir)]
+    summary: dict[str, Any] = {
+        "task": task,
+        "dtype": str(dtype).removeprefix("torch."),
+        "opset": graph.opset,
+        "inputs": graph.inputs,
+        "outputs": graph.outputs,
+        "weight_bytes": weights.weight_bytes,
+        "data_bytes": (out_dir / DATA_NAME).stat().st_size,
+        "torch_version": str(torch.__version__),
+        "onnxruntime_version": version("onnxruntime"),
+        "seconds": round(time.monotonic() - started, 2),
+        "verify": report.summary() if report is not None else None,
+    }
+    return ExportResult(files=files, summary=summary)
+
+
+class CapturedGraph:
+    """The ONNX model captured on meta (initializers without data) and its I/O signature."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self.model = model
+        self.opset = int(model.opset_imports.get("", 0))
+        self.inputs = {v.name: _shape(v) for v in model.graph.inputs if v.name}
+        self.outputs = {v.name: _shape(v) for v in model.graph.outputs if v.name}
+
+
+def _shape(value: ir.Value) -> list[int | str]:
+    shape = value.shape
+    if shape is None:
+        return []
+    return [d if isinstance(d, int) else str(d.value) for d in shape]
+
+
+def capture_graph(skeleton: nn.Module, task: Task, dtype: torch.dtype) -> CapturedGraph:
+    """Trace a meta copy of ``skeleton`` in ``dtype`` with the dynamo exporter (no kernel runs).
+
+    Parameters, buffers and example inputs all live on ``meta`` so that tracing never mixes
+    devices; each initializer of the result is named after the module tensor it comes from."""
+    import torch
+
+    module = copy.deepcopy(skeleton).eval()
+    set_attn = getattr(module, "set_attn_implementation", None)
+    if callable(set_attn):
+        set_attn("sdpa")  # one fused attention node for onnxruntime, no eager mask arithmetic
+    module = module.to(device="meta", dtype=dtype)
+    if task == "text-generation-with-past":
+        wrapper = _causal_lm_with_past(module)
+    else:
+        wrapper = _feature_extraction(module)
+    names, args, dynamic = wrapper.example()
+    output_names = wrapper.output_names()
+    try:
+        program = torch.onnx.export(
+            wrapper, args, dynamo=True, dynamic_shapes=dynamic, input_names=names,
+            output_names=output_names, optimize=False, verbose=False, report=False,
+        )  # fmt: skip
+    except Exception as exc:  # torch.onnx raises its own tree and torch.export's errors
+        raise ExportFailed(f"torch.onnx could not capture the model: {exc}") from exc
+    if program is None:  # pragma: no cover - dynamo=True always returns a program
+        raise ExportFailed("torch.onnx returned no program")
+    model = program.model
+    for value in list(model.graph.initializers.values()):
+        if value.name and value.name.startswith(_WRAPPED):
+            model.graph.initializers.pop(value.name)
+            value.name = value.name.removeprefix(_WRAPPED)
+            model.graph.register_initializer(value)
+    return CapturedGraph(model)
+
+
+_WRAPPED = "model."
+"""The prefix the wrappers' ``model`` attribute adds to every initializer name."""
+
+
+def attach_weights(model: ir.Model, weights: nn.Module) -> None:
+    """Give every initializer a lazy tensor reading the weight of the same name in ``weights``.
+
+    ``weights`` is the offloaded copy of the model (its tensors re-read the store at each
+    access). Initializers are read when onnx-ir writes them, one at a time, then dropped."""
+    import onnx_ir as ir
+
+    tensors: dict[str, Any] = dict(weights.named_parameters(remove_duplicate=False))
+    tensors.update(weights.named_buffers(remove_duplicate=False))
+    missing = []
+    for name, value in model.graph.initializers.items():
+        source = tensors.get(name)
+        if source is None or value.dtype is None or value.shape is None:
+            missing.append(name)
+            continue
+        value.const_value = ir.LazyTensor(
+            _reader(source, value.dtype), dtype=value.dtype, shape=value.shape, name=name
+        )
+    if missing:
+        raise ExportFailed(
+            f"the ONNX graph has {len(missing)} constants the model does not hold: "
+            + ", ".join(sorted(missing)[:5])
+        )
+
+
+def _reader(source: Any, dtype: ir.DataType) -> Any:
+    import numpy as np
+    import onnx_ir as ir
+
+    def read() -> ir.Tensor[Any]:
+        import torch
+
+        from service.exporters.nnef_offload import CheckpointTensor
+
+        with torch.no_grad():
+            value = source.reload() if isinstance(source, CheckpointTensor) else source.detach()
+            value = value.as_subclass(torch.Tensor)
+            target = torch.from_numpy(np.empty(0, dtype=dtype.numpy())).dtype
+            value = value.to(target).contiguous()  # cast on read
+        return ir.Tensor(value.numpy(), dtype=dtype)
+
+    return read
+
+
+def _save(model: ir.Model, out_dir: Path) -> None:
+    """Fold the graph's own constants, then write the graph and its external data.
+
+    Nodes reading a weight are never folded: each weight stays one lazy tensor under its module
+    name (a folded transpose would be a nameless copy held in RAM until written); onnxruntime
+    pre-packs them when it loads the model. ``ir.save`` then writes the weights serially (one
+    worker, one tensor in flight) into a temporary file that replaces ``model.onnx_data`` when
+    complete."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    weights = set(model.graph.initializers)
+
+    def should_fold(node: ir.Node) -> bool | None:
+        return False if any(v is not None and v.name in weights for v in node.inputs) else None
+
+    try:
+        onnxscript.optimizer.optimize_ir(model, should_fold=should_fold)
+    except Exception as exc:  # the optimizer wraps its passes' errors in PassError
+        raise ExportFailed(f"onnxscript could not optimize the graph: {exc}") from exc
+    ir.save(
+        model, out_dir / MODEL_NAME, external_data=DATA_NAME,
+        max_workers=1, max_in_flight_bytes=1,
+    )  # fmt: skip
+
+
+def _verify(
+    spec: ONNXSpec,
+    task: Task,
+    module: nn.Module,
+    dtype: torch.dtype,
+    out_dir: Path,
+    work: Path,
+    ctx: JobContext,
+) -> ParityReport:
+    from service.exporters import onnx_verify as ver
+
+    atol, rtol = TOLERANCES.get(str(dtype).removeprefix("torch."), TOLERANCES["float16"])
+    atol, rtol = spec.atol or atol, rtol if spec.rtol is None else spec.rtol
+    ver.ensure_ort_fits((out_dir / DATA_NAME).stat().st_size, ctx.settings.ort_max_memory)
+    if task == "text-generation-with-past":
+        ctx.set_phase(Phase.VERIFY, total=spec.decode_steps + 1, unit="steps")
+        report = ver.verify_causal_lm(
+            out_dir / MODEL_NAME, module, spec.prompt_tokens, spec.decode_steps, atol, rtol,
+            work=work / "verify", check_abort=ctx.check_abort,
+        )  # fmt: skip
+        ctx.advance(spec.decode_steps + 1)
+        return report
+    ctx.set_phase(Phase.VERIFY, total=1, unit="steps")
+    report = ver.verify_encoder(
+        out_dir / MODEL_NAME, module, spec.sequence_length, atol, rtol,
+        work=work / "verify", check_abort=ctx.check_abort,
+    )  # fmt: skip
+    ctx.advance(1)
+    return report
+
+
+def _module_inputs(module: nn.Module) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(module.forward).parameters)
+
+
+def kv_layout(config: Any) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a decoder config, GQA included."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return int(config.num_hidden_layers), kv_heads, head_dim
+
+
+def _causal_lm_with_past(module: nn.Module) -> Any:
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    config: Any = module.config
+    layers, kv_heads, head_dim = kv_layout(config)
+
+    class CausalLMWithPast(torch.nn.Module):
+        """Flat tensors in and out, in optimum's names: the form ONNX consumers feed."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = module
+
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor,
+            position_ids: torch.Tensor,
+            *past: torch.Tensor,
+        ) -> tuple[torch.Tensor, ...]:
+            cache = DynamicCache(config=config)
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True,
+            )  # fmt: skip
+            flat: list[torch.Tensor] = []
+            for layer in out.past_key_values.layers:
+                flat += [layer.keys, layer.values]
+            return (out.logits, *flat)
+
+        def example(self) -> tuple[list[str], tuple[torch.Tensor, ...], tuple[Any, ...]]:
+            # Sizes other than 0 and 1, which torch.export would specialize.
+            batch, seq, past_len = 2, 3, 5
+            meta = torch.device("meta")
+            dtype = next(iter(self.model.parameters())).dtype
+            ids = torch.zeros(batch, seq, dtype=torch.int64, device=meta)
+            positions = torch.zeros(batch, seq, dtype=torch.int64, device=meta)  # not `ids`:
+            # torch.export would take one tensor passed twice for one input.
+            mask = torch.zeros(batch, past_len + seq, dtype=torch.int64, device=meta)
+            cache = [
+                torch.zeros(batch, kv_heads, past_len, head_dim, dtype=dtype, device=meta)
+                for _ in range(2 * layers)
+            ]
+            b = torch.export.Dim("batch")
+            s = torch.export.Dim("sequence_length")
+            p = torch.export.Dim("past_sequence_length")
+            t = torch.export.Dim("total_sequence_length")
+            dynamic = ({0: b, 1: s}, {0: b, 1: t}, {0: b, 1: s}, tuple({0: b, 2: p} for _ in cache))
+            names = ["input_ids", "attention_mask", "position_ids"]
+            names += [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+            return names, (ids, mask, positions, *cache), dynamic
+
+        def output_names(self) -> list[str]:
+            return ["logits"] + [
+                f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")
+            ]
+
+    return CausalLMWithPast().eval()
+
+
+def _feature_extraction(module: nn.Module) -> Any:
+    import torch
+
+    accepted = _module_inputs(module)
+    names: list[str] = [
+        n for n in ("input_ids", "attention_mask", "token_type_ids") if n in accepted
+    ]
+
+    class FeatureExtraction(torch.nn.Module):
+        """Token ids (and masks) in, ``last_hidden_state`` out."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = module
+
+        def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+            kwargs = dict(zip(names, tensors, strict=True))
+            hidden: torch.Tensor = self.model(**kwargs, return_dict=True).last_hidden_state
+            return hidden
+
+        def example(self) -> tuple[list[str], tuple[torch.Tensor, ...], tuple[Any, ...]]:
+            batch, seq = 2, 5
+            args = tuple(torch.zeros(batch, seq, dtype=torch.int64, device="meta") for _ in names)
+            b = torch.export.Dim("batch")
+            s = torch.export.Dim("sequence_length")
+            return names, args, (tuple({0: b, 1: s} for _ in names),)
+
+        def output_names(self) -> list[str]:
+            return ["last_hidden_state"]
+
+    return FeatureExtraction().eval()
+
+
+register(ONNXExporter())

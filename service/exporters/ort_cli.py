@@ -1,0 +1,104 @@
+"""Run an exported ONNX model in onnxruntime, as a child process of the job.
+
+onnxruntime reads every external initializer into RAM when it builds a session, so running a
+model costs about its weight bytes. The job process must not pay that (its peak RSS stays that
+of a tensor or two), so :mod:`service.exporters.onnx_verify` runs this file in a child process
+(``python -P ort_cli.py``: it imports nothing of the service, and ``-P`` keeps this package
+directory, whose ``onnx.py`` would shadow the ``onnx`` package, off ``sys.path``)::
+
+    ort_cli.py MODEL.onnx run    REQUEST.npz OUTPUTS.npz   # one run, feeds named as the inputs
+    ort_cli.py MODEL.onnx decode REQUEST.npz OUTPUTS.npz   # greedy decode with the KV cache
+
+``decode`` requests hold ``prompt`` [1,S] and ``tokens`` [n]: the prompt runs with empty
+``past_key_values.*`` inputs, then each given token is fed with onnxruntime's own ``present.*``
+outputs as the next past (teacher forcing: one near-tie argmax cannot derail the comparison).
+The last position's logits of every step are saved as ``logits`` [n, vocab]. ``run`` saves the
+outputs under their graph names. Both save this process's peak RSS as ``peak_rss_bytes``, read
+from ``VmHWM`` here: the ``ru_maxrss`` the parent gets from ``wait4`` also counts the parent's
+pages the child had before ``exec`` (Linux keeps the pre-exec high-water mark).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def open_session(model: Path) -> Any:
+    """A CPU session; one intra-op thread pool sized by onnxruntime, no graph dump."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+
+
+def run_decode(session: Any, request: dict[str, np.ndarray]) -> np.ndarray:
+    """Teacher-forced greedy decode; the last position's logits at every step."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    past_names = [n for n in inputs if n.startswith("past_key_values.")]
+    present_names = [o.name for o in session.get_outputs() if o.name.startswith("present.")]
+    prompt = np.ascontiguousarray(request["prompt"], dtype=np.int64)
+    feeds: dict[str, np.ndarray] = {}
+    for name in past_names:
+        shape = inputs[name].shape  # [batch, kv_heads, past, head_dim]
+        dims = [1, int(shape[1]), 0, int(shape[3])]
+        feeds[name] = np.zeros(dims, dtype=_ORT_DTYPES.get(inputs[name].type, np.float32))
+    step_ids = prompt
+    seen = 0
+    found = []
+    for token in request["tokens"]:
+        count = step_ids.shape[1]
+        feeds["input_ids"] = step_ids
+        if "attention_mask" in inputs:
+            feeds["attention_mask"] = np.ones((1, seen + count), dtype=np.int64)
+        if "position_ids" in inputs:
+            feeds["position_ids"] = np.arange(seen, seen + count, dtype=np.int64)[None]
+        outputs = session.run(["logits", *present_names], feeds)
+        found.append(np.asarray(outputs[0], dtype=np.float32)[0, -1])
+        for past, present in zip(past_names, outputs[1:], strict=True):
+            feeds[past] = present
+        seen += count
+        step_ids = np.asarray([[int(token)]], dtype=np.int64)
+    return np.stack(found)
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark since ``exec`` (``VmHWM``)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0  # pragma: no cover - every Linux kernel since 2.6 reports VmHWM
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: exit status 2 and one line on stderr for a wrong invocation."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 4 or args[1] not in ("run", "decode"):
+        print("usage: ort_cli.py MODEL.onnx run|decode REQUEST.npz OUTPUTS.npz", file=sys.stderr)
+        return 2
+    model, command, request_path, outputs_path = Path(args[0]), args[1], args[2], args[3]
+    session = open_session(model)
+    with np.load(request_path) as bundle:
+        request = {k: bundle[k] for k in bundle.files}
+    if command == "decode":
+        logits = run_decode(session, request)
+        np.savez(outputs_path, logits=logits, peak_rss_bytes=np.int64(peak_rss_bytes()))
+        return 0
+    names = [o.name for o in session.get_outputs()]
+    outputs = session.run(names, request)
+    named: dict[str, Any] = dict(zip(names, outputs, strict=True))
+    named["peak_rss_bytes"] = np.int64(peak_rss_bytes())
+    np.savez(outputs_path, **named)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - run as a child process
+    sys.exit(main())
