@@ -72,7 +72,11 @@ def _decode_in_ort(model: Path, prompt: list[int], steps: int) -> list[int]:
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     past = {i.name: i for i in session.get_inputs() if i.name.startswith("past_key_values.")}
     feeds: dict[str, np.ndarray] = {
-        n: np.zeros((1, int(i.shape[1]), 0, int(i.shape[3])), np.float32) for n, i in past.items()
+        n: np.zeros(
+            (1, int(i.shape[1]), 0, int(i.shape[3])),
+            np.float16 if i.type == "tensor(float16)" else np.float32,
+        )
+        for n, i in past.items()
     }
     ids, seen, tokens = [prompt], 0, []
     for _ in range(steps):
