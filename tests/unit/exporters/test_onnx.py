@@ -26,7 +26,14 @@ from service.config import Settings
 from service.errors import UnsupportedExport, VerificationFailed, VerificationTooLarge
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.nnef_offload import offloaded_model
-from service.exporters.onnx import DATA_NAME, MODEL_NAME, ONNXExporter, ONNXSpec, resolve_task
+from service.exporters.onnx import (
+    DATA_NAME,
+    ENCODER_TYPES,
+    MODEL_NAME,
+    ONNXExporter,
+    ONNXSpec,
+    resolve_task,
+)
 from service.exporters.onnx_verify import verify_causal_lm
 from service.jobs.context import InMemoryContext
 from service.offload.build import build_on_meta
@@ -244,3 +251,29 @@ def test_unsupported_task_or_architecture_is_refused_with_422(
 def test_a_checkpoint_without_config_is_refused() -> None:
     with pytest.raises(UnsupportedExport, match="config.json"):
         ONNXExporter().check(ONNXSpec(), None)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3", "roberta", "xlm-roberta"])
+def test_every_supported_family_exports_and_verifies(model_type: str, tmp_path: Path) -> None:
+    """Each family the exporter accepts (besides Llama and BERT above), tiny and random."""
+    from transformers import AutoConfig
+
+    encoder = model_type in ENCODER_TYPES
+    shape = {"vocab_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "max_position_embeddings": 64}  # fmt: skip
+    if encoder:
+        config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, **shape)
+    else:
+        config = AutoConfig.for_model(
+            model_type, hidden_size=64, intermediate_size=128, num_key_value_heads=2, **shape
+        )
+    torch.manual_seed(0)
+    model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config)
+    model.save_pretrained(tmp_path / "ckpt")
+    exported = _export(tmp_path / "ckpt", tmp_path, ONNXSpec(decode_steps=2))
+    verify = exported.result.summary["verify"]
+    assert exported.result.summary["task"] == (
+        "feature-extraction" if encoder else "text-generation-with-past"
+    )
+    assert verify["max_abs_err"] <= verify["tolerance"]
+    assert all(verify["argmax_agreed"])
