@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.egress import EgressPolicy
 from service.units import parse_size
 
 
@@ -70,6 +71,12 @@ class Settings(BaseSettings):
     download_retries: int = 5
     download_backoff_seconds: float = Field(
         default=1.0, ge=0, description="First retry delay of a download; doubles per retry."
+    )
+    egress_allowlist: list[str] = Field(
+        default_factory=list,
+        description="JSON list of host names and CIDRs that HTTP sources, redirects and "
+        "callbacks may reach although not global (internal mirrors); everything else "
+        "non-global (loopback, link-local, private) is refused.",
     )
 
     # model building and offload
@@ -143,6 +150,18 @@ class Settings(BaseSettings):
                 "heartbeat_timeout_seconds must be at least 3 x heartbeat_interval_seconds"
             )
         return self
+
+    @field_validator("egress_allowlist")
+    @classmethod
+    def _valid_allowlist(cls, value: list[str]) -> list[str]:
+        if any(not entry.strip() for entry in value):
+            raise ValueError("empty entry in egress_allowlist")
+        return value
+
+    @property
+    def egress_policy(self) -> EgressPolicy:
+        """The allowlist parsed (cheap; the entries were validated with the settings)."""
+        return EgressPolicy.from_allowlist(self.egress_allowlist)
 
     @field_validator("data_dir")
     @classmethod

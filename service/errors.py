@@ -115,6 +115,15 @@ class SourceNotAllowed(PermissionError, SourceError):
     title = "Source not allowed"
 
 
+class EgressRefused(PermissionError, ServiceError):
+    """An outbound connection (HTTP source, redirect, callback) to an address the egress policy
+    refuses: loopback, link-local, private or otherwise non-global (see service/egress.py)."""
+
+    code = "egress_refused"
+    status = 422
+    title = "Destination not allowed by the egress policy"
+
+
 class SourceNotFound(FileNotFoundError, SourceError):
     code = "source_not_found"
     status = 422

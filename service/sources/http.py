@@ -8,7 +8,8 @@ zero); a server that ignores ``Range`` restarts the body from zero too.
 
 With a ``sha256`` the file is content-addressed and goes to the shared download cache (two jobs
 of the same file download it once); without one it is downloaded into the job's work directory.
-The job's token is a Hub credential and is never sent to an arbitrary URL.
+The job's token is a Hub credential and is never sent to an arbitrary URL. Every connection,
+each redirect hop included, goes through the egress policy (service/egress.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 import httpx
 
 from service.config import Settings
+from service.egress import egress_client
 from service.errors import (
     ChecksumMismatch,
     DiskFull,
@@ -214,7 +216,7 @@ def download_file(
     state = _Attempt()
     failures = 0
     timeout = httpx.Timeout(30.0, read=60.0)
-    with httpx.Client(follow_redirects=False, timeout=timeout) as client:
+    with egress_client(settings.egress_policy, timeout) as client:
         while True:
             ctx.check_abort()
             headers = {"Accept-Encoding": "identity"}
@@ -314,6 +316,7 @@ class HttpFetcher:
     def check(self, request: SourceRequest, settings: Settings) -> None:
         check_http_url(request.uri)
         check_sha256(request.sha256)
+        settings.egress_policy.check_literal(request.uri)
 
     def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
         check_http_url(request.uri)

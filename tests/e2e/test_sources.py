@@ -154,3 +154,24 @@ def test_a_hub_token_never_reaches_logs_json_or_database(
     assert token not in service.logs()
     dump = "\n".join(sqlite3.connect(service.data_dir / "modelprep.db").iterdump())
     assert token not in dump
+
+
+def test_a_metadata_service_url_is_refused_at_submission(service: ServiceProcess) -> None:
+    with service.client() as client:
+        response = client.post("/v1/jobs", json={
+            "source": "http://169.254.169.254/latest/meta-data/model.safetensors",
+            "exports": [{"format": "safetensors"}]})
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert response.json()["type"].endswith("egress_refused")
+
+
+def test_a_redirect_to_a_private_address_fails_the_job_as_egress_refused(
+    service: ServiceProcess, http_server: FileServer
+) -> None:
+    url = http_server.add(f"/{uuid.uuid4().hex}/model.safetensors", Route(
+        status=302, headers={"Location": "http://10.255.255.1/model.safetensors"}))
+    job = run(service, {"source": url, "exports": [{"format": "safetensors"}]})
+    assert job["status"] == "failed"
+    assert job["error"]["type"] == "egress_refused", job["error"]
+    assert job["artifacts"] == []

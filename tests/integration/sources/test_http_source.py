@@ -37,7 +37,8 @@ def payload(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(data_dir=tmp_path / "data", download_retries=2, download_backoff_seconds=0.01)
+    return Settings(data_dir=tmp_path / "data", download_retries=2, download_backoff_seconds=0.01,
+                    egress_allowlist=["127.0.0.0/8"])
 
 
 def _ctx(settings: Settings, name: str = "job") -> InMemoryContext:
@@ -166,7 +167,8 @@ def test_redirect_to_another_scheme_is_refused(
 def test_file_larger_than_the_limit_is_refused_before_download(
     http_server: FileServer, payload: Path, tmp_path: Path
 ) -> None:
-    settings = Settings(data_dir=tmp_path / "d", max_download_bytes=SIZE - 1)
+    settings = Settings(data_dir=tmp_path / "d", max_download_bytes=SIZE - 1,
+                        egress_allowlist=["127.0.0.0/8"])
     url = http_server.add("/model.safetensors", Route(body=payload))
     ctx = _ctx(settings)
     with pytest.raises(DownloadTooLarge):
