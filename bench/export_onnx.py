@@ -88,6 +88,7 @@ def run_modelprep(ckpt: Path, out: Path) -> dict[str, Any]:
     return {
         "data_bytes": summary["data_bytes"],
         "export_seconds": summary["seconds"],
+        "phase_seconds": summary["phase_seconds"],
         "max_abs_err_vs_pytorch": verified["max_abs_err"],
         "tolerance": verified["tolerance"],
         "tokens": verified["tokens"],

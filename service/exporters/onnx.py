@@ -174,6 +174,7 @@ def export_onnx(
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx.set_phase(Phase.EXPORT, total=None, unit="bytes")
     trim = HeapTrimmer()
+    timings: dict[str, float] = {}
 
     def on_read(nbytes: int) -> None:
         ctx.check_abort()
@@ -198,14 +199,18 @@ def export_onnx(
         if spec.verify:
             # Fail before exporting, not after: onnxruntime will need every weight in RAM.
             ensure_ort_fits(weights.weight_bytes, ctx.settings.ort_max_memory)
+        timings["capture"] = time.monotonic()
         graph = capture_graph(skeleton, task, dtype)
         ctx.check_abort()
         attach_weights(graph.model, weights.module)
+        timings["write"] = time.monotonic()
         _save(graph.model, out_dir)
         ctx.check_abort()
         report = None
+        timings["verify"] = time.monotonic()
         if spec.verify:
             report = _verify(spec, task, weights.module, dtype, out_dir, work, ctx)
+        timings["end"] = time.monotonic()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if isinstance(drop_page_cache, bool):
@@ -225,6 +230,10 @@ def export_onnx(
         "torch_version": str(torch.__version__),
         "onnxruntime_version": version("onnxruntime"),
         "seconds": round(time.monotonic() - started, 2),
+        "phase_seconds": {
+            phase: round(timings[after] - timings[phase], 2)
+            for phase, after in (("capture", "write"), ("write", "verify"), ("verify", "end"))
+        },
         "verify": report.summary() if report is not None else None,
     }
     return ExportResult(files=files, summary=summary)
