@@ -41,7 +41,7 @@ _CHILD = """
 import json, resource, sys, time
 from pathlib import Path
 from service.config import Settings
-from service.jobs.context import InMemoryContext
+from service.stage import InMemoryContext
 from service.sources.http import download_file
 url, dest, sha = sys.argv[1], Path(sys.argv[2]), (sys.argv[3] or None)
 settings = Settings(data_dir=dest.parent / "data")

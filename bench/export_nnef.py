@@ -73,10 +73,10 @@ def run_modelprep(
     ``file://`` source, as a job process runs it; only the export spec varies (NNEF, or GGUF of
     type ``gguf``)."""
     from service.config import Settings
-    from service.jobs.context import InMemoryContext
     from service.jobs.layout import JobLayout
     from service.jobs.pipeline import run_pipeline
     from service.jobs.spec import JobSpec
+    from service.stage import InMemoryContext
 
     settings = Settings(data_dir=out / "var", local_roots=[ckpt.parent])
     layout = JobLayout.for_job(settings, "b" * 32)

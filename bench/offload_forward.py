@@ -142,11 +142,11 @@ def child_ours(ckpt: Path, work: Path) -> dict[str, Any]:
 
     from service.checkpoint import open_checkpoint
     from service.config import Settings
-    from service.jobs.context import InMemoryContext
     from service.offload.build import build_on_meta
     from service.offload.dispatch import dispatch_model
     from service.offload.store import OffloadStore
     from service.offload.streaming import streamed_forward
+    from service.stage import InMemoryContext
 
     t0 = time.perf_counter()
     settings = Settings(data_dir=work / "var")

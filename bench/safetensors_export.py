@@ -57,7 +57,7 @@ def child_export(src: Path, out: Path, dtype: str, chunk_mib: int) -> None:
     from service.checkpoint import open_checkpoint
     from service.config import Settings
     from service.exporters.base import ExportInputs
-    from service.jobs.context import InMemoryContext
+    from service.stage import InMemoryContext
 
     writer.CHUNK_BYTES = chunk_mib * MiB
     ctx = InMemoryContext(settings=Settings(data_dir=out.parent / ".var"), work_dir=out.parent)

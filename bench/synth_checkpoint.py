@@ -28,7 +28,7 @@ from service.checkpoint.base import FileRegion, TensorInfo
 from service.config import Settings
 from service.exporters.safetensors import INDEX_FILE
 from service.exporters.safetensors_writer import plan_shards, write_json_atomic, write_shard
-from service.jobs.context import InMemoryContext
+from service.stage import InMemoryContext
 
 
 def llama_config(layers: int, hidden: int, intermediate: int, vocab: int) -> dict[str, object]:

@@ -1,9 +1,21 @@
 """The Exporter protocol and its registry: a new output format is one new module.
 
-An exporter declares a pydantic spec (its ``format`` literal is the discriminator of the job's
-``exports`` list), may reject a spec at submission (``check``) and writes files into a fresh
-directory (``export``). Heavy imports (torch, gguf, torch_to_nnef) stay inside ``export`` so that
-the API process never loads them.
+An exporter
+
+* declares a pydantic spec (its ``format`` literal is the discriminator of the job's
+  ``exports`` list) and may reject one at submission (``check``);
+* says what it needs the job to prepare (``needs`` -> :class:`Needs`): the meta-built module
+  and the offload store, and/or the source model's reference outputs on the fixed input;
+* writes files into a fresh directory (``export``);
+* is verified either by itself, inside ``export`` (GGUF reads its file back, NNEF runs tract
+  and ONNX onnxruntime in a child process: they need no reference from the pipeline), or
+  against the reference by ``verify``, which the pipeline calls in the VERIFY phase after every
+  export is written (safetensors: the export is streamed through transformers).
+
+The pipeline (:mod:`service.jobs.pipeline`) only reads these declarations; it never tests a
+format by name. Heavy imports (torch, gguf, torch_to_nnef) stay inside ``export`` and
+``verify`` so that the API process never loads them. A new module registers its exporter at
+import (``exporter = register(MyExporter())``) and is listed in ``service/exporters/__init__.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ from typing import Any, ClassVar, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from service.checkpoint.base import Checkpoint
-from service.jobs.context import JobContext
+from service.stage import JobContext
 
 
 class ExportSpec(BaseModel):
@@ -34,6 +46,26 @@ class ExportInputs:
     """The job's one meta build, never dispatched: an exporter that rewrites modules copies it."""
     store: Any | None = None
     """The job's offload store (:class:`service.offload.store.OffloadStore`), when opened."""
+    reference: Any | None = None
+    """The source model's outputs (float32 tensor) on :func:`service.verify.parity.fixed_input_ids`,
+    computed once when an export's :class:`Needs` asks for it and the model could be built."""
+    max_memory: str | None = None
+    """The job's RAM budget for a model's weights, for verifiers that stream a model."""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an export needs the job to prepare before ``export`` runs; the default is nothing
+    but the checkpoint (a state-dict-level export)."""
+
+    module: bool = False
+    """The meta-built module (``inputs.skeleton``, ``inputs.model``) and the job's offload store
+    holding every weight on disk (``inputs.store``). The job is refused without a usable
+    config.json."""
+    reference: bool = False
+    """The source's reference outputs (``inputs.reference``), for :meth:`Exporter.verify`.
+    Computing them dispatches the model within the job's ``max_memory``; the pipeline drops
+    this need when the job has ``"verify": false``."""
 
 
 @dataclass
@@ -47,10 +79,15 @@ class ExportResult:
 
 
 class Exporter(Protocol):
+    """One output format. Subclass it explicitly to inherit the defaults of ``needs`` (nothing)
+    and ``verify`` (never called, since nothing asked for a reference)."""
+
     format: ClassVar[str]
     spec_type: ClassVar[type[ExportSpec]]
-    needs_model: ClassVar[bool]
-    """True when the exporter needs a module (not only a state dict)."""
+
+    def needs(self, spec: ExportSpec) -> Needs:
+        """What the job must prepare for this export (see :class:`Needs`)."""
+        return Needs()
 
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
         """Raise :class:`service.errors.InvalidRequest` for a spec this exporter cannot honour."""
@@ -58,7 +95,17 @@ class Exporter(Protocol):
 
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
-    ) -> ExportResult: ...
+    ) -> ExportResult:
+        """Write the export's files into ``out_dir`` (empty, inside the job's staging area)."""
+        ...
+
+    def verify(
+        self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
+    ) -> dict[str, Any]:
+        """Check the files in ``out_dir`` against ``inputs.reference``; the dict becomes the
+        export's ``verify`` in the manifest. Called only when ``needs(spec).reference`` and a
+        reference exists; raise :class:`service.errors.VerificationFailed` beyond tolerance."""
+        raise TypeError(f"the {self.format} exporter declares no reference to verify against")
 
 
 _REGISTRY: dict[str, Exporter] = {}

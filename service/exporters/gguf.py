@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from service.errors import NoModelConfig
-from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
+from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, register
 from service.exporters.gguf_plan import resolve_architecture
-from service.jobs.context import JobContext
-from service.jobs.model import Phase
+from service.stage import JobContext, Phase
 
 
 class GGUFSpec(ExportSpec):
@@ -26,10 +25,9 @@ class GGUFSpec(ExportSpec):
     type: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "f16"
 
 
-class GGUFExporter:
+class GGUFExporter(Exporter):
     format: ClassVar[str] = "gguf"
     spec_type: ClassVar[type[ExportSpec]] = GGUFSpec
-    needs_model: ClassVar[bool] = False
 
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
         """Refuse architectures llama.cpp's GGUF layout is not written for here."""

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
-from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
-from service.jobs.model import Phase
+from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.stage import Phase
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from service.checkpoint.base import Checkpoint
     from service.exporters.nnef_offload import OffloadedModel
     from service.exporters.nnef_verify import GreedyReference, IOSpec, ParityReport
-    from service.jobs.context import JobContext
+    from service.stage import JobContext
 
 LOGGER = logging.getLogger(__name__)
 
@@ -94,10 +94,14 @@ class NNEFSpec(ExportSpec):
     rtol: float | None = Field(default=None, ge=0)
 
 
-class NNEFExporter:
+class NNEFExporter(Exporter):
     format: ClassVar[str] = "nnef"
     spec_type: ClassVar[type[ExportSpec]] = NNEFSpec
-    needs_model: ClassVar[bool] = True
+
+    def needs(self, spec: ExportSpec) -> Needs:
+        """The meta module to trace and the offload store to stream weights from; the export
+        verifies itself in a child process, so no reference from the pipeline."""
+        return Needs(module=True)
 
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
         nspec = _nnef_spec(spec)

@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
-from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
-from service.jobs.model import Phase
+from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.stage import Phase
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from service.exporters.onnx_verify import ParityReport
-    from service.jobs.context import JobContext
+    from service.stage import JobContext
 
 LOGGER = logging.getLogger(__name__)
 
@@ -127,10 +127,14 @@ def resolve_task(config: dict[str, Any], task: Task | None) -> Task:
     return natural
 
 
-class ONNXExporter:
+class ONNXExporter(Exporter):
     format: ClassVar[str] = "onnx"
     spec_type: ClassVar[type[ExportSpec]] = ONNXSpec
-    needs_model: ClassVar[bool] = True
+
+    def needs(self, spec: ExportSpec) -> Needs:
+        """The meta module to trace and the offload store to stream weights from; the export
+        verifies itself in a child process, so no reference from the pipeline."""
+        return Needs(module=True)
 
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
         ospec = _onnx_spec(spec)

@@ -22,12 +22,14 @@ needs torch, is :mod:`service.exporters.safetensors_writer`, imported by ``expor
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from service.checkpoint.base import Checkpoint
 from service.errors import InvalidRequest
-from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
-from service.jobs.context import JobContext
+from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.stage import JobContext
 from service.units import parse_size
 
 SINGLE_FILE = "model.safetensors"
@@ -43,10 +45,14 @@ class SafetensorsSpec(ExportSpec):
     """Largest shard file: bytes, or "5GB" (10^9), "500MB", "1GiB" (2^30)."""
 
 
-class SafetensorsExporter:
+class SafetensorsExporter(Exporter):
     format: ClassVar[str] = "safetensors"
     spec_type: ClassVar[type[ExportSpec]] = SafetensorsSpec
-    needs_model: ClassVar[bool] = False
+
+    def needs(self, spec: ExportSpec) -> Needs:
+        """The source's reference outputs: the export is checked by running it through
+        transformers (:meth:`verify`), not by reading it back."""
+        return Needs(reference=True)
 
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
         """Reject an unparseable ``max_shard_size`` at submission time."""
@@ -58,6 +64,32 @@ class SafetensorsExporter:
         from service.exporters.safetensors_writer import export_safetensors
 
         return export_safetensors(_safetensors_spec(spec), inputs, out_dir, ctx)
+
+    def verify(
+        self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
+    ) -> dict[str, Any]:
+        """Stream the written model through its forward and compare with the source's outputs,
+        within the tolerance of the export's dtype (the source's dtype when not cast)."""
+        from service.verify.parity import verify_safetensors_export
+
+        dtype = _safetensors_spec(spec).dtype or _source_dtype(inputs.checkpoint)
+        return verify_safetensors_export(
+            inputs.checkpoint,
+            out_dir,
+            dtype,
+            ctx,
+            reference=inputs.reference,
+            max_memory=inputs.max_memory,
+        )
+
+
+def _source_dtype(checkpoint: Checkpoint) -> str:
+    """The floating dtype holding most of the checkpoint's bytes."""
+    counts: Counter[str] = Counter()
+    for info in checkpoint.reader.tensor_infos():
+        if info.dtype.is_floating_point:
+            counts[str(info.dtype).removeprefix("torch.")] += info.nbytes
+    return counts.most_common(1)[0][0] if counts else "float32"
 
 
 def _safetensors_spec(spec: ExportSpec) -> SafetensorsSpec:

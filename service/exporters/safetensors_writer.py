@@ -26,8 +26,7 @@ from service.checkpoint.ties import tied_targets_from_config, tied_targets_of_mo
 from service.errors import DiskFull, ExportFailed, UnsupportedDtype
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.safetensors import INDEX_FILE, SINGLE_FILE, OutDtype, SafetensorsSpec
-from service.jobs.context import JobContext
-from service.jobs.model import Phase
+from service.stage import JobContext, Phase
 from service.units import parse_size
 
 CHUNK_BYTES = 32 * 1024 * 1024

@@ -8,6 +8,10 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+from service.stage import Phase
+
+__all__ = ["Artifact", "Job", "JobError", "JobStatus", "Phase", "Progress"]
+
 
 class JobStatus(StrEnum):
     QUEUED = "queued"
@@ -19,20 +23,6 @@ class JobStatus(StrEnum):
     @property
     def terminal(self) -> bool:
         return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
-
-
-class Phase(StrEnum):
-    """Pipeline phases in the order they run; a job skips those it does not need."""
-
-    QUEUED = "queued"
-    DOWNLOAD = "download"
-    READ = "read"
-    BUILD = "build"
-    OFFLOAD = "offload"
-    EXPORT = "export"
-    VERIFY = "verify"
-    FINALIZE = "finalize"
-    DONE = "done"
 
 
 @dataclass(frozen=True)

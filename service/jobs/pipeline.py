@@ -8,6 +8,7 @@ reports goes through the :class:`JobContext`. All files are written under ``layo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -19,13 +20,13 @@ from service.checkpoint.base import Checkpoint
 from service.config import Settings
 from service.errors import NoModelConfig
 from service.exporters import registry
-from service.exporters.base import ExportInputs, ExportSpec
+from service.exporters.base import ExportInputs, ExportSpec, Needs
 from service.fsutil import atomic_write_json, fsync_tree, sha256_file
-from service.jobs.context import JobContext
 from service.jobs.layout import JobLayout
-from service.jobs.model import Artifact, Phase
+from service.jobs.model import Artifact
 from service.jobs.spec import JobSpec
 from service.sources import check_source, fetch_source
+from service.stage import JobContext, Phase
 
 if TYPE_CHECKING:
     from service.offload.build import BuiltModel
@@ -67,70 +68,10 @@ def check_spec(
 
 def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Artifact]:
     """Run every phase of the job; returns the published artifacts."""
-    exporters = registry()
-    ctx.set_phase(Phase.DOWNLOAD, unit="bytes")
-    resolved = fetch_source(spec.source_request(), ctx.settings, ctx)
-    source_info: dict[str, Any] = {
-        **ctx.details.get("source", {}),  # what the fetcher published (files, format, ...)
-        "uri": resolved.uri,
-        "cache_hit": resolved.cache_hit,
-    }
-    if resolved.revision:
-        source_info["revision"] = resolved.revision
-    ctx.set_detail("source", source_info)
-    ctx.check_abort()
-
+    checkpoint_dir, source_info = _download(spec, ctx)
     ctx.set_phase(Phase.READ, unit="tensors")
-    with open_checkpoint(resolved.path) as checkpoint:
-        infos = checkpoint.reader.tensor_infos()
-        ctx.advance(len(infos))
-        counts: dict[str, Any] = {
-            "format": checkpoint.format,
-            "tensor_count": len(infos),
-            "parameter_count": sum(i.numel for i in infos),
-            "bytes": sum(i.nbytes for i in infos),
-        }
-        specs = spec.export_specs()
-        for export in specs:
-            exporters[export.format].check(export, checkpoint.config)
-
-        if not spec.verify:  # the job's "verify": false also skips the exporters' own checks
-            specs = [
-                s.model_copy(update={"verify": False}) if "verify" in type(s).model_fields else s
-                for s in specs
-            ]
-        model = _build(checkpoint, spec, specs, ctx, counts)
-        needs_module = any(exporters[s.format].needs_model for s in specs)
-        # Exporters that rewrite modules copy the one meta build; dispatch fills the original.
-        skeleton = copy.deepcopy(model.model) if model and needs_module else None
-        needs_reference = spec.verify and any(s.format == "safetensors" for s in specs)
-        session = None
-        if model is not None:
-            session = _ModelSession.open(
-                checkpoint, model, spec, ctx, needs_store=needs_module, needs_reference=needs_reference
-            )
-        failed = True
-        try:
-            inputs = ExportInputs(
-                checkpoint=checkpoint,
-                model=model.model if model else None,
-                skeleton=skeleton,
-                store=session.store if session else None,
-            )
-            summaries, digests = _export_all(specs, inputs, layout, ctx)
-            if session is not None:
-                session.verify(specs, summaries, layout)
-            elif spec.verify:
-                reason = ctx.details.get("model", {}).get("reason", "the model cannot be built")
-                for summary in summaries:
-                    if summary["format"] == "safetensors":
-                        summary["verify"] = {"skipped": reason}
-            failed = False
-        finally:
-            if session is not None:
-                session.close(failed)
-        model_info = {**counts, **ctx.details.get("model", {})}
-
+    with open_checkpoint(checkpoint_dir) as checkpoint:
+        summaries, digests, model_info = _export_checkpoint(checkpoint, spec, ctx, layout)
     ctx.set_phase(Phase.FINALIZE, unit="files")
     artifacts = _describe_files(layout.staging, digests, ctx)
     manifest = {
@@ -151,10 +92,84 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
     return artifacts
 
 
+def _download(spec: JobSpec, ctx: JobContext) -> tuple[Path, dict[str, Any]]:
+    """DOWNLOAD: the checkpoint as a local directory, and the manifest's ``source`` section."""
+    ctx.set_phase(Phase.DOWNLOAD, unit="bytes")
+    resolved = fetch_source(spec.source_request(), ctx.settings, ctx)
+    source_info: dict[str, Any] = {
+        **ctx.details.get("source", {}),  # what the fetcher published (files, format, ...)
+        "uri": resolved.uri,
+        "cache_hit": resolved.cache_hit,
+    }
+    if resolved.revision:
+        source_info["revision"] = resolved.revision
+    ctx.set_detail("source", source_info)
+    ctx.check_abort()
+    return resolved.path, source_info
+
+
+def _export_checkpoint(
+    checkpoint: Checkpoint, spec: JobSpec, ctx: JobContext, layout: JobLayout
+) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
+    """READ, BUILD, OFFLOAD, EXPORT, VERIFY: what each export declares it needs
+    (:class:`Needs`) is prepared once for all of them, then each export runs."""
+    exporters = registry()
+    infos = checkpoint.reader.tensor_infos()
+    ctx.advance(len(infos))
+    counts: dict[str, Any] = {
+        "format": checkpoint.format,
+        "tensor_count": len(infos),
+        "parameter_count": sum(i.numel for i in infos),
+        "bytes": sum(i.nbytes for i in infos),
+    }
+    specs = spec.export_specs()
+    for export in specs:
+        exporters[export.format].check(export, checkpoint.config)
+    if not spec.verify:  # the job's "verify": false also skips the exporters' own checks
+        specs = [
+            s.model_copy(update={"verify": False}) if "verify" in type(s).model_fields else s
+            for s in specs
+        ]
+    needs = [_job_needs(exporters[s.format].needs(s), spec) for s in specs]
+    model = _build(checkpoint, spec, specs, needs, ctx, counts)
+    needs_module = any(n.module for n in needs)
+    # Exporters that rewrite modules copy the one meta build; dispatch fills the original.
+    skeleton = copy.deepcopy(model.model) if model and needs_module else None
+    session = None
+    if model is not None:
+        session = _ModelSession.open(
+            checkpoint, model, spec, ctx,
+            needs_store=needs_module, needs_reference=any(n.reference for n in needs),
+        )  # fmt: skip
+    failed = True
+    try:
+        inputs = ExportInputs(
+            checkpoint=checkpoint,
+            model=model.model if model else None,
+            skeleton=skeleton,
+            store=session.store if session else None,
+            reference=session.reference if session else None,
+            max_memory=spec.max_memory or ctx.settings.default_max_memory,
+        )
+        summaries, digests = _export_all(specs, inputs, layout, ctx)
+        _verify_all(specs, needs, summaries, inputs, layout, ctx)
+        failed = False
+    finally:
+        if session is not None:
+            session.close(failed)
+    return summaries, digests, {**counts, **ctx.details.get("model", {})}
+
+
+def _job_needs(needs: Needs, spec: JobSpec) -> Needs:
+    """An export's needs within this job: no reference when the job is not verified."""
+    return needs if spec.verify else dataclasses.replace(needs, reference=False)
+
+
 def _build(
     checkpoint: Checkpoint,
     spec: JobSpec,
     specs: list[ExportSpec],
+    needs: list[Needs],
     ctx: JobContext,
     counts: dict[str, Any],
 ) -> BuiltModel | None:
@@ -162,7 +177,7 @@ def _build(
     still runs every state-dict-level export; only what needs a module is refused."""
     from service.offload.build import build_phase
 
-    needs_module = [s.format for s in specs if registry()[s.format].needs_model]
+    needs_module = [s.format for s, n in zip(specs, needs, strict=True) if n.module]
     built = build_phase(checkpoint, ctx.settings, ctx, dtype=_compute_dtype(spec))
     ctx.set_detail("model", {**counts, **ctx.details.get("model", {})})
     if built is None and needs_module:
@@ -247,32 +262,6 @@ class _ModelSession:
             publish_offload_metrics(store, ctx, result)
         return session
 
-    def verify(
-        self, specs: list[ExportSpec], summaries: list[dict[str, Any]], layout: JobLayout
-    ) -> None:
-        """VERIFY: exports the pipeline checks itself (safetensors) against the reference;
-        GGUF and NNEF verify inside their exporters (read-back, tract) and report there."""
-        from service.verify.parity import verify_safetensors_export
-
-        pending = [
-            (s, summary) for s, summary in zip(specs, summaries, strict=True)
-            if s.format == "safetensors" and self.reference is not None
-        ]
-        if not pending:
-            return
-        self.ctx.set_phase(Phase.VERIFY, total=len(pending), unit="exports")
-        for export, summary in pending:
-            dtype = getattr(export, "dtype", None) or _source_dtype(self.checkpoint)
-            summary["verify"] = verify_safetensors_export(
-                self.checkpoint,
-                layout.staging / summary["dir"],
-                dtype,
-                self.ctx,
-                reference=self.reference,
-                max_memory=self.max_memory,
-            )
-            self.ctx.advance(1)
-
     def close(self, failed: bool) -> None:
         """Final offload figures into the job, then the store goes (kept for a failed job only
         with ``keep_failed_offload``)."""
@@ -281,6 +270,35 @@ class _ModelSession:
 
             publish_offload_metrics(self.store, self.ctx)
             self.store.close(failed=failed)
+
+
+def _verify_all(
+    specs: list[ExportSpec],
+    needs: list[Needs],
+    summaries: list[dict[str, Any]],
+    inputs: ExportInputs,
+    layout: JobLayout,
+    ctx: JobContext,
+) -> None:
+    """VERIFY: each export that asked for the source's reference outputs is checked against
+    them by its exporter; the others verified themselves while exporting (or were not asked
+    to). Without a buildable model there is no reference: the export says why it was skipped."""
+    pending = [
+        (s, summary) for s, n, summary in zip(specs, needs, summaries, strict=True) if n.reference
+    ]
+    if not pending:
+        return
+    if inputs.reference is None:
+        reason = ctx.details.get("model", {}).get("reason", "the model cannot be built")
+        for _, summary in pending:
+            summary["verify"] = {"skipped": reason}
+        return
+    exporters = registry()
+    ctx.set_phase(Phase.VERIFY, total=len(pending), unit="exports")
+    for export, summary in pending:
+        out_dir = layout.staging / summary["dir"]
+        summary["verify"] = exporters[export.format].verify(export, inputs, out_dir, ctx)
+        ctx.advance(1)
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
@@ -296,14 +314,6 @@ def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
         check_abort=ctx.check_abort,
     )
     return output.float()
-
-
-def _source_dtype(checkpoint: Checkpoint) -> str:
-    counts: Counter[str] = Counter()
-    for info in checkpoint.reader.tensor_infos():
-        if info.dtype.is_floating_point:
-            counts[str(info.dtype).removeprefix("torch.")] += info.nbytes
-    return counts.most_common(1)[0][0] if counts else "float32"
 
 
 def _describe_files(root: Path, digests: dict[str, str], ctx: JobContext) -> list[Artifact]:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from service.config import Settings
 from service.errors import JobCancelled, ServiceError
-from service.jobs.context import InMemoryContext
 from service.jobs.layout import JobLayout
 from service.jobs.model import JobError, JobStatus, Progress
 from service.jobs.store import JobStore
+from service.stage import InMemoryContext
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,7 @@ from torch import nn
 from service.checkpoint.base import Checkpoint, TensorInfo
 from service.config import Settings
 from service.errors import NoModelConfig
-from service.jobs.context import JobContext
-from service.jobs.model import Phase
+from service.stage import JobContext, Phase
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,12 @@ from torch import nn
 
 from service.checkpoint.base import TensorInfo, WeightReader
 from service.errors import WeightsMismatch
-from service.jobs.context import JobContext
-from service.jobs.model import Phase
 from service.offload.build import BuiltModel, resolve_name, tied_names
 from service.offload.device_map import DeviceMap, placement_of, resolve_device_map
 from service.offload.quant import QuantEncoding, packed_nbytes
 from service.offload.store import OffloadStore
 from service.offload.tensor import OffloadedTensor
+from service.stage import JobContext, Phase
 
 CHUNK_BYTES = 64 << 20
 """Largest piece of a tensor held while copying it into the store."""

@@ -6,11 +6,11 @@ from urllib.parse import urlparse
 
 from service.config import Settings
 from service.errors import InvalidRequest
-from service.jobs.context import JobContext
 from service.sources.base import ResolvedSource, SourceFetcher, SourceRequest
 from service.sources.http import HttpFetcher
 from service.sources.hub import HubFetcher
 from service.sources.local import LocalFetcher
+from service.stage import JobContext
 
 _FETCHERS: list[SourceFetcher] = [LocalFetcher(), HubFetcher(), HttpFetcher()]
 

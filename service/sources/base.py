@@ -9,7 +9,7 @@ from typing import Protocol
 from pydantic import SecretStr
 
 from service.config import Settings
-from service.jobs.context import JobContext
+from service.stage import JobContext
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,9 @@ from service.errors import (
     SourceNotFound,
     SourceUnauthorized,
 )
-from service.jobs.context import JobContext
-from service.jobs.model import Phase
 from service.sources.base import ResolvedSource, SourceRequest
 from service.sources.cache import DownloadCache
+from service.stage import JobContext, Phase
 
 BLOCK_BYTES = 2 * 1024 * 1024
 """Received bytes are handed to the writer thread, and progress reported, in blocks this big."""

@@ -59,10 +59,9 @@ from service.errors import (
     SourceNotFound,
     SourceUnauthorized,
 )
-from service.jobs.context import JobContext
-from service.jobs.model import Phase
 from service.sources.base import ResolvedSource, SourceRequest
 from service.sources.cache import DownloadCache
+from service.stage import JobContext, Phase
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"

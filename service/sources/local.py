@@ -7,8 +7,8 @@ from urllib.parse import unquote, urlparse
 
 from service.config import Settings
 from service.errors import SourceNotAllowed, SourceNotFound
-from service.jobs.context import JobContext
 from service.sources.base import ResolvedSource, SourceRequest
+from service.stage import JobContext
 
 
 def resolve_under_roots(path: Path, roots: list[Path]) -> Path:

@@ -22,11 +22,11 @@ import torch
 from service.checkpoint.base import Checkpoint
 from service.config import Settings
 from service.errors import VerificationFailed
-from service.jobs.context import JobContext
 from service.offload.build import build_on_meta
 from service.offload.dispatch import dispatch_model
 from service.offload.store import OffloadStore
 from service.offload.streaming import streamed_forward
+from service.stage import JobContext
 
 SEQ_LEN = 8
 SEED = 0

@@ -19,9 +19,8 @@ from service.errors import (
     SourceNotFound,
     SourceUnauthorized,
 )
-from service.jobs.context import InMemoryContext
-from service.jobs.model import Phase
 from service.sources import SourceRequest, fetch_source
+from service.stage import InMemoryContext, Phase
 from tests.fixtures.http_server import FileServer, Route
 
 SIZE = 3 * 1024 * 1024 + 12345

@@ -25,9 +25,9 @@ from service.errors import (
     RevisionNotFound,
     SourceUnauthorized,
 )
-from service.jobs.context import InMemoryContext
 from service.sources import SourceRequest, fetch_source
 from service.sources.cache import release_all
+from service.stage import InMemoryContext
 from tests.fixtures.http_server import FileServer, Route
 from tests.fixtures.hub import LocalHub, files_of, hub_client_env
 from tests.fixtures.models import build_checkpoint
@@ -221,7 +221,7 @@ _FETCH_CHILD = """
 import json, sys
 from pathlib import Path
 from service.config import Settings
-from service.jobs.context import InMemoryContext
+from service.stage import InMemoryContext
 from service.sources import SourceRequest, fetch_source
 settings = Settings.model_validate_json(sys.argv[1])
 ctx = InMemoryContext(settings=settings, work_dir=Path(sys.argv[2]))

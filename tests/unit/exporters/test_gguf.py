@@ -36,8 +36,7 @@ from service.exporters.gguf import GGUFExporter, GGUFSpec
 from service.exporters.gguf_directory import read_directory
 from service.exporters.gguf_plan import add_hyperparameters, permute_qk, plan_tensors, unpermute_qk
 from service.exporters.gguf_stream import verify_gguf, write_gguf
-from service.jobs.context import InMemoryContext
-from service.jobs.model import Phase
+from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import tiny_bert_config
 

@@ -38,9 +38,8 @@ from service.exporters.nnef import NNEFExporter, NNEFSpec, prompt_ids
 from service.exporters.nnef_offload import offloaded_model, weights_only_unpickling
 from service.exporters.nnef_verify import IOSpec, greedy_reference, verify_causal_lm
 from service.exporters.tract_cli import write_launcher
-from service.jobs.context import InMemoryContext
-from service.jobs.model import Phase
 from service.offload.build import build_on_meta
+from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import (
     build_checkpoint,

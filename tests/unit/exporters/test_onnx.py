@@ -35,8 +35,8 @@ from service.exporters.onnx import (
     resolve_task,
 )
 from service.exporters.onnx_verify import verify_causal_lm
-from service.jobs.context import InMemoryContext
 from service.offload.build import build_on_meta
+from service.stage import InMemoryContext
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import build_tiny_llama, tiny_bert_config, tiny_llama_config
 

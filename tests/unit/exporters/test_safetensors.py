@@ -20,8 +20,7 @@ from service.config import Settings
 from service.errors import CorruptCheckpoint, InvalidRequest, JobCancelled
 from service.exporters.base import ExportInputs, ExportResult, registry
 from service.exporters.safetensors import INDEX_FILE, SafetensorsExporter, SafetensorsSpec
-from service.jobs.context import InMemoryContext
-from service.jobs.model import Phase
+from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import Arch, CheckpointKind, build_tiny_model, copy_tree, sample_inputs
 

@@ -10,11 +10,10 @@ import pytest
 
 from service.config import Settings
 from service.errors import UnsupportedExport
-from service.jobs.context import InMemoryContext
 from service.jobs.layout import JobLayout
-from service.jobs.model import Phase
 from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
+from service.stage import InMemoryContext, Phase
 from tests.fixtures.models import build_checkpoint
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from service.config import Settings
-from service.jobs.context import InMemoryContext
+from service.stage import InMemoryContext
 from tests.fixtures.models import Arch, build_tiny_model, sample_inputs
 
 

@@ -12,9 +12,8 @@ import torch
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import NoModelConfig
-from service.jobs.context import InMemoryContext
-from service.jobs.model import Phase
 from service.offload.build import build_meta_model, build_on_meta, build_phase, match_keys
+from service.stage import InMemoryContext, Phase
 from tests.fixtures.models import copy_tree, llama_70b_config
 
 

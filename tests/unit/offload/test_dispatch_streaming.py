@@ -11,14 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from service.checkpoint import open_checkpoint
 from service.errors import InvalidRequest, WeightsMismatch
-from service.jobs.context import InMemoryContext
-from service.jobs.model import Phase
 from service.offload.build import build_on_meta
 from service.offload.device_map import placed_bytes, resolve_device_map
 from service.offload.dispatch import dispatch_checkpoint, dispatch_model
 from service.offload.store import OffloadStore
 from service.offload.streaming import offloaded_modules, streamed, streamed_forward
 from service.offload.tensor import OffloadedTensor
+from service.stage import InMemoryContext, Phase
 from tests.fixtures.models import sample_inputs
 from tests.unit.offload.conftest import eager_output
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import VerificationFailed
-from service.jobs.context import InMemoryContext
+from service.stage import InMemoryContext
 from service.verify.parity import (
     compare_outputs,
     fixed_input_ids,

@@ -1,7 +1,10 @@
-"""The narrow interface a pipeline stage sees of its job: progress, metrics, cancellation.
+"""What a pipeline stage sees of its job: phases, progress, metrics, details, cancellation.
 
-Stages never touch the job store or HTTP; the runner supplies a context backed by the store,
-benchmarks and tests an :class:`InMemoryContext`.
+A leaf module: the stage packages (sources, checkpoint, offload, exporters, verify) depend on
+it and never on :mod:`service.jobs`, which orchestrates them (the dependency rule in
+ARCHITECTURE.md, enforced by tests/unit/test_architecture.py). Stages never touch the job store
+or HTTP; the job runner supplies a context backed by the store, benchmarks and tests an
+:class:`InMemoryContext`.
 """
 
 from __future__ import annotations
@@ -11,14 +14,28 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
 from service.config import Settings
 from service.errors import JobCancelled
-from service.jobs.model import Phase
 
 log = logging.getLogger(__name__)
+
+
+class Phase(StrEnum):
+    """Pipeline phases in the order they run; a job skips those it does not need."""
+
+    QUEUED = "queued"
+    DOWNLOAD = "download"
+    READ = "read"
+    BUILD = "build"
+    OFFLOAD = "offload"
+    EXPORT = "export"
+    VERIFY = "verify"
+    FINALIZE = "finalize"
+    DONE = "done"
 
 
 class JobContext(Protocol):
