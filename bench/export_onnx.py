@@ -66,10 +66,10 @@ DEFAULT_OPTIMUM_VENV = Path.home() / ".cache" / "modelprep" / "bench-venvs" / "o
 def run_modelprep(ckpt: Path, out: Path) -> dict[str, Any]:
     """The job's own pipeline on a ``file://`` source with one verified ONNX export."""
     from service.config import Settings
-    from service.jobs.context import InMemoryContext
     from service.jobs.layout import JobLayout
     from service.jobs.pipeline import run_pipeline
     from service.jobs.spec import JobSpec
+    from service.stage import InMemoryContext
 
     settings = Settings(data_dir=out / "var", local_roots=[ckpt.parent])
     layout = JobLayout.for_job(settings, "c" * 32)

@@ -11,8 +11,8 @@ import pytest
 from service.config import Settings
 from service.egress import EgressPolicy, egress_client
 from service.errors import EgressRefused
-from service.jobs.context import InMemoryContext
 from service.sources import SourceRequest, check_source, fetch_source
+from service.stage import InMemoryContext
 from tests.fixtures.http_server import FileServer, Route
 
 BODY = b"weights" * 1000
