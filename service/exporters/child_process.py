@@ -1,4 +1,4 @@
-"""Run a verifier (tract, onnxruntime) in a child process and read its peak RSS.
+"""Run a verifier (tract, onnxruntime) or a tool (llama-quantize) in a child and read its peak RSS.
 
 A runtime that holds every weight of an artifact in RAM must not do so in the job process,
 whose own peak stays that of a tensor or two: in a child, that memory is returned the moment it
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from service.errors import VerificationFailed
+from service.errors import ServiceError, VerificationFailed
 
 
 def run_child(
@@ -25,15 +25,25 @@ def run_child(
     what: str,
     check_abort: Callable[[], None] | None = None,
     env: dict[str, str] | None = None,
+    *,
+    log: Path | None = None,
+    on_poll: Callable[[], None] | None = None,
+    timeout: float | None = None,
+    error: type[ServiceError] = VerificationFailed,
 ) -> int:
     """Run ``argv`` to completion; returns the child's peak RSS in bytes.
 
-    ``check_abort`` is polled while it runs (a cancel kills it). A non-zero exit raises
-    :class:`VerificationFailed` naming ``what`` and quoting the end of its stderr."""
+    ``check_abort`` and ``on_poll`` are called while it runs (a cancel kills it); with ``log``
+    its stdout and stderr both go to that file, where ``on_poll`` can read its progress (else
+    stdout is discarded and stderr kept in a temporary file). Past ``timeout`` seconds it is
+    killed. A non-zero exit or a timeout raises ``error`` (by default
+    :class:`VerificationFailed`) naming ``what`` and quoting the end of its stderr."""
     work.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=work) as stderr:
+    started = time.monotonic()
+    with open(log, "w+b") if log is not None else tempfile.TemporaryFile(dir=work) as stderr:
         proc = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+            list(argv), stdin=subprocess.DEVNULL,
+            stdout=stderr if log is not None else subprocess.DEVNULL, stderr=stderr,
             env={**os.environ, **(env or {})},
         )  # fmt: skip
         try:
@@ -43,16 +53,21 @@ def run_child(
                     break
                 if check_abort is not None:
                     check_abort()
+                if on_poll is not None:
+                    on_poll()
+                if timeout is not None and time.monotonic() - started > timeout:
+                    raise error(f"{what} did not finish within {timeout:.0f} s; it was killed")
                 time.sleep(0.1)
         except BaseException:
             proc.kill()
             proc.wait()
             raise
         proc.returncode = code = os.waitstatus_to_exitcode(status)
-        stderr.seek(0)
-        tail = stderr.read()[-2000:].decode("utf-8", "replace").strip()
+        stderr.seek(0, os.SEEK_END)
+        stderr.seek(max(0, stderr.tell() - 2000))
+        tail = stderr.read().decode("utf-8", "replace").strip()
     if code != 0:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-        raise VerificationFailed(f"{what} {how}{hint} running the model: {tail[-500:]}")
+        raise error(f"{what} {how}{hint}: {tail[-500:]}")
     return int(usage.ru_maxrss) * 1024

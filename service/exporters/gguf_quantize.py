@@ -1,0 +1,161 @@
+"""K-quants and IQ4 types by llama.cpp's own ``llama-quantize``, run in a child process.
+
+K-quant math and llama-quantize's per-tensor mixtures (Q4_K_M keeps half of ``ffn_down`` and
+``attn_v`` at Q6_K, the output at Q6_K, falls back for rows not a multiple of 256...) are
+llama.cpp's to maintain: re-deriving them would only drift. The exporter streams an f16 GGUF
+into the job's work directory (bounded memory, verified against the source), then this module
+runs ``llama-imatrix`` (optional) and ``llama-quantize`` on it as children: progress is read
+from the tool's log ("[  12/ 291] blk.1.attn_q.weight ..."), a cancel kills the child, a deadline
+bounds it, and a failure is a typed :class:`~service.errors.ExportFailed`. The child's RSS is its
+own (read from ``wait4``) and is returned once it exits, so the job process never holds more
+than the writer's row block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.errors import ExportFailed
+from service.exporters.child_process import run_child
+from service.llama_cpp import llama_cpp_tool
+
+QUANTIZER_TYPES: dict[str, str] = {
+    "q2_k": "Q2_K",
+    "q3_k_s": "Q3_K_S",
+    "q3_k_m": "Q3_K_M",
+    "q3_k_l": "Q3_K_L",
+    "q4_k_s": "Q4_K_S",
+    "q4_k_m": "Q4_K_M",
+    "q5_k_s": "Q5_K_S",
+    "q5_k_m": "Q5_K_M",
+    "q6_k": "Q6_K",
+    "iq4_nl": "IQ4_NL",
+    "iq4_xs": "IQ4_XS",
+}
+"""Lower-case spec spelling -> llama-quantize's own name of the type (its ftype argument)."""
+
+TOOL_TIMEOUT = 6 * 3600.0
+"""Seconds a quantizer child may run: a 70B model quantizes in well under an hour on 2 cores;
+past this it is stuck, and a stuck child must not hold a worker slot for ever."""
+
+_PROGRESS = re.compile(rb"\[\s*(\d+)/\s*(\d+)\]")
+
+
+@dataclass(frozen=True)
+class QuantizeRun:
+    digest: str
+    """sha256 of the quantized file."""
+    peak_rss: int
+    """Peak RSS of the llama-quantize child, in bytes."""
+
+
+class _LogProgress:
+    """Turns the tool's "[ i/ n]" lines into ``advance`` calls, polled while it runs."""
+
+    def __init__(self, log: Path, units: int, advance: Callable[[int], None]) -> None:
+        self.log, self.units, self.advance = log, units, advance
+        self.offset = self.reported = 0
+
+    def poll(self) -> None:
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(max(0, self.offset - 64))  # a line split across two polls is re-read
+                chunk = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return
+        found = _PROGRESS.findall(chunk)
+        if found:
+            i, n = (int(x) for x in found[-1])
+            self._to(self.units * i // max(1, n))
+
+    def finish(self) -> None:
+        """The child exited successfully: whatever its last lines said, the pass is done."""
+        self._to(self.units)
+
+    def _to(self, done: int) -> None:
+        if done > self.reported:
+            self.advance(done - self.reported)
+            self.reported = done
+
+
+def sha256_file(path: Path, chunk: int = 16 * 1024**2) -> str:
+    """The sha256 of a file another process wrote, read in bounded chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def compute_imatrix(
+    source: Path,
+    calibration: str,
+    work: Path,
+    check_abort: Callable[[], None],
+    bin_dir: Path | None = None,
+    ctx_size: int = 128,
+) -> Path:
+    """llama-imatrix over ``calibration`` on the f16 file; returns the imatrix file it wrote.
+
+    The context is short (``ctx_size`` tokens) so that a calibration text of a few paragraphs
+    makes several chunks; too short a text is the tool's error, surfaced as ExportFailed."""
+    tool = llama_cpp_tool("llama-imatrix", bin_dir)
+    text = work / "calibration.txt"
+    text.write_text(calibration, encoding="utf-8")
+    out = work / "imatrix.gguf"
+    argv = [str(tool), "-m", str(source), "-f", str(text), "-o", str(out),
+            "-c", str(ctx_size), "-b", str(ctx_size), "-t", str(_threads()),
+            "--no-ppl"]  # fmt: skip
+    run_child(
+        argv, work, "llama-imatrix", check_abort,
+        log=work / "imatrix.log", timeout=TOOL_TIMEOUT, error=ExportFailed,
+    )  # fmt: skip
+    if not out.is_file():
+        raise ExportFailed("llama-imatrix wrote no importance matrix (calibration text too short?)")
+    return out
+
+
+def quantize(
+    source: Path,
+    dest: Path,
+    type_name: str,
+    work: Path,
+    check_abort: Callable[[], None],
+    advance: Callable[[int], None],
+    progress_units: int,
+    imatrix: Path | None = None,
+    bin_dir: Path | None = None,
+) -> QuantizeRun:
+    """Quantize ``source`` (f16/bf16/f32 GGUF) into ``dest`` with llama-quantize's mixture.
+
+    ``progress_units`` are reported through ``advance`` as the tool moves through the tensors.
+    On any failure ``dest`` is removed: no partial artifact survives."""
+    tool = llama_cpp_tool("llama-quantize", bin_dir)
+    argv = [str(tool)]
+    if imatrix is not None:
+        argv += ["--imatrix", str(imatrix)]
+    argv += [str(source), str(dest), QUANTIZER_TYPES[type_name.lower()], str(_threads())]
+    progress = _LogProgress(work / "quantize.log", progress_units, advance)
+    try:
+        peak = run_child(
+            argv, work, "llama-quantize", check_abort,
+            log=progress.log, on_poll=progress.poll, timeout=TOOL_TIMEOUT, error=ExportFailed,
+        )  # fmt: skip
+        if not dest.is_file():
+            raise ExportFailed(f"llama-quantize exited without writing {dest.name}")
+        progress.finish()
+        return QuantizeRun(digest=sha256_file(dest), peak_rss=peak)
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+
+
+def _threads() -> int:
+    """The cores this process may use: llama.cpp's tools default to all, which is the same."""
+    return max(1, len(os.sched_getaffinity(0)))
