@@ -66,9 +66,11 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
     Raises :class:`NoWeightFiles` when there are no weights, :class:`MissingShard` when an index
     names an absent shard, :class:`CorruptCheckpoint` for truncated or lying files and
-    :class:`UnsafePickle` for pickles holding arbitrary objects.
+    :class:`UnsafePickle` for pickles holding arbitrary objects. A tie the config implies is
+    readable under both names, whichever one the files hold (``checkpoint.ties``).
     """
     from service.checkpoint.safetensors import SafetensorsReader
+    from service.checkpoint.ties import resolve_ties
     from service.checkpoint.torch_pickle import PickleReader
 
     if not path.exists():
@@ -89,12 +91,14 @@ def open_checkpoint(path: Path) -> Checkpoint:
         reader.close()
         raise
     aux = [root / n for n in AUX_FILE_NAMES if (root / n).is_file()]
+    config = _load_config(root / "config.json")
+    resolve_ties(reader, config)  # after the index check: an index lists stored names only
     return Checkpoint(
         root=root,
         format=fmt,
         weight_files=files,
         reader=reader,
-        config=_load_config(root / "config.json"),
+        config=config,
         aux_files=aux,
     )
 

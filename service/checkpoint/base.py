@@ -55,6 +55,11 @@ class WeightReader(Protocol):
         """Names whose data is another stored tensor's (tied weights): alias -> canonical name."""
         ...
 
+    def add_alias(self, alias: str, canonical: str) -> None:
+        """Serve the stored tensor ``canonical`` under the absent name ``alias`` as well: a tie
+        the config implies but the file does not hold (see ``service.checkpoint.ties``)."""
+        ...
+
     def read(self, name: str) -> torch.Tensor:
         """A fresh CPU tensor owned by the caller; no file pages stay resident because of it."""
         ...

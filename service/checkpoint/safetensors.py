@@ -220,6 +220,7 @@ class SafetensorsReader:
             h.path: h.data_start + (h.entries[-1].end if h.entries else 0) for h in self.headers
         }
         self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._aliases: dict[str, str] = {}
 
     # --- WeightReader ------------------------------------------------------------------------
 
@@ -231,8 +232,14 @@ class SafetensorsReader:
         ]
 
     def aliases(self) -> dict[str, str]:
-        """Always empty: the format forbids overlapping regions, and the header check enforces it."""
-        return {}
+        """Only names added by :meth:`add_alias`: the format forbids overlapping regions (the
+        header check enforces it), so a tie is never stored, only implied by the config."""
+        return dict(self._aliases)
+
+    def add_alias(self, alias: str, canonical: str) -> None:
+        """Serve stored tensor ``canonical`` under the absent name ``alias`` too (a tied weight)."""
+        self._entries[canonical]  # KeyError for a name that is not stored
+        self._aliases[alias] = canonical
 
     def read(self, name: str) -> torch.Tensor:
         header, entry = self._lookup(name)
@@ -288,7 +295,7 @@ class SafetensorsReader:
 
     def _lookup(self, name: str) -> tuple[SafetensorsHeader, HeaderEntry]:
         try:
-            return self._entries[name]
+            return self._entries[self._aliases.get(name, name)]
         except KeyError:
             raise KeyError(f"no tensor named {name!r} in the checkpoint") from None
 

@@ -141,6 +141,11 @@ class PickleReader:
     def aliases(self) -> dict[str, str]:
         return dict(self._aliases)
 
+    def add_alias(self, alias: str, canonical: str) -> None:
+        """Serve stored tensor ``canonical`` under the absent name ``alias`` too (a tied weight)."""
+        self._stored[canonical]  # KeyError for a name that is not stored
+        self._aliases[alias] = canonical
+
     def read(self, name: str) -> torch.Tensor:
         src = self._lookup(name)
         out = torch.empty(src.shape, dtype=src.dtype)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file, save_model
 
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import ReadsInto
@@ -95,12 +95,38 @@ def test_pickle_tied_weights_are_reported_as_aliases(
             assert torch.equal(ckpt.reader.read(alias), expected["lm_head.weight"])
 
 
-def test_safetensors_save_of_a_tied_model_has_no_aliases(
-    tiny_checkpoint: TinyCheckpointFactory,
+def test_a_tied_safetensors_weight_is_readable_under_both_names_whichever_is_stored(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
-    with open_checkpoint(tiny_checkpoint("llama", "safetensors", tied=True)) as ckpt:
+    """save_pretrained stores the input name, safetensors' save_model the output name; both
+    open with the tie resolved once, so no exporter has to guess."""
+    model = build_tiny_model("llama", tie_word_embeddings=True)
+    embed = model.state_dict()["model.embed_tokens.weight"]
+    as_output = copy_tree(tiny_checkpoint("llama", "safetensors", tied=True), tmp_path / "out")
+    save_model(model, str(as_output / "model.safetensors"))  # keeps lm_head.weight only
+    for ckpt_dir, stored, alias in (
+        (tiny_checkpoint("llama", "safetensors", tied=True), "model.embed_tokens.weight",
+         "lm_head.weight"),
+        (as_output, "lm_head.weight", "model.embed_tokens.weight"),
+    ):
+        with open_checkpoint(ckpt_dir) as ckpt:
+            assert {i.name for i in ckpt.reader.tensor_infos()} >= {stored}
+            assert alias not in {i.name for i in ckpt.reader.tensor_infos()}
+            assert ckpt.reader.aliases() == {alias: stored}
+            assert torch.equal(ckpt.reader.read(alias), embed)
+
+
+def test_an_untied_checkpoint_missing_its_output_weight_is_not_tied_to_the_embedding(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    ckpt_dir = copy_tree(tiny_checkpoint("llama", "safetensors"), tmp_path / "untied")
+    state = load_file(ckpt_dir / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, ckpt_dir / "model.safetensors", metadata={"format": "pt"})
+    with open_checkpoint(ckpt_dir) as ckpt:
         assert ckpt.reader.aliases() == {}
-        assert "lm_head.weight" not in {i.name for i in ckpt.reader.tensor_infos()}
+        with pytest.raises(KeyError):
+            ckpt.reader.read("lm_head.weight")
 
 
 def test_every_safetensors_dtype_round_trips(tmp_path: Path) -> None:
