@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OPTIMUM_VENV = Path.home() / ".cache" / "modelprep" / "bench-venvs" / "optimum-onnx"
 
 
-def run_modelprep(ckpt: Path, out: Path) -> dict[str, Any]:
+def run_modelprep(ckpt: Path, out: Path, verify: bool) -> dict[str, Any]:
     """The job's own pipeline on a ``file://`` source with one verified ONNX export."""
     from service.config import Settings
     from service.jobs.layout import JobLayout
@@ -76,11 +76,15 @@ def run_modelprep(ckpt: Path, out: Path) -> dict[str, Any]:
     layout.prepare()
     ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="c" * 32)
     spec = JobSpec.model_validate(
-        {"source": f"file://{ckpt}", "exports": [{"format": "onnx", "decode_steps": 2}]}
+        {
+            "source": f"file://{ckpt}",
+            "verify": verify,
+            "exports": [{"format": "onnx", "decode_steps": 2}],
+        }
     )
     run_pipeline(spec, ctx, layout)
     summary = json.loads((layout.artifacts / "manifest.json").read_text())["exports"][0]
-    verified = summary["verify"]
+    verified = summary["verify"] or {}
     onnx_dir = layout.artifacts / summary["dir"]
     # Keep the model for the baseline's comparison (outside the job's data dir).
     keep = out.parent / f"{out.name}-model"
@@ -89,19 +93,24 @@ def run_modelprep(ckpt: Path, out: Path) -> dict[str, Any]:
         "data_bytes": summary["data_bytes"],
         "export_seconds": summary["seconds"],
         "phase_seconds": summary["phase_seconds"],
-        "max_abs_err_vs_pytorch": verified["max_abs_err"],
-        "tolerance": verified["tolerance"],
-        "tokens": verified["tokens"],
-        "tokens_agreed": all(verified["argmax_agreed"]),
-        "ort_child_peak_rss_gib": round(verified["ort_peak_rss_bytes"] / 2**30, 3),
         "model": str(keep / "model.onnx"),
-    }
+    } | (
+        {
+            "max_abs_err_vs_pytorch": verified["max_abs_err"],
+            "tolerance": verified["tolerance"],
+            "tokens": verified["tokens"],
+            "tokens_agreed": all(verified["argmax_agreed"]),
+            "ort_child_peak_rss_gib": round(verified["ort_peak_rss_bytes"] / 2**30, 3),
+        }
+        if verified
+        else {}
+    )
 
 
-def child(ckpt: Path, out: Path) -> None:
+def child(ckpt: Path, out: Path, verify: bool) -> None:
     sys.path.insert(0, str(ROOT))
     start = time.monotonic()
-    detail = run_modelprep(ckpt, out)
+    detail = run_modelprep(ckpt, out, verify)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"mode": "modelprep", "seconds": round(time.monotonic() - start, 1),
                       "peak_rss_gib": round(peak / 2**30, 3), **detail}))  # fmt: skip
@@ -125,11 +134,12 @@ def decode(model: Path, prompt: list[int], tokens: list[int], work: Path) -> dic
     return {"logits": run.outputs["logits"], "peak": run.peak_rss_bytes}
 
 
-def measure_modelprep(ckpt: Path, base: Path) -> dict[str, Any]:
+def measure_modelprep(ckpt: Path, base: Path, verify: bool) -> dict[str, Any]:
     out = base / "modelprep"
     out.mkdir(parents=True)
     env = dict(os.environ, TMPDIR=str(out), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, __file__, "--child", "--ckpt", str(ckpt), "--out", str(out)]
+    cmd += [] if verify else ["--no-verify"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0:
@@ -177,12 +187,15 @@ def main() -> None:
     parser.add_argument("--optimum-venv", type=Path, default=DEFAULT_OPTIMUM_VENV)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument(
+        "--no-verify", action="store_true", help="modelprep without onnxruntime's check"
+    )
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--ckpt", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.child:
-        child(args.ckpt, args.out)
+        child(args.ckpt, args.out, not args.no_verify)
         return
 
     sys.path.insert(0, str(ROOT))
@@ -198,7 +211,7 @@ def main() -> None:
             info = write_checkpoint(ckpt, layers, 2048, 5632, 32000, shard_size=10**12)
             write_tiny_tokenizer(ckpt)
             print(json.dumps({"checkpoint": info}), flush=True)
-            ours = measure_modelprep(ckpt, base)
+            ours = measure_modelprep(ckpt, base, not args.no_verify)
             print(json.dumps({k: v for k, v in ours.items() if k != "model"}), flush=True)
             if not args.skip_baseline:
                 print(json.dumps(measure_optimum(ckpt, base, args.optimum_venv, ours)), flush=True)

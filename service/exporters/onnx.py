@@ -5,12 +5,15 @@ dynamo=True)`` traces with fake tensors and never runs a kernel, so a 70B model'
 no weight memory. Every initializer of the captured graph is then replaced by an onnx-ir
 ``LazyTensor`` that re-reads its weight from the job's offload store (or the checkpoint) through
 the same :class:`~service.exporters.nnef_offload.CheckpointTensor` the NNEF export uses, and
-onnx-ir writes the external data file one tensor at a time, serially, evaluating each lazy
-tensor only while it is written. Peak RSS of the job is therefore
+onnx-ir writes the external data file one tensor at a time, serially; a weight the offload store
+holds is written a slice of rows at a time (:data:`CHUNK_BYTES`), cast slice by slice. Peak RSS
+of the job is therefore
 
-    base (torch, transformers, the graph: ~1 GiB) + 2 x the largest tensor (read, then cast)
+    base (torch, transformers, onnx: ~0.35 GiB) + the captured graph (~4.5 MiB per layer)
+    + one 64 MiB slice, and with verification the largest tensor, twice when cast (PyTorch's
+    reference forward reloads whole weights)
 
-whatever the number of layers (bench/export_onnx.py shows it at two sizes).
+whatever the weights' total (bench/export_onnx.py shows it at two sizes).
 
 Tasks, in the layout optimum and onnxruntime-genai consume:
 
@@ -36,7 +39,9 @@ Output directory::
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import math
 import shutil
 import time
 import uuid
@@ -305,7 +310,6 @@ def attach_weights(model: ir.Model, weights: nn.Module) -> None:
 
     ``weights`` is the offloaded copy of the model (its tensors re-read the store at each
     access). Initializers are read when onnx-ir writes them, one at a time, then dropped."""
-    import onnx_ir as ir
 
     tensors: dict[str, Any] = dict(weights.named_parameters(remove_duplicate=False))
     tensors.update(weights.named_buffers(remove_duplicate=False))
@@ -315,8 +319,8 @@ def attach_weights(model: ir.Model, weights: nn.Module) -> None:
         if source is None or value.dtype is None or value.shape is None:
             missing.append(name)
             continue
-        value.const_value = ir.LazyTensor(
-            _reader(source, value.dtype), dtype=value.dtype, shape=value.shape, name=name
+        value.const_value = _streamed_tensor_type()(
+            source, _reader(source, value.dtype), dtype=value.dtype, shape=value.shape, name=name
         )
     if missing:
         raise ExportFailed(
@@ -325,8 +329,69 @@ def attach_weights(model: ir.Model, weights: nn.Module) -> None:
         )
 
 
-def _reader(source: Any, dtype: ir.DataType) -> Any:
+CHUNK_BYTES = 64 * 2**20
+"""Largest slice of a weight held in RAM while it is written from the offload store."""
+
+
+def _torch_dtype(dtype: ir.DataType) -> torch.dtype:
     import numpy as np
+    import torch
+
+    return torch.from_numpy(np.empty(0, dtype=dtype.numpy())).dtype
+
+
+@functools.cache
+def _streamed_tensor_type() -> type[Any]:
+    """``LazyTensor`` whose ``tofile`` writes a stored weight a slice of rows at a time.
+
+    onnx-ir writes external data with ``tensor.tofile(file)``; a plain ``LazyTensor`` would
+    evaluate the whole weight first (a 70B model's embedding is 4 GiB in float32). Weights the
+    job's offload store holds are read with ``OffloadStore.load_rows`` in slices of at most
+    :data:`CHUNK_BYTES`, cast slice by slice; others (the checkpoint read directly, computed
+    buffers) are evaluated whole. ``numpy()``/``tobytes()`` still evaluate the whole tensor."""
+    import onnx_ir as ir
+
+    class StreamedTensor(ir.LazyTensor):
+        def __init__(self, source: Any, func: Any, **kwargs: Any) -> None:
+            super().__init__(func, **kwargs)
+            self._source = source
+
+        def tofile(self, file: Any) -> None:
+            stored = _in_store(self._source)
+            shape = tuple(int(d) for d in self.shape.numpy())
+            if stored is None or len(shape) < 2 or shape[0] == 0:
+                super().tofile(file)
+                return
+            store, name = stored
+            target = _torch_dtype(self.dtype)
+            row_bytes = math.prod(shape[1:]) * max(
+                target.itemsize, store.entry(name).torch_dtype.itemsize
+            )
+            step = max(1, CHUNK_BYTES // max(1, row_bytes))
+            hook = getattr(self._source, "hook", None)
+            for start in range(0, shape[0], step):
+                part = store.load_rows(name, start, min(shape[0], start + step), dtype=target)
+                if hook is not None:
+                    hook(part.nbytes)
+                file.write(part.contiguous().numpy().data)
+                del part
+
+    return StreamedTensor
+
+
+def _in_store(source: Any) -> tuple[Any, str] | None:
+    """(store, name) when ``source`` is an offloaded weight read from the job's offload store."""
+    from service.exporters.nnef_offload import CheckpointTensor
+
+    if not isinstance(source, CheckpointTensor) or source.source is None:
+        return None
+    store = getattr(source.reader, "store", None)  # nnef_offload's store-backed reader
+    if store is None or source.source not in store:
+        return None
+    return store, source.source
+
+
+def _reader(source: Any, dtype: ir.DataType) -> Any:
     import onnx_ir as ir
 
     def read() -> ir.Tensor[Any]:
@@ -337,8 +402,7 @@ def _reader(source: Any, dtype: ir.DataType) -> Any:
         with torch.no_grad():
             value = source.reload() if isinstance(source, CheckpointTensor) else source.detach()
             value = value.as_subclass(torch.Tensor)
-            target = torch.from_numpy(np.empty(0, dtype=dtype.numpy())).dtype
-            value = value.to(target).contiguous()  # cast on read
+            value = value.to(_torch_dtype(dtype)).contiguous()  # cast on read
         return ir.Tensor(value.numpy(), dtype=dtype)
 
     return read
