@@ -49,6 +49,9 @@ class JobOut(BaseModel):
     attempts: int
     cancel_requested: bool
     request: dict[str, Any] = Field(description="The job's spec as stored (never secrets).")
+    tenant: str | None = Field(
+        default=None, description="The tenant that submitted the job; null in open mode."
+    )
     source: dict[str, Any] | None = None
     model: dict[str, Any] | None = None
 
@@ -78,6 +81,7 @@ class JobOut(BaseModel):
             attempts=job.attempts,
             cancel_requested=job.cancel_requested,
             request=job.spec,
+            tenant=job.tenant,
             **job.details,
         )
 
