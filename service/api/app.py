@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from service.api.auth import KEY_REQUIRED, Keyring
 from service.api.errors import install_error_handlers
 from service.api.metrics import service_registry
-from service.api.routes import artifacts, events, health, jobs, metrics, offload
+from service.api.routes import artifacts, events, health, jobs, metrics, offload, ui
 from service.api.telemetry import RequestTelemetry, request_latency_histogram
 from service.api.watch import JobWatch
 from service.config import Settings
@@ -62,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Every /v1 router needs a key (a route that forgets its PrincipalDep is still guarded).
     for module in (jobs, artifacts, events, offload):
         app.include_router(module.router, dependencies=[KEY_REQUIRED])
-    for module in (health, metrics):  # open probes; /metrics has its own guard
+    # Open: probes; /metrics has its own guard; /ui is static files that call /v1 with a key.
+    for module in (health, metrics, ui):
         app.include_router(module.router)
     return app
