@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: serve test install lint openapi llama-cpp
+.PHONY: serve test install lint openapi llama-cpp chromium
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -24,7 +24,7 @@ install: $(VENV)/.installed llama-cpp
 serve: install
 	$(VENV)/bin/modelprep serve
 
-test: install
+test: install chromium
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
@@ -33,3 +33,7 @@ lint: $(VENV)/.installed
 
 openapi: $(VENV)/.installed
 	$(VENV)/bin/modelprep openapi > openapi/openapi.json
+
+# --- chromium (engineer ui): the system browser tests/e2e/test_ui.py drives headless -------------
+chromium:
+	scripts/install_chromium.sh
