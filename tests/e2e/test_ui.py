@@ -117,7 +117,6 @@ def test_a_tenant_submits_watches_and_downloads_and_another_tenant_sees_nothing(
     # The list shows the job to its tenant, filterable by status.
     alice.goto(f"{ui_service.url}/ui/#/jobs?status=succeeded")
     expect(alice.locator(f"tr[data-job-id='{job_id}'] td.status")).to_have_text("succeeded")
-    alice.screenshot(path=str(shots / "ui-jobs.png"), full_page=True)
     alice.goto(f"{ui_service.url}/ui/#/jobs?status=failed")
     expect(alice.locator("#jobs tbody")).to_contain_text("No jobs.")
     expect(alice.locator(f"tr[data-job-id='{job_id}']")).to_have_count(0)
@@ -133,6 +132,7 @@ def test_a_tenant_submits_watches_and_downloads_and_another_tenant_sees_nothing(
     # An admin sees the tenant column and the offload page.
     ops = sign_in(browser, ui_service, "ops", requests)
     expect(ops.locator(f"tr[data-job-id='{job_id}']")).to_contain_text("alice")
+    ops.screenshot(path=str(shots / "ui-jobs.png"), full_page=True)
     ops.click("#nav-offload")
     expect(ops.locator("main h1")).to_have_text("Offload directory")
     expect(ops.locator("main")).to_contain_text("free disk")

@@ -231,9 +231,9 @@ async function jobView(jobId) {
   const renderDetails = async () => {
     refill(times, `created ${when(job.created_at)} · started ${when(job.started_at)} · finished ${when(job.finished_at)}`,
       session.admin ? ` · tenant ${job.tenant ?? "–"}` : "");
+    // DELETE /v1/jobs/{id} cancels; a finished job has nothing to cancel, so no button.
     refill(actions,
-      isTerminal(job.status) ? null : h("button", { id: "cancel", type: "button", onclick: () => act("DELETE", "cancel") }, "Cancel job"),
-      isTerminal(job.status) ? h("button", { id: "delete", type: "button", onclick: () => act("DELETE", "delete") }, "Delete job") : null);
+      isTerminal(job.status) ? null : h("button", { id: "cancel", type: "button", onclick: cancel }, "Cancel job"));
     const artifacts = table(["artifact", "size", "sha256"], job.artifacts.map((a) => h("tr", {},
       h("td", {}, h("a", { href: "#", class: "download", dataset: { path: a.path }, onclick: (e) => {
         e.preventDefault();
@@ -251,11 +251,10 @@ async function jobView(jobId) {
       h("h2", {}, "Request"), h("pre", {}, JSON.stringify(job.request, null, 2)));
     sizeBars(details);
   };
-  const act = async (method, what) => {
+  const cancel = async () => {
     try {
-      job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`, { method });
-      notice.replaceChildren(h("p", { class: "ok" }, `${what} requested`));
-      if (what === "delete") location.hash = "#/jobs";
+      job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`, { method: "DELETE" });
+      notice.replaceChildren(h("p", { class: "ok" }, "cancel requested"));
     } catch (error) {
       notice.replaceChildren(problemBox(error));
     }
