@@ -16,6 +16,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from tests.e2e.test_service import PROBLEM, download_all, submit
 from tests.fixtures.models import build_checkpoint, copy_tree
+from tests.fixtures.real_models import Variant, real_variant
 from tests.fixtures.service import ServiceProcess, running_service
 from tests.unit.exporters.test_onnx import _decode_in_ort, minilm_dir
 
@@ -25,6 +26,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("models")
     build_checkpoint(root / "llama", "llama", "safetensors")
     shutil.copytree(minilm_dir(), root / "minilm")
+    # SmolLM2-135M's real weights (GQA 9/3, tied head stored under the output name, bfloat16,
+    # sharded), its first 4 layers to stay inside the suite's budget.
+    smollm2 = Variant(tie="output", layout="safetensors-sharded", layers=4)
+    copy_tree(real_variant("smollm2", smollm2), root / "smollm2")
     broken = copy_tree(root / "llama", root / "wrong-shape")
     config = json.loads((broken / "config.json").read_text())
     config["intermediate_size"] *= 2  # the MLP weights no longer fit the architecture
@@ -105,3 +110,23 @@ def test_weights_that_do_not_fit_the_config_fail_the_job_without_artifacts(
     assert done["status"] == "failed"
     assert done["error"]["type"] in {"weights_mismatch", "checkpoint_error"}, done["error"]
     assert done["artifacts"] == []
+
+
+def test_real_smollm2_decodes_in_onnxruntime_like_pytorch(
+    service: ServiceProcess, root: Path, tmp_path: Path
+) -> None:
+    job = submit(service, {"source": f"file://{root / 'smollm2'}", "exports": [{"format": "onnx"}]})
+    done = service.wait_for(job["id"], timeout=600)
+    assert done["status"] == "succeeded", done["error"]
+    out = download_all(service, done, tmp_path)
+    (export,) = json.loads((out / "manifest.json").read_text())["exports"]
+    assert export["task"] == "text-generation-with-past" and export["dtype"] == "float32"
+    assert export["inputs"]["past_key_values.0.key"][1] == 3  # 3 KV heads of 9
+    assert all(export["verify"]["argmax_agreed"]) and len(export["verify"]["tokens"]) == 4
+    prompt = [1, 504, 3458, 282]
+    model = AutoModelForCausalLM.from_pretrained(root / "smollm2", dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.generate(
+            torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False
+        )
+    assert _decode_in_ort(out / "onnx" / "model.onnx", prompt, 4) == expected[0, 4:].tolist()
