@@ -46,6 +46,11 @@ class GGUFSpec(ExportSpec):
     format: Literal["gguf"] = "gguf"
     type: GGUFType = "f16"
     imatrix: GGUFImatrix | None = None
+    verify: bool = Field(
+        default=True,
+        description="For llama-quantize types, run llama.cpp on the file: tokenize a probe set "
+        "(must equal the checkpoint's tokenizer) and compare perplexity with the f16's",
+    )
 
     @field_validator("type", mode="before")
     @classmethod
@@ -118,8 +123,11 @@ class GGUFExporter(Exporter):
         digest = write_gguf(written_path, plan, reader, metadata, ctx)
         report = verify_gguf(written_path, plan, reader, ctx)
         extra: dict[str, Any] = {}
+        check = spec.verify and tokenizer.get("model", "none") != "none"
         if spec.quantized:
-            digest, extra = self._quantize(spec, written_path, path, plan.data_bytes, ctx)
+            digest, extra = self._quantize(
+                spec, written_path, path, plan.data_bytes, ctx, check, checkpoint.root
+            )
         size = path.stat().st_size
         ctx.add_metric("bytes_written", size)
 
@@ -145,13 +153,33 @@ class GGUFExporter(Exporter):
         }
         return ExportResult(files=[name], summary=summary, digests={name: digest})
 
+    @staticmethod
+    def _llama_tokenize(path: Path, root: Path, ctx: JobContext) -> dict[str, Any]:
+        from service.exporters.gguf_llama_check import check_tokenizer
+
+        work = ctx.work_dir / "gguf-check"
+        work.mkdir(parents=True, exist_ok=True)
+        return check_tokenizer(path, root, work, ctx.check_abort, ctx.settings.llama_cpp_dir)
+
     def _quantize(
-        self, spec: GGUFSpec, f16: Path, dest: Path, units: int, ctx: JobContext
+        self,
+        spec: GGUFSpec,
+        f16: Path,
+        dest: Path,
+        units: int,
+        ctx: JobContext,
+        check: bool,
+        root: Path,
     ) -> tuple[str, dict[str, Any]]:
-        """llama-quantize (after llama-imatrix when asked) from the verified f16 file."""
+        """llama-quantize (after llama-imatrix when asked) from the verified f16 file; with
+        ``check``, llama.cpp's tokenization and perplexity of both files (no file is kept when
+        a check fails)."""
+        from service.exporters.gguf_llama_check import check_perplexity, perplexity
         from service.exporters.gguf_quantize import compute_imatrix, quantize
 
         bin_dir = ctx.settings.llama_cpp_dir
+        checks: dict[str, Any] = {}
+        ppl_f16 = perplexity(f16, f16.parent, ctx.check_abort, bin_dir) if check else 0.0
         imatrix = None
         if spec.imatrix is not None:
             imatrix = compute_imatrix(
@@ -163,12 +191,21 @@ class GGUFExporter(Exporter):
         )  # fmt: skip
         ctx.add_metric("quantizer_peak_rss_bytes", run.peak_rss)
         f16.unlink()
+        if check:
+            try:
+                checks["tokenizer"] = self._llama_tokenize(dest, root, ctx)
+                ppl = perplexity(dest, f16.parent, ctx.check_abort, bin_dir)
+                checks["perplexity"] = check_perplexity(spec.type, ppl, ppl_f16)
+            except BaseException:
+                dest.unlink(missing_ok=True)
+                raise
         return run.digest, {
             "quantizer": "llama-quantize",
             "quantized_from": "f16",
             "verification_of": "the f16 file llama-quantize read",
             "imatrix": imatrix is not None,
             "quantizer_peak_rss_bytes": run.peak_rss,
+            **({"llama_cpp": checks} if checks else {}),
         }
 
 

@@ -9,6 +9,7 @@ The model is a tiny Llama whose rows are multiples of 256 so that the K-quant ty
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,14 +20,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from service.checkpoint import open_checkpoint
 from service.config import Settings
-from service.errors import ExportFailed, JobCancelled, ToolMissing
+from service.errors import ExportFailed, JobCancelled, ToolMissing, VerificationFailed
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.gguf import GGUFExporter, GGUFSpec
 from service.exporters.gguf_directory import read_directory
+from service.exporters.gguf_llama_check import PPL_RATIO_BOUND, PROBES, _estimate, check_perplexity
 from service.exporters.gguf_quantize import QUANTIZER_TYPES, quantize
 from service.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
-from tests.unit.exporters.test_gguf import _randomize, _write_bpe_tokenizer
+from tests.unit.exporters.test_gguf import CORPUS, _randomize, _write_bpe_tokenizer
 
 CALIBRATION = (
     "the quick brown fox jumps over the lazy dog. llama.cpp reads gguf files written tensor by "
@@ -74,7 +76,7 @@ def _export(
 def test_q4_k_m_is_llama_quantize_output_on_our_f16_byte_for_byte(
     wide_llama: Path, tmp_path: Path
 ) -> None:
-    result, ctx = _export(wide_llama, tmp_path / "q", GGUFSpec(type="q4_k_m"))
+    result, ctx = _export(wide_llama, tmp_path / "q", GGUFSpec(type="q4_k_m", verify=False))
     path = tmp_path / "q" / "model-Q4_K_M.gguf"
     assert result.files == ["model-Q4_K_M.gguf"]
     assert result.digests[path.name] == hashlib.sha256(path.read_bytes()).hexdigest()
@@ -89,7 +91,7 @@ def test_q4_k_m_is_llama_quantize_output_on_our_f16_byte_for_byte(
     assert sorted(p.name for p in (tmp_path / "q").iterdir()) == [path.name]
 
     # Running llama-quantize by hand on our f16 export gives the very same bytes.
-    f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16"))
+    f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16", verify=False))
     by_hand = tmp_path / "by-hand.gguf"
     subprocess.run(
         [str(llama_cpp_tool("llama-quantize")), str(tmp_path / "f" / f16.files[0]),
@@ -111,7 +113,7 @@ def test_q4_k_m_is_llama_quantize_output_on_our_f16_byte_for_byte(
 def test_each_quantizer_type_writes_its_own_tensor_type(
     wide_llama: Path, tmp_path: Path, type_: str
 ) -> None:
-    result, _ = _export(wide_llama, tmp_path / "out", GGUFSpec(type=type_))  # type: ignore[arg-type]
+    result, _ = _export(wide_llama, tmp_path / "out", GGUFSpec(type=type_, verify=False))  # type: ignore[arg-type]
     main = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q5_K_S": "Q5_K", "Q6_K": "Q6_K"}.get(type_, type_)
     assert main in result.summary["tensor_types"], result.summary["tensor_types"]
     assert read_directory(tmp_path / "out" / f"model-{type_}.gguf").tensors
@@ -120,9 +122,14 @@ def test_each_quantizer_type_writes_its_own_tensor_type(
 def test_imatrix_from_calibration_text_changes_the_quantization(
     wide_llama: Path, tmp_path: Path
 ) -> None:
-    plain, _ = _export(wide_llama, tmp_path / "plain", GGUFSpec(type="IQ4_XS"))
+    plain, _ = _export(wide_llama, tmp_path / "plain", GGUFSpec(type="IQ4_XS", verify=False))
     spec = GGUFSpec.model_validate(
-        {"format": "gguf", "type": "iq4_xs", "imatrix": {"calibration": CALIBRATION}}
+        {
+            "format": "gguf",
+            "type": "iq4_xs",
+            "imatrix": {"calibration": CALIBRATION},
+            "verify": False,
+        }
     )
     weighted, _ = _export(wide_llama, tmp_path / "weighted", spec)
     assert weighted.summary["imatrix"] is True
@@ -130,7 +137,7 @@ def test_imatrix_from_calibration_text_changes_the_quantization(
 
 
 def test_cancel_kills_the_quantizer_and_leaves_no_file(wide_llama: Path, tmp_path: Path) -> None:
-    f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16"))
+    f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16", verify=False))
     dest = tmp_path / "q.gguf"
 
     def cancelled() -> None:
@@ -173,3 +180,79 @@ def test_type_is_case_insensitive_and_imatrix_needs_a_quantizer_type() -> None:
         )
     with pytest.raises(ValidationError):
         GGUFSpec.model_validate({"format": "gguf", "type": "Q4_K_X"})
+
+
+# --- checked by llama.cpp in the job ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spm_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wide Llama with a real SentencePiece byte-fallback tokenizer, which llama.cpp
+    tokenizes exactly as transformers does."""
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    root = tmp_path_factory.mktemp("gguf-spm-llama")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_prefix=str(root / "tok"), vocab_size=340,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    )  # fmt: skip
+    ckpt = root / "ckpt"
+    config = LlamaConfig(
+        vocab_size=340, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"],
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    _randomize(model, 0)
+    model.save_pretrained(str(ckpt))
+    LlamaTokenizer.from_pretrained(str(root), vocab_file=str(root / "tok.model")).save_pretrained(
+        str(ckpt)
+    )
+    # The spm model too, so the GGUF gets its real scores (the tokenizer.json path writes
+    # placeholders, with which llama.cpp's SentencePiece merges differently).
+    shutil.copy(root / "tok.model", ckpt / "tokenizer.model")
+    return ckpt
+
+
+def test_quantized_file_is_tokenized_and_scored_by_llama_cpp(
+    spm_llama: Path, tmp_path: Path
+) -> None:
+    result, _ = _export(spm_llama, tmp_path / "out", GGUFSpec(type="Q4_K_M"))
+    checks = result.summary["llama_cpp"]
+    assert checks["tokenizer"] == {"probes": len(PROBES), "tokens": checks["tokenizer"]["tokens"],
+                                   "match": True}  # fmt: skip
+    assert checks["tokenizer"]["tokens"] > len(PROBES)
+    ppl = checks["perplexity"]
+    assert ppl["f16"] > 1 and ppl["quantized"] > 1
+    assert ppl["ratio"] == pytest.approx(ppl["quantized"] / ppl["f16"])
+    assert ppl["ratio"] <= PPL_RATIO_BOUND["Q4_K_M"]
+    assert ppl["quantized"] != ppl["f16"], "two files, two runs of llama-perplexity"
+
+
+def test_a_tokenizer_llama_cpp_reads_differently_fails_the_job_and_leaves_no_file(
+    wide_llama: Path, tmp_path: Path
+) -> None:
+    """The tiny byte-level BPE has a pre-tokenizer hash llama.cpp does not know: the file says
+    ``pre="default"``, which splits digits and punctuation unlike the checkpoint's tokenizer."""
+    with pytest.raises(VerificationFailed, match="llama.cpp tokenizes"):
+        _export(wide_llama, tmp_path / "out", GGUFSpec(type="Q6_K"))
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_perplexity_beyond_the_type_bound_is_a_verification_failure() -> None:
+    assert check_perplexity("Q6_K", 10.4, 10.0)["ratio"] == pytest.approx(1.04)
+    with pytest.raises(VerificationFailed, match=r"Q6_K perplexity 10.600 is 1.06x"):
+        check_perplexity("Q6_K", 10.6, 10.0)
+    assert set(PPL_RATIO_BOUND) == set(QUANTIZER_TYPES.values())
+
+
+def test_the_final_estimate_is_read_even_when_llama_cpp_loses_its_last_log_line() -> None:
+    """The pinned llama.cpp leaks its logger at exit, so its last queued lines can be lost."""
+    head = "perplexity: calculating perplexity over 3 chunks, n_ctx=128, batch_size=128\n"
+    full = head + "[1]9.5,[2]9.1,[3]8.9,\nFinal estimate: PPL = 8.9000 +/- 0.3\n"
+    assert _estimate(full) == "8.9000"
+    assert _estimate(head + "[1]9.5,[2]9.1,[3]8.9,\n") == "8.9"
+    assert _estimate(head + "[1]9.5,[2]9.1,") is None

@@ -1,0 +1,183 @@
+"""The written GGUF checked by llama.cpp itself: tokenization and perplexity, in child processes.
+
+Reading our own file back (``gguf_stream.verify_gguf``) proves the weights are the source's; it
+cannot prove llama.cpp understands the file the same way. So the job runs llama.cpp's tools on
+it: ``llama-tokenize`` on a fixed probe set must give the Hugging Face tokenizer's ids exactly (a
+wrong ``tokenizer.ggml.pre`` or vocabulary shows up here), and ``llama-perplexity`` on a short
+fixed text gives the perplexity of the quantized file and of the f16 it was made from; their
+ratio beyond the type's bound (:data:`PPL_RATIO_BOUND`) fails the job. Each tool runs as a child
+(its model memory is its own and is returned when it exits; a cancel kills it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from service.errors import VerificationFailed
+from service.exporters.child_process import run_child
+from service.llama_cpp import llama_cpp_tool
+
+PROBES = (
+    "Hello world! How are you today?",
+    "The quick brown fox jumps over the lazy dog, 1234567890 times.",
+    "inner  double spaces,\ttabs\nand newlines\n\n",
+    "Ünïcödé: éàü ß 中文 日本語 한국어 🙂",
+    "def add(a, b):\n    return a + b  # code",
+    "It's 3.14 — isn't it? I'll, we've, they're.",
+)
+"""Texts whose tokenization differs between pre-tokenizers (digits, spaces, contractions, CJK).
+None starts with a space: there transformers' SentencePiece tokenizers and sentencepiece itself
+(which llama.cpp follows) already disagree, whatever the GGUF says."""
+
+PPL_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when a goldsmith in "
+    "Mainz combined movable metal type, oil-based ink and a screw press adapted from those used "
+    "for wine. Books that had taken a scribe months to copy could now be produced by the hundred "
+    "in weeks, and the price of a book fell so far that merchants, students and craftsmen could "
+    "own them. Within fifty years presses were working in more than two hundred cities across "
+    "Europe. The spread of printed pamphlets changed how news travelled, how arguments about "
+    "religion and politics were conducted, and how scientists shared their observations. "
+    "Standardised texts made it possible for a reader in Venice and a reader in London to refer "
+    "to the same page of the same edition, which in turn encouraged the habit of citation and "
+    "careful comparison. Spelling and grammar slowly settled as printers chose one form over "
+    "another, and national languages gained prestige against Latin. Libraries grew, schools "
+    "multiplied, and literacy rose steadily over the following centuries. Historians still argue "
+    "about how much of the scientific revolution, the reformation and the rise of the modern "
+    "state should be credited to the press, but few doubt that the cheap, reliable copying of "
+    "words was one of the great turning points of human history. Today the same questions are "
+    "asked about the internet, which once again lowered the cost of spreading ideas to almost "
+    "nothing, and which has again been blamed for both enlightenment and confusion. "
+) * 2
+"""Fixed text for llama-perplexity: about 600 tokens for a 32k-128k vocabulary."""
+
+PPL_CTX = 128
+"""Context of each perplexity chunk: short, so the text makes several chunks and it stays fast."""
+
+PPL_RATIO_BOUND: dict[str, float] = {
+    "Q2_K": 3.0,
+    "Q3_K_S": 2.0,
+    "Q3_K_M": 1.6,
+    "Q3_K_L": 1.5,
+    "IQ4_NL": 1.3,
+    "IQ4_XS": 1.3,
+    "Q4_K_S": 1.3,
+    "Q4_K_M": 1.25,
+    "Q5_K_S": 1.12,
+    "Q5_K_M": 1.1,
+    "Q6_K": 1.05,
+}
+"""Largest perplexity(quantized) / perplexity(f16) accepted per type. Loose on purpose: models
+of ~100M parameters (what the test corpus holds) lose far more to quantization than the 8B
+figures llama-quantize prints; a broken file lands orders of magnitude beyond these."""
+
+_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+(?:e[+-]?\d+)?|nan|inf)")
+_CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks")
+_RUNNING = re.compile(r"\[(\d+)\]([0-9.]+(?:e[+-]?\d+)?|nan|inf),")
+_ATTEMPTS = 3
+"""The pinned llama.cpp leaks its logger on exit (upstream issue 22142): the last lines it
+queued can be lost although the tool succeeded. The running estimate after the last chunk is
+the final one, so either line will do; when both were lost the tool is run again."""
+
+
+def _tool_output(
+    argv: list[str], work: Path, what: str, check_abort: Callable[[], None]
+) -> tuple[str, int]:
+    log = work / f"{what}.log"
+    peak = run_child(argv, work, what, check_abort, log=log, timeout=3600.0)
+    return log.read_text("utf-8", "replace"), peak
+
+
+def llama_tokenize(
+    gguf_path: Path,
+    texts: tuple[str, ...],
+    work: Path,
+    check_abort: Callable[[], None],
+    bin_dir: Path | None = None,
+) -> list[list[int]]:
+    """Token ids llama.cpp gives each text (no BOS, special tokens not parsed)."""
+    tool = str(llama_cpp_tool("llama-tokenize", bin_dir))
+    out: list[list[int]] = []
+    for i, text in enumerate(texts):
+        prompt = work / f"probe-{i}.txt"
+        prompt.write_text(text, encoding="utf-8")
+        argv = [tool, "-m", str(gguf_path), "-f", str(prompt), "--ids", "--no-bos",
+                "--no-parse-special", "--log-disable"]  # fmt: skip
+        text_out, _ = _tool_output(argv, work, "llama-tokenize", check_abort)
+        lines = [ln for ln in text_out.splitlines() if ln.startswith("[")]
+        if not lines:
+            raise VerificationFailed(f"llama-tokenize printed no ids: {text_out[-300:]}")
+        out.append([int(x) for x in json.loads(lines[-1])])
+    return out
+
+
+def check_tokenizer(
+    gguf_path: Path,
+    checkpoint_root: Path,
+    work: Path,
+    check_abort: Callable[[], None],
+    bin_dir: Path | None = None,
+) -> dict[str, Any]:
+    """llama.cpp's ids for :data:`PROBES` equal the Hugging Face tokenizer's, or VerificationFailed."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(checkpoint_root))
+    expected = [list(hf.encode(t, add_special_tokens=False)) for t in PROBES]
+    got = llama_tokenize(gguf_path, PROBES, work, check_abort, bin_dir)
+    for text, want, have in zip(PROBES, expected, got, strict=True):
+        if want != have:
+            raise VerificationFailed(
+                f"llama.cpp tokenizes {text!r} as {have[:24]} but the checkpoint's tokenizer "
+                f"gives {want[:24]}: the GGUF's tokenizer metadata is wrong for this model"
+            )
+    return {"probes": len(PROBES), "tokens": sum(map(len, expected)), "match": True}
+
+
+def perplexity(
+    gguf_path: Path, work: Path, check_abort: Callable[[], None], bin_dir: Path | None = None
+) -> float:
+    """llama-perplexity of the file on :data:`PPL_TEXT` (chunks of :data:`PPL_CTX` tokens)."""
+    text = work / "perplexity.txt"
+    text.write_text(PPL_TEXT, encoding="utf-8")
+    argv = [str(llama_cpp_tool("llama-perplexity", bin_dir)), "-m", str(gguf_path),
+            "-f", str(text), "-c", str(PPL_CTX), "-b", str(PPL_CTX)]  # fmt: skip
+    out = ""
+    for _ in range(_ATTEMPTS):
+        out, _ = _tool_output(argv, work, "llama-perplexity", check_abort)
+        estimate = _estimate(out)
+        if estimate is not None:
+            break
+    else:
+        raise VerificationFailed(f"llama-perplexity gave no estimate: {out[-300:]}")
+    value = float(estimate)
+    if not math.isfinite(value):
+        raise VerificationFailed(f"llama-perplexity of {gguf_path.name} is {estimate}")
+    return value
+
+
+def _estimate(out: str) -> str | None:
+    """The final perplexity in the tool's log: its final line, or the last chunk's running value."""
+    found = _PPL.search(out)
+    if found is not None:
+        return found.group(1)
+    chunks = _CHUNKS.search(out)
+    running = _RUNNING.findall(out)
+    if chunks is not None and running and int(running[-1][0]) == int(chunks.group(1)):
+        return str(running[-1][1])
+    return None
+
+
+def check_perplexity(type_name: str, ppl: float, ppl_f16: float) -> dict[str, Any]:
+    """The manifest's perplexity section; VerificationFailed beyond the type's ratio bound."""
+    bound = PPL_RATIO_BOUND[type_name]
+    ratio = ppl / ppl_f16
+    if ratio > bound:
+        raise VerificationFailed(
+            f"{type_name} perplexity {ppl:.3f} is {ratio:.2f}x the f16's {ppl_f16:.3f} "
+            f"(bound {bound}x) on the fixed text"
+        )
+    return {"quantized": ppl, "f16": ppl_f16, "ratio": ratio, "bound": bound, "ctx": PPL_CTX}
