@@ -24,6 +24,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from service.api.auth import key_digest
 from tests.fixtures.browser import headless_chromium
+from tests.fixtures.http_server import FileServer, Route
 from tests.fixtures.models import build_checkpoint
 from tests.fixtures.service import ServiceProcess, running_service
 from tests.unit.test_grafana_dashboard import dashboard_metrics, load_dashboard
@@ -41,7 +42,10 @@ def ui_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc
         {"tenant": "bob", "sha256": key_digest(KEYS["bob"])},
         {"tenant": "ops", "sha256": key_digest(KEYS["ops"]), "admin": True},
     ]
-    env = {"MODELPREP_API_KEYS": json.dumps(keys)}
+    env = {
+        "MODELPREP_API_KEYS": json.dumps(keys),
+        "MODELPREP_EGRESS_ALLOWLIST": '["127.0.0.1"]',  # the slow loopback source to cancel
+    }
     with running_service(root / "data", local_roots=[root / "models"], env=env) as service:
         yield service
 
@@ -141,6 +145,24 @@ def test_a_tenant_submits_watches_and_downloads_and_another_tenant_sees_nothing(
     # No key ever travelled in a URL.
     leaked = [url for url in requests for key in KEYS.values() if key in url]
     assert not leaked, leaked
+
+
+def test_a_tenant_cancels_a_running_job_from_its_page(
+    browser: Browser, ui_service: ServiceProcess, http_server: FileServer
+) -> None:
+    """A download trickling at 20 kB/s keeps the job running until the Cancel button stops it."""
+    weights = (ui_service.data_dir.parent / "models" / "tiny-llama" / "model.safetensors").read_bytes()
+    url = http_server.add("/slow/model.safetensors", Route(body=weights, bytes_per_second=20_000))
+    with ui_service.client(headers={"Authorization": f"Bearer {KEYS['alice']}"}) as client:
+        response = client.post("/v1/jobs", json={"source": url, "exports": [{"format": "safetensors"}]})
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    alice = sign_in(browser, ui_service, "alice", [])
+    alice.goto(f"{ui_service.url}/ui/#/jobs/{job_id}")
+    expect(alice.locator("#job-phase")).to_have_text("download", timeout=JOB_TIMEOUT_MS)
+    alice.click("#cancel")
+    expect(alice.locator("#job-status")).to_have_text("cancelled", timeout=30_000)
+    expect(alice.locator("#cancel")).to_have_count(0)
 
 
 def test_ui_files_are_served_with_a_same_origin_policy_and_nothing_else(
