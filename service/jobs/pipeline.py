@@ -72,8 +72,9 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
     ctx.set_phase(Phase.READ, unit="tensors")
     with open_checkpoint(checkpoint_dir) as checkpoint:
         summaries, digests, model_info = _export_checkpoint(checkpoint, spec, ctx, layout)
-    ctx.set_phase(Phase.FINALIZE, unit="files")
-    artifacts = _describe_files(layout.staging, digests, ctx)
+    staged = sorted(p for p in layout.staging.rglob("*") if p.is_file())
+    ctx.set_phase(Phase.FINALIZE, total=len(staged) + 1, unit="files")  # + the manifest
+    artifacts = _describe_files(layout.staging, staged, digests, ctx)
     manifest = {
         "job_id": ctx.job_id,
         "source": source_info,
@@ -87,6 +88,7 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
     artifacts.append(
         Artifact(MANIFEST, manifest_path.stat().st_size, sha256_file(manifest_path))
     )
+    ctx.advance(1)
     fsync_tree(layout.staging)
     layout.publish()
     return artifacts
@@ -316,9 +318,11 @@ def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
     return output.float()
 
 
-def _describe_files(root: Path, digests: dict[str, str], ctx: JobContext) -> list[Artifact]:
+def _describe_files(
+    root: Path, files: list[Path], digests: dict[str, str], ctx: JobContext
+) -> list[Artifact]:
     artifacts = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in files:
         rel = path.relative_to(root).as_posix()
         digest = digests.get(rel) or sha256_file(path)
         artifacts.append(Artifact(rel, path.stat().st_size, digest))

@@ -127,7 +127,7 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
         ctx.close_phase()
         store.finish(
             job_id, JobStatus.SUCCEEDED, artifacts=artifacts, metrics=ctx.metrics,
-            details=ctx.details,
+            details=ctx.details, progress=Progress(ctx.done, ctx.total, ctx.unit),
         )
         failed = False
         log.info("succeeded", extra={"job_id": job_id})

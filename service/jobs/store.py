@@ -332,7 +332,10 @@ class JobStore:
         }
 
     def claim(self, job_id: str, worker: str) -> Job | None:
-        """Move a queued job to running for ``worker``; None if someone else got it first."""
+        """Move a queued job to running for ``worker``; None if someone else got it first.
+
+        The phase moves on to the first one the pipeline runs (download), so that no job is
+        ever seen ``running`` in phase ``queued`` while its process starts."""
         now = utcnow()
         with self.transaction() as conn:
             result = conn.execute(
@@ -346,6 +349,10 @@ class JobStore:
                     heartbeat_at=now,
                     worker=worker,
                     attempts=jobs_table.c.attempts + 1,
+                    phase=Phase.DOWNLOAD.value,
+                    progress_done=0,
+                    progress_total=None,
+                    progress_unit="bytes",
                 )
             )
         return self.get(job_id) if result.rowcount == 1 else None
@@ -405,10 +412,14 @@ class JobStore:
         artifacts: Sequence[Artifact] | None = None,
         metrics: dict[str, Any] | None = None,
         details: dict[str, Any] | None = None,
+        progress: Progress | None = None,
         from_statuses: Sequence[JobStatus] = (JobStatus.RUNNING,),
         conn: Connection | None = None,
     ) -> bool:
-        """Move a job to a terminal status; False if it was not in ``from_statuses``."""
+        """Move a job to a terminal status; False if it was not in ``from_statuses``.
+
+        ``progress`` is the last phase's final count (a succeeded job ends with every file
+        of its finalize phase done, not with whatever the last throttled report said)."""
         assert status.terminal
         now = utcnow()
         values: dict[str, Any] = {
@@ -421,6 +432,10 @@ class JobStore:
         }
         if status is JobStatus.SUCCEEDED:
             values["phase"] = Phase.DONE.value
+        if progress is not None:
+            values["progress_done"] = progress.done
+            values["progress_total"] = progress.total
+            values["progress_unit"] = progress.unit
         if artifacts is not None:
             values["artifacts"] = [asdict(a) for a in artifacts]
         if metrics is not None:

@@ -93,6 +93,8 @@ def test_llama_is_prepared_to_bfloat16_and_loads_with_transformers(
     paths = {a["path"] for a in done["artifacts"]}
     assert {"manifest.json", "safetensors/model.safetensors", "safetensors/config.json",
             "safetensors/tokenizer.json"} <= paths
+    # the finished job counts every file it published, manifest included
+    assert done["progress"] == {"done": len(paths), "total": len(paths), "unit": "files"}
 
     out = download_all(service, done, tmp_path)
     manifest = json.loads((out / "manifest.json").read_text())

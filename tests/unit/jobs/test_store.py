@@ -73,6 +73,22 @@ def test_a_job_is_claimed_once(store: JobStore) -> None:
     assert store.claim(job.id, "w2") is None
 
 
+def test_a_claimed_job_is_never_running_in_phase_queued(store: JobStore) -> None:
+    job = store.create(new_job())
+    claimed = store.claim(job.id, "w1")
+    assert claimed is not None
+    assert (claimed.status, claimed.phase) == (JobStatus.RUNNING, Phase.DOWNLOAD)
+    assert claimed.progress == Progress(0, None, "bytes")
+
+
+def test_a_succeeded_job_keeps_its_final_progress(store: JobStore) -> None:
+    job = store.create(new_job())
+    store.claim(job.id, "w")
+    store.report(job.id, phase=Phase.FINALIZE, progress=Progress(0, 3, "files"))
+    assert store.finish(job.id, JobStatus.SUCCEEDED, progress=Progress(3, 3, "files"))
+    assert store.get(job.id).progress == Progress(3, 3, "files")
+
+
 def test_queue_is_fifo(store: JobStore) -> None:
     later = store.create(new_job(offset_seconds=5))
     earlier = store.create(new_job(offset_seconds=0))
