@@ -130,6 +130,15 @@ class SourceNotFound(FileNotFoundError, SourceError):
     title = "Source not found"
 
 
+class SourceUnreadable(PermissionError, SourceError):
+    """A local checkpoint file the service's user may not read (a container runs as uid 1000
+    while the host files it mounts keep their owner)."""
+
+    code = "source_unreadable"
+    status = 422
+    title = "Source not readable"
+
+
 class RepositoryNotFound(SourceNotFound):
     code = "repository_not_found"
     title = "Repository not found"

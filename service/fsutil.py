@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from service.errors import ConfigurationError
+
 _HASH_BLOCK = 8 * 1024 * 1024
 
 
@@ -51,3 +53,23 @@ def fsync_tree(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def ensure_writable_dir(path: Path, setting: str) -> None:
+    """Create ``path`` if needed and make sure this process can write into it, or raise a
+    :class:`ConfigurationError` whose one line names the path, the user and the fix.
+
+    Why: in a container the service runs as an unprivileged user, and a host directory
+    bind-mounted over its data directory keeps the host's owner (often root); Python would
+    otherwise fail later with a traceback about some subdirectory."""
+    who = f"uid {os.getuid()} gid {os.getgid()}"
+    fix = (
+        f"make it writable by {who} (on the host: chown -R {os.getuid()}:{os.getgid()} "
+        f"<the directory mounted there>) or point {setting} elsewhere"
+    )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except PermissionError:
+        raise ConfigurationError(f"cannot create {path} ({setting}): {fix}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigurationError(f"{path} ({setting}) is not writable by {who}: {fix}")

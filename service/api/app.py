@@ -15,6 +15,7 @@ from service.api.routes import artifacts, events, health, jobs, metrics, offload
 from service.api.telemetry import RequestTelemetry, request_latency_histogram
 from service.api.watch import JobWatch
 from service.config import Settings
+from service.fsutil import ensure_writable_dir
 from service.jobs.executors import executor_for
 from service.jobs.service import JobService
 from service.jobs.store import JobStore
@@ -23,8 +24,8 @@ from service.jobs.store import JobStore
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the only place (with the CLI) where settings are read."""
     settings = settings or Settings()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    settings.jobs_dir.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(settings.data_dir, "MODELPREP_DATA_DIR")
+    ensure_writable_dir(settings.jobs_dir, "MODELPREP_DATA_DIR")
     store = JobStore.from_url(settings.sqlalchemy_url)
     executor = executor_for(settings, store)
     job_service = JobService(settings=settings, store=store, executor=executor)

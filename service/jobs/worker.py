@@ -50,6 +50,7 @@ from procrastinate.manager import JobManager
 
 from service.config import Settings
 from service.errors import JobNotFound, WorkerStopped
+from service.fsutil import ensure_writable_dir
 from service.jobs.executors.distributed import TASK_NAME, JobQueue, libpq_url
 from service.jobs.executors.process import (
     settle_exited,
@@ -268,7 +269,8 @@ def worker_app(settings: Settings) -> procrastinate.App:
 
 async def serve(settings: Settings, health_file: Path | None = None) -> None:
     """Run one worker until SIGTERM/SIGINT."""
-    settings.jobs_dir.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(settings.data_dir, "MODELPREP_DATA_DIR")
+    ensure_writable_dir(settings.jobs_dir, "MODELPREP_DATA_DIR")
     store = JobStore.from_url(settings.sqlalchemy_url)
     await asyncio.to_thread(store.create_schema)
     runtime = WorkerRuntime(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from service.config import Settings
-from service.errors import SourceNotAllowed, SourceNotFound
+from service.errors import SourceNotAllowed, SourceNotFound, SourceUnreadable
 from service.sources.base import ResolvedSource, SourceRequest
 from service.stage import JobContext
 
@@ -23,6 +24,22 @@ def resolve_under_roots(path: Path, roots: list[Path]) -> Path:
     raise SourceNotAllowed(f"source {path} is not under an allowed local root")
 
 
+def check_readable(path: Path) -> None:
+    """Refuse a checkpoint with a file or directory this process may not read, naming the first
+    one and the fix, before any phase starts (rather than a PermissionError deep in a reader)."""
+    pending = [path]
+    while pending:
+        entry = pending.pop()
+        is_dir = entry.is_dir()
+        if not os.access(entry, os.R_OK | os.X_OK if is_dir else os.R_OK):
+            raise SourceUnreadable(
+                f"{entry} is not readable by uid {os.getuid()} gid {os.getgid()}: make the "
+                f"checkpoint readable by that user (e.g. chmod -R a+rX on the host directory)"
+            )
+        if is_dir:
+            pending.extend(sorted(entry.iterdir(), reverse=True))
+
+
 class LocalFetcher:
     schemes: tuple[str, ...] = ("file",)
 
@@ -34,6 +51,7 @@ class LocalFetcher:
         real = resolve_under_roots(Path(unquote(parsed.path)), settings.local_roots)
         if not real.exists():
             raise SourceNotFound(f"source {parsed.path} does not exist")
+        check_readable(real)
         return real
 
     def check(self, request: SourceRequest, settings: Settings) -> None:
