@@ -50,6 +50,31 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+WORKER_HEALTH_FILE = Path("/tmp/modelprep-worker.alive")
+
+
+def _healthcheck(args: argparse.Namespace) -> int:
+    """Container probe for either role, so one image-level HEALTHCHECK serves both: a worker
+    started with ``--health-file`` is healthy while it touches that file (every heartbeat);
+    anything else is an API, healthy when ``/readyz`` answers 200."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    if args.file.exists():
+        age = time.time() - args.file.stat().st_mtime
+        if age > args.max_age:
+            print(f"worker heartbeat file {args.file} is {age:.0f}s old", file=sys.stderr)
+            return 1
+        return 0
+    try:
+        with urllib.request.urlopen(args.url, timeout=args.timeout) as response:
+            return 0 if response.status == 200 else 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"{args.url}: {exc}", file=sys.stderr)
+        return 1
+
+
 def _openapi(args: argparse.Namespace) -> int:
     from service.api.openapi import openapi_document
 
@@ -75,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="touch this file on every heartbeat (a container health check reads its age)",
     )
     worker.set_defaults(func=_worker)
+
+    health = sub.add_parser(
+        "healthcheck",
+        help="exit 0 when this container's worker (heartbeat file) or API (/readyz) is healthy",
+    )
+    health.add_argument("--file", type=Path, default=WORKER_HEALTH_FILE)
+    health.add_argument("--max-age", type=float, default=30.0, help="seconds")
+    health.add_argument("--url", default="http://127.0.0.1:8000/readyz")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    health.set_defaults(func=_healthcheck)
 
     openapi = sub.add_parser("openapi", help="print the OpenAPI document")
     openapi.set_defaults(func=_openapi)
