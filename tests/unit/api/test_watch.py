@@ -65,7 +65,7 @@ def test_streams_of_one_job_share_one_poll_and_get_every_state_to_the_end(
     first, second = asyncio.run(scenario())
     elapsed = time.monotonic() - started
     assert [s.status for s in first] == [JobStatus.RUNNING, JobStatus.RUNNING, JobStatus.SUCCEEDED]
-    assert [s.phase for s in first][:2] == [Phase.QUEUED, Phase.READ]
+    assert [s.phase for s in first][:2] == [Phase.DOWNLOAD, Phase.READ]
     assert [s.version for s in first] == [s.version for s in second]
     assert 0 < store.polls <= elapsed / watch.interval + 1, "one poll per tick, not per stream"
     assert not watch._followed
