@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: serve test install lint openapi llama-cpp chromium
+.PHONY: serve test install lint openapi llama-cpp chromium container-test docker-engine
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -37,3 +37,11 @@ openapi: $(VENV)/.installed
 # --- chromium (engineer ui): the system browser tests/e2e/test_ui.py drives headless -------------
 chromium:
 	scripts/install_chromium.sh
+
+# A Docker engine from Debian packages, started if none answers (root; bounded wait)
+docker-engine:
+	scripts/docker_engine.sh
+
+# The image and the compose stack, built and exercised (tests marked `container`)
+container-test: $(VENV)/.installed docker-engine
+	$(PY) -m pytest -q -m container tests/containers --timeout 2400
