@@ -1,0 +1,175 @@
+"""Real models x layouts x exports, each artifact checked by its real consumer: one table.
+
+    .venv/bin/python bench/real_models.py [--quick]
+
+Every row is one job of the service's own pipeline (``run_pipeline``, a ``file://`` source from
+``tests/fixtures/real_models.py``) in a child process, so its wall time and peak RSS (``wait4``)
+are the job's alone; the consumer check then runs here, on the job's artifacts:
+
+* gguf         llama.cpp: ``llama-tokenize`` ids of the probe set == the HF tokenizer's, and
+               ``llama-completion`` greedy continuation == transformers' (f16 export)
+* safetensors  transformers reload; the job's own parity check against the source
+* nnef         tract (in the job's child): argmax agreed with PyTorch at every decode step, and
+               that decode == transformers' argmax loop on the same prompt
+
+``--quick`` drops the layout rows (the base models only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+EXPORTS: dict[str, dict[str, Any]] = {
+    "gguf": {"format": "gguf", "type": "f16"},
+    "safetensors": {"format": "safetensors"},
+    "nnef": {"format": "nnef"},
+}
+
+
+def rows(quick: bool) -> list[tuple[str, str | None, str]]:
+    """(model, variant label or None for the base checkpoint, export)."""
+    from tests.fixtures.real_models import COVERING_VARIANTS
+
+    out: list[tuple[str, str | None, str]] = [
+        ("smollm2", None, "gguf"),
+        ("qwen2", None, "gguf"),
+        ("gemma3", None, "safetensors"),
+        ("gemma3", None, "nnef"),
+        ("minilm", None, "safetensors"),
+        ("minilm", None, "nnef"),
+        ("smollm2", None, "nnef"),
+    ]
+    if not quick:
+        for variant in COVERING_VARIANTS:
+            for export in ("safetensors", "gguf", "nnef"):
+                out.append(("smollm2", variant.label() + "-L4", export))
+    return out
+
+
+def source_dir(model: str, label: str | None) -> Path:
+    from tests.fixtures.real_models import COVERING_VARIANTS, Variant, real_model, real_variant
+
+    if label is None:
+        return real_model(model)
+    for variant in COVERING_VARIANTS:
+        if label == variant.label() + "-L4":
+            return real_variant(model, Variant(**{**variant.__dict__, "layers": 4}))
+    raise SystemExit(f"unknown layout {label}")
+
+
+def child(model: str, label: str | None, export: str, out: Path) -> None:
+    """Run one job; print where its artifacts and manifest are."""
+    from service.config import Settings
+    from service.jobs.layout import JobLayout
+    from service.jobs.pipeline import run_pipeline
+    from service.jobs.spec import JobSpec
+    from service.stage import InMemoryContext
+
+    source = source_dir(model, label)
+    settings = Settings(data_dir=out / "var", local_roots=[source.parent])
+    layout = JobLayout.for_job(settings, "b" * 32)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="b" * 32)
+    body = dict(EXPORTS[export])
+    if export == "nnef" and model != "minilm":
+        body["decode_steps"] = 4
+    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [body]})
+    run_pipeline(spec, ctx, layout)
+    print(json.dumps({"artifacts": str(layout.artifacts), "source": str(source)}))
+
+
+def consumer_check(model: str, export: str, artifacts: Path, source: Path, work: Path) -> str:
+    """What the real consumer said, in a few words; raises AssertionError on a mismatch."""
+    from tests.integration.real_models import test_consumers as t
+
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    summary = manifest["exports"][0]
+    if export == "gguf":
+        from transformers import AutoTokenizer
+
+        (gguf_file,) = (artifacts / "gguf").glob("*.gguf")
+        tok = AutoTokenizer.from_pretrained(source)
+        for label, text in t.PROBES.items():
+            got = t.llama_tokenize(gguf_file, text, work)
+            assert got == tok(text, add_special_tokens=False).input_ids, label
+        _, hf_text = t.hf_greedy(source, t.PROMPT, t.NEW_TOKENS)
+        t.assert_same_continuation(t.llama_greedy(gguf_file, t.PROMPT, t.NEW_TOKENS), hf_text)
+        return f"llama.cpp: {len(t.PROBES)} probes same ids, {t.NEW_TOKENS} greedy tokens same"
+    if export == "safetensors":
+        verify = summary["verify"]
+        assert verify["passed"], verify
+        return f"transformers reload: max rel err {verify.get('max_rel_error', 0):.2g}"
+    verify = summary["verify"]
+    assert verify["max_abs_err"] <= verify["tolerance"], verify
+    if model == "minilm":
+        return f"tract: max abs err {verify['max_abs_err']:.2g} <= {verify['tolerance']:.2g}"
+    t.assert_tract_decoded_like_transformers(source, verify)
+    return f"tract: {len(verify['tokens'])} greedy tokens == transformers"
+
+
+def measure(model: str, label: str | None, export: str, base: Path) -> dict[str, Any]:
+    out = base / f"{model}-{label}-{export}"
+    out.mkdir(parents=True)
+    cmd = [sys.executable, __file__, "--child", model, label or "base", export, str(out)]
+    env = dict(os.environ, TMPDIR=str(out), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    start = time.monotonic()
+    log = out / "child.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sink, env=env)
+        assert proc.stdout is not None
+        stdout = proc.stdout.read().decode()
+        _, status, usage = os.wait4(proc.pid, 0)
+    row: dict[str, Any] = {
+        "model": model, "layout": label or "as published (bf16)", "export": export,
+        "wall_s": round(time.monotonic() - start, 1),
+        "peak_rss_mib": usage.ru_maxrss // 1024,
+    }  # fmt: skip
+    if os.waitstatus_to_exitcode(status) != 0:
+        row.update(check="-", result="JOB FAILED: " + log.read_text()[-300:].strip().splitlines()[-1])
+        return row
+    where = json.loads(stdout.strip().splitlines()[-1])
+    try:
+        row["check"] = consumer_check(
+            model, export, Path(where["artifacts"]), Path(where["source"]), out
+        )
+        row["result"] = "ok"
+    except AssertionError as exc:
+        row.update(check="-", result=f"MISMATCH: {str(exc)[:200]}")
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:  # table still prints
+        row.update(check="-", result=f"CHECK ERROR: {type(exc).__name__}: {str(exc)[:200]}")
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--child", nargs=4, metavar=("MODEL", "LAYOUT", "EXPORT", "OUT"))
+    args = parser.parse_args()
+    if args.child:
+        model, label, export, out = args.child
+        child(model, None if label == "base" else label, export, Path(out))
+        return
+    cols = ("model", "layout", "export", "check", "result", "wall_s", "peak_rss_mib")
+    print(" | ".join(cols))
+    print(" | ".join("---" for _ in cols))
+    with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
+        for model, label, export in rows(args.quick):
+            row = measure(model, label, export, Path(tmp))
+            print(" | ".join(str(row[c]) for c in cols), flush=True)
+
+
+if __name__ == "__main__":
+    main()
