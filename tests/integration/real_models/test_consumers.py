@@ -1,0 +1,129 @@
+"""Real models through the job pipeline, each artifact checked by the program that consumes it.
+
+GGUF is checked by llama.cpp itself (``llama-tokenize``, ``llama-completion``) on the f16
+export: the ids of a fixed probe set equal the Hugging Face tokenizer's, the greedy continuation
+equals transformers' on the source checkpoint. The helpers here (tract's decode against
+transformers' argmax loop...) are shared with ``bench/real_models.py``, which runs every model x
+layout x export. A missing llama.cpp tool raises ``ToolMissing``: the test fails, never skips.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from service.config import Settings
+from service.errors import UnsupportedExport
+from service.exporters.nnef import prompt_ids
+from service.jobs.layout import JobLayout
+from service.jobs.pipeline import check_spec, run_pipeline
+from service.jobs.spec import JobSpec
+from service.llama_cpp import llama_cpp_tool
+from service.stage import InMemoryContext
+from tests.fixtures.real_models import (
+    real_model,
+)
+
+PROBES = {
+    "ascii": "The quick brown fox jumps over the lazy dog. It was 3:45pm, 12% done.",
+    "code": 'def add(a, b):\n    """Sum."""\n    if a:\n        return a + b\n    return b\n',
+    "whitespace": "a  b   c\t\td \t e\n\n\n  f",
+    "accents-cjk": "Café naïve résumé Ærøskøbing — 東京は日本の首都です。北京欢迎你",
+    "emoji": "Deploy 🚀 done ✅ 👩‍💻 🇫🇷",
+}
+PROMPT = "The capital of France is"
+NEW_TOKENS = 8
+
+
+def run_job(tmp_path: Path, source: Path, exports: list[dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """One job through ``run_pipeline`` (real offload, real exporters, their own checks)."""
+    settings = Settings(data_dir=tmp_path / "data", local_roots=[source.parent])
+    job_id = "e" * 32
+    layout = JobLayout.for_job(settings, job_id)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id=job_id)
+    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": exports})
+    run_pipeline(spec, ctx, layout)
+    return layout.artifacts, json.loads((layout.artifacts / "manifest.json").read_text())
+
+
+def llama_tokenize(gguf_file: Path, text: str, tmp_path: Path) -> list[int]:
+    prompt = tmp_path / "probe.txt"
+    prompt.write_text(text, encoding="utf-8")
+    out = subprocess.run(
+        [str(llama_cpp_tool("llama-tokenize")), "-m", str(gguf_file), "-f", str(prompt),
+         "--ids", "--no-bos", "--log-disable", "-t", "2"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=True,
+    )
+    return [int(t) for t in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def llama_greedy(gguf_file: Path, prompt: str, n: int) -> str:
+    out = subprocess.run(
+        [str(llama_cpp_tool("llama-completion")), "-m", str(gguf_file), "-p", prompt,
+         "-n", str(n), "--temp", "0", "-t", "2", "-c", "256", "-no-cnv", "--no-warmup",
+         "--simple-io", "--no-display-prompt"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, check=True,
+    )
+    return out.stdout
+
+
+def hf_greedy(ckpt: Path, prompt: str, n: int) -> tuple[list[int], str]:
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False)
+    new = out[0, ids.shape[1] :].tolist()
+    return new, tok.decode(new, skip_special_tokens=True)
+
+
+def assert_tract_decoded_like_transformers(source: Path, verify: dict[str, Any]) -> None:
+    """tract's argmax agreed at every step with the job's PyTorch decode, and that decode is
+    transformers' own ``generate`` on the job's prompt (an independent reference)."""
+    assert verify["argmax_agreed"] and all(verify["argmax_agreed"]), verify
+    config = json.loads((source / "config.json").read_text())
+    prompt = torch.tensor([prompt_ids(4, int(config["vocab_size"]))])
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    ids = prompt
+    with torch.no_grad():  # plain argmax, no generate(): an end-of-text token must not stop it
+        for _ in verify["tokens"]:
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert ids[0, prompt.shape[1] :].tolist() == verify["tokens"]
+
+
+def assert_same_continuation(llama_text: str, hf_text: str) -> None:
+    # llama-completion ends its output with "\n\n" of its own (seen with -n 2: " Paris.\n\n")
+    assert llama_text in (hf_text, hf_text + "\n\n"), (llama_text, hf_text)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["smollm2"])
+def test_gguf_f16_of_a_real_model_runs_in_llama_cpp_like_transformers(
+    name: str, tmp_path: Path
+) -> None:
+    source = real_model(name)
+    artifacts, _ = run_job(tmp_path, source, [{"format": "gguf", "type": "f16"}])
+    (gguf_file,) = (artifacts / "gguf").glob("*.gguf")
+    tok = AutoTokenizer.from_pretrained(source)
+    for label, text in PROBES.items():
+        expected = tok(text, add_special_tokens=False).input_ids
+        assert llama_tokenize(gguf_file, text, tmp_path) == expected, label
+    _, hf_text = hf_greedy(source, PROMPT, NEW_TOKENS)
+    assert_same_continuation(llama_greedy(gguf_file, PROMPT, NEW_TOKENS), hf_text)
+
+
+def test_gguf_of_gemma3_is_refused_at_submission_naming_what_is_supported(tmp_path: Path) -> None:
+    """The GGUF exporter does not claim Gemma 3: refused before any work, typed, with the list."""
+    source = real_model("gemma3")
+    config = json.loads((source / "config.json").read_text())
+    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [{"format": "gguf"}]})
+    settings = Settings(data_dir=tmp_path, local_roots=[source.parent])
+    with pytest.raises(UnsupportedExport, match="Gemma3ForCausalLM.*supported: LlamaForCausalLM"):
+        check_spec(spec, settings, config, config_known=True)
