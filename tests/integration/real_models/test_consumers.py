@@ -104,7 +104,7 @@ def assert_same_continuation(llama_text: str, hf_text: str) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["smollm2"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen2"])
 def test_gguf_f16_of_a_real_model_runs_in_llama_cpp_like_transformers(
     name: str, tmp_path: Path
 ) -> None:
