@@ -26,9 +26,7 @@ from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
 from service.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
-from tests.fixtures.real_models import (
-    real_model,
-)
+from tests.fixtures.real_models import REAL_MODELS, real_model
 
 PROBES = {
     "ascii": "The quick brown fox jumps over the lazy dog. It was 3:45pm, 12% done.",
@@ -127,3 +125,21 @@ def test_gguf_of_gemma3_is_refused_at_submission_naming_what_is_supported(tmp_pa
     settings = Settings(data_dir=tmp_path, local_roots=[source.parent])
     with pytest.raises(UnsupportedExport, match="Gemma3ForCausalLM.*supported: LlamaForCausalLM"):
         check_spec(spec, settings, config, config_known=True)
+
+
+@pytest.mark.parametrize("name", ["minilm"])
+def test_safetensors_and_nnef_of_a_real_model_match_transformers_and_tract(
+    name: str, tmp_path: Path
+) -> None:
+    source = real_model(name)
+    decoder = REAL_MODELS[name].decoder
+    nnef: dict[str, Any] = {"format": "nnef"}
+    if decoder:
+        nnef["decode_steps"] = 4
+    _, manifest = run_job(tmp_path, source, [{"format": "safetensors"}, nnef])
+    exports = {e["format"]: e for e in manifest["exports"]}
+    assert exports["safetensors"]["verify"]["passed"], exports["safetensors"]
+    verify = exports["nnef"]["verify"]
+    assert verify["max_abs_err"] <= verify["tolerance"], verify
+    if decoder:
+        assert_tract_decoded_like_transformers(source, verify)
