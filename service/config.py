@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.egress import EgressPolicy
-from service.units import parse_size
+from service.units import parse_duration, parse_size
 
 
 class ApiKeyEntry(BaseModel):
@@ -71,6 +71,17 @@ class Settings(BaseSettings):
     download_retries: int = 5
     download_backoff_seconds: float = Field(
         default=1.0, ge=0, description="First retry delay of a download; doubles per retry."
+    )
+    download_stall_seconds: float = Field(
+        default=60.0, gt=0,
+        description="A download receiving less than download_min_bytes_per_second over this "
+        "long fails with download_stalled (a trickling source must not hold a worker slot).",
+    )
+    download_min_bytes_per_second: int = Field(default=1024, ge=0)
+    job_timeout: float | None = Field(
+        default=None, gt=0,
+        description="Seconds a job may run (per attempt) before it is killed and fails with "
+        "job_timeout; a job's own \"timeout\" may only lower it. None: no limit.",
     )
     egress_allowlist: list[str] = Field(
         default_factory=list,
@@ -133,9 +144,24 @@ class Settings(BaseSettings):
     tenant_max_queued: int | None = Field(
         default=None, ge=0, description="Queued jobs per tenant before 429."
     )
+    artifact_ttl: float | None = Field(
+        default=None,
+        description="Seconds (or 30d, 12h, 90m) after which a finished job's artifacts and work "
+        "files are removed, as DELETE does; None: kept until deleted.",
+    )
+    retention_interval_seconds: float = Field(
+        default=60.0, gt=0, description="How often the API looks for expired artifacts."
+    )
     tenant_max_artifact_bytes: int | None = Field(
         default=None, ge=0, description="Artifact bytes kept per tenant before 429 (e.g. 500GB)."
     )
+
+    @field_validator("artifact_ttl", mode="before")
+    @classmethod
+    def _human_duration(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip():
+            return parse_duration(value)
+        return value
 
     @field_validator("tenant_max_artifact_bytes", mode="before")
     @classmethod

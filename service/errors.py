@@ -66,6 +66,14 @@ class ArtifactNotFound(NotFound):
     title = "Artifact not found"
 
 
+class ArtifactGone(ArtifactNotFound):
+    """The job's artifacts were removed (``DELETE`` on the finished job, or retention)."""
+
+    code = "artifact_gone"
+    status = 410
+    title = "Artifact removed"
+
+
 class Conflict(ServiceError):
     code = "conflict"
     status = 409
@@ -168,6 +176,14 @@ class DownloadFailed(ConnectionError, SourceError):
     title = "Download failed"
 
 
+class DownloadStalled(DownloadFailed):
+    """The source sent less than ``download_min_bytes_per_second`` for
+    ``download_stall_seconds``: a trickle that would hold a worker slot for days. Not retried."""
+
+    code = "download_stalled"
+    title = "Download stalled"
+
+
 class ChecksumMismatch(SourceError):
     code = "checksum_mismatch"
     title = "Checksum mismatch"
@@ -226,6 +242,13 @@ class JobFailed(ServiceError):
 class JobCancelled(JobFailed):
     code = "job_cancelled"
     title = "Job cancelled"
+
+
+class JobTimeout(JobFailed):
+    """The job ran longer than its ``timeout`` (or ``MODELPREP_JOB_TIMEOUT``) and was killed."""
+
+    code = "job_timeout"
+    title = "Job timed out"
 
 
 class WorkerCrashed(JobFailed):

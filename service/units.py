@@ -30,3 +30,23 @@ def parse_size(value: str | int) -> int:
     if size <= 0:
         raise InvalidRequest(f"size must be positive, got {value!r}")
     return size
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(value: str | float) -> float:
+    """Seconds in ``value``: a number of seconds, or ``90s``, ``15m``, ``12h``, ``30d``, ``2w``."""
+    if isinstance(value, bool):
+        raise InvalidRequest(f"invalid duration {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(value.lower())
+        if match is None:
+            raise InvalidRequest(f"invalid duration {value!r} (e.g. 3600, 90m, 12h, 30d)")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if seconds <= 0:
+        raise InvalidRequest(f"duration {value!r} must be positive")
+    return seconds

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -19,6 +22,23 @@ from service.fsutil import ensure_writable_dir
 from service.jobs.executors import executor_for
 from service.jobs.service import JobService
 from service.jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+async def _expire_artifacts(jobs: JobService, settings: Settings) -> None:
+    """Retention (``MODELPREP_ARTIFACT_TTL``): every ``retention_interval_seconds``, remove
+    the files of jobs finished longer ago than the TTL. Every API process may run it: removing
+    a job's files twice is harmless (the tombstone is written once)."""
+    if settings.artifact_ttl is None:
+        return
+    while True:
+        try:
+            while await asyncio.to_thread(jobs.expire_artifacts):
+                pass  # a full batch: there may be more
+        except Exception:  # a store hiccup must not end retention; the next round retries
+            log.exception("artifact retention failed")
+        await asyncio.sleep(settings.retention_interval_seconds)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -39,9 +59,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # objects and stop every thread for 0.2-0.3 s, about once a minute under load.
         gc.collect()
         gc.freeze()
+        retention = asyncio.create_task(_expire_artifacts(job_service, settings))
         try:
             yield
         finally:
+            retention.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await retention
             executor.stop()
             store.dispose()
 

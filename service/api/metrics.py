@@ -42,6 +42,7 @@ BYTE_COUNTERS = {
     "bytes_read": "Bytes read from checkpoints by jobs.",
     "bytes_written": "Bytes written to artifacts by jobs.",
     "bytes_downloaded": "Bytes downloaded from sources by jobs (cache misses).",
+    "artifact_bytes_freed": "Bytes of finished jobs' files removed (DELETE, retention).",
 }
 
 
@@ -108,7 +109,7 @@ class JobStoreCollector(Collector):
     def __init__(self, store: JobStore, settings: Settings) -> None:
         self.store = store
         self.settings = settings
-        self._finished: dict[str, JobFigures] = {}
+        self._finished: dict[str, tuple[int, JobFigures]] = {}
         self._lock = threading.Lock()  # two scrapes at once share the cache safely
 
     def describe(self) -> Iterable[Metric]:
@@ -133,11 +134,13 @@ class JobStoreCollector(Collector):
         with self._lock:
             for job in self._jobs():
                 by_state[(job.status.value, job.phase.value)] += 1
-                figures = self._finished.get(job.id)
+                cached = self._finished.get(job.id)
+                # A finished job changes once more when its files are removed.
+                figures = cached[1] if cached and cached[0] == job.version else None
                 if figures is None:
                     figures = JobFigures.of(job)
                     if job.status.terminal:
-                        self._finished[job.id] = figures
+                        self._finished[job.id] = (job.version, figures)
                 for key, value in figures.byte_counts:
                     byte_totals[key] += value
                 if figures.cache_hit is not None:

@@ -65,6 +65,17 @@ class JobLayout:
         self.clean(keep_offload=keep_offload)
         shutil.rmtree(self.artifacts, ignore_errors=True)
 
+    def disk_bytes(self) -> int:
+        """Bytes of every file under the job's directory (what removing it frees)."""
+        total = 0
+        for path in self.root.rglob("*"):
+            try:
+                if path.is_file() and not path.is_symlink():
+                    total += path.stat().st_size
+            except OSError:
+                continue  # removed meanwhile
+        return total
+
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from service.config import Settings
-from service.errors import ArtifactNotFound, TenantLimitExceeded
+from service.errors import ArtifactGone, ArtifactNotFound, Conflict, TenantLimitExceeded
 from service.jobs.executors.base import Executor
 from service.jobs.layout import JobLayout
 from service.jobs.model import Job, JobStatus, Phase
@@ -46,28 +46,11 @@ class JobService:
         return self.executor.submit(job, secrets)
 
     def _check_tenant_limits(self, tenant: str) -> None:
-        """TenantLimitExceeded when ``tenant`` is at one of its limits.
+        """TenantLimitExceeded when ``tenant`` keeps its limit of artifact bytes.
 
-        Checked before the insert, not in its transaction: two submits racing at the limit may
-        both pass, overshooting it by one job at most per concurrent request. The global
-        ``max_queued`` stays exact (checked inside the store's insert)."""
+        The job-count limits (queued, active) are exact: the store checks them inside the
+        insert's transaction (:class:`service.jobs.store.Admission`)."""
         settings = self.settings
-        if settings.tenant_max_queued is not None or settings.tenant_max_active is not None:
-            queued = self.store.count(JobStatus.QUEUED, tenant)
-            if settings.tenant_max_queued is not None and queued >= settings.tenant_max_queued:
-                raise TenantLimitExceeded(
-                    f"tenant {tenant} has {queued} queued jobs (limit "
-                    f"{settings.tenant_max_queued}); retry when one has started",
-                    retry_after=10,
-                )
-            if settings.tenant_max_active is not None:
-                active = queued + self.store.count(JobStatus.RUNNING, tenant)
-                if active >= settings.tenant_max_active:
-                    raise TenantLimitExceeded(
-                        f"tenant {tenant} has {active} queued or running jobs (limit "
-                        f"{settings.tenant_max_active}); retry when one has finished",
-                        retry_after=30,
-                    )
         if settings.tenant_max_artifact_bytes is not None:
             used = self.artifact_bytes(tenant)
             if used >= settings.tenant_max_artifact_bytes:
@@ -119,9 +102,46 @@ class JobService:
     def cancel(self, job_id: str, tenant: str | None = None) -> Job:
         return self.executor.cancel(job_id, tenant)
 
+    def delete(self, job_id: str, tenant: str | None = None) -> Job:
+        """``DELETE``: cancel a queued or running job; remove a finished one's files."""
+        job = self.store.get(job_id, tenant)
+        if not job.status.terminal:
+            try:
+                return self.executor.cancel(job_id, tenant)
+            except Conflict:
+                pass  # it finished meanwhile: its files go instead
+        return self.remove_files(job_id, tenant)
+
+    def remove_files(self, job_id: str, tenant: str | None = None) -> Job:
+        """Remove a finished job's artifacts and work files; its row stays as a tombstone
+        (``deleted_at``, ``metrics.artifact_bytes_freed``) and its artifact URLs answer 410.
+
+        The row is marked first, so no client is handed a URL to a file being removed."""
+        layout = JobLayout.for_job(self.settings, job_id)
+        freed = layout.disk_bytes()
+        job = self.store.mark_deleted(job_id, freed, tenant)
+        if job is None:
+            raise Conflict(f"job {job_id} is not finished; cancel it first")
+        layout.remove()
+        return job
+
+    def expire_artifacts(self, batch: int = 100) -> list[str]:
+        """Remove the files of jobs finished more than ``artifact_ttl`` ago; returns their ids.
+
+        Bounded work per call (``batch`` jobs, found by an indexed query)."""
+        if self.settings.artifact_ttl is None:
+            return []
+        cutoff = utcnow() - timedelta(seconds=self.settings.artifact_ttl)
+        expired = self.store.expired(cutoff, batch)
+        for job_id in expired:
+            self.remove_files(job_id)
+        return expired
+
     def artifact(self, job_id: str, path: str, tenant: str | None = None) -> tuple[Job, Path]:
         """The job and the file of one of its artifacts; only succeeded jobs have artifacts."""
         job = self.store.get(job_id, tenant)
+        if "deleted_at" in job.details:
+            raise ArtifactGone(f"the artifacts of job {job_id} were removed")
         if job.status is not JobStatus.SUCCEEDED:
             raise ArtifactNotFound(f"job {job_id} has no artifacts ({job.status.value})")
         return job, JobLayout.for_job(self.settings, job_id).artifact(path)

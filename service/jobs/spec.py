@@ -44,6 +44,11 @@ class JobSpec(BaseModel):
         default=None, description="CPU budget for the model's weights, e.g. 1GiB", examples=["1GiB"]
     )
     verify: bool = True
+    timeout: float | None = Field(
+        default=None, gt=0, le=366 * 86400,
+        description="Seconds the job may run before it is killed (error job_timeout); at most "
+        "the service's MODELPREP_JOB_TIMEOUT.",
+    )
 
     @field_validator("max_memory")
     @classmethod

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,7 +44,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, RowMapping
 
-from service.errors import Conflict, JobNotFound, QueueFull
+from service.errors import Conflict, JobNotFound, QueueFull, TenantLimitExceeded
 from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, Progress
 
 metadata = MetaData()
@@ -59,7 +59,7 @@ jobs_table = Table(
     Column("tenant", String(64), nullable=True, index=True),
     Column("created_at", DateTime(timezone=True), nullable=False, index=True),
     Column("started_at", DateTime(timezone=True), nullable=True),
-    Column("finished_at", DateTime(timezone=True), nullable=True),
+    Column("finished_at", DateTime(timezone=True), nullable=True, index=True),
     Column("updated_at", DateTime(timezone=True), nullable=False),
     Column("progress_done", BigInteger, nullable=False, default=0),
     Column("progress_total", BigInteger, nullable=True),
@@ -74,7 +74,59 @@ jobs_table = Table(
     Column("worker", String(128), nullable=True),
     Column("heartbeat_at", DateTime(timezone=True), nullable=True),
     Column("version", BigInteger, nullable=False, default=0),
+    Column("files_deleted_at", DateTime(timezone=True), nullable=True),
 )
+
+
+_SUBMIT_LOCK_KEY = 0x6D6F64656C737562
+"""pg_advisory_xact_lock key ("modelsub"): submits checking limits run one at a time."""
+
+
+def _count(conn: Connection, statuses: Sequence[JobStatus], tenant: str | None) -> int:
+    query = select(func.count()).select_from(jobs_table).where(
+        jobs_table.c.status.in_([s.value for s in statuses])
+    )
+    if tenant is not None:
+        query = query.where(jobs_table.c.tenant == tenant)
+    return int(conn.execute(query).scalar_one())
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The limits a submit is checked against, inside its insert's transaction."""
+
+    max_queued: int | None = None
+    tenant_max_queued: int | None = None
+    tenant_max_active: int | None = None
+
+    def any(self) -> bool:
+        return any(v is not None for v in
+                   (self.max_queued, self.tenant_max_queued, self.tenant_max_active))
+
+    def check(self, conn: Connection, tenant: str | None) -> None:
+        """QueueFull / TenantLimitExceeded when admitting one more job would break a limit."""
+        if self.max_queued is not None:
+            waiting = _count(conn, [JobStatus.QUEUED], None)
+            if waiting >= self.max_queued:
+                raise QueueFull(f"{waiting} jobs are already queued; retry later")
+        if tenant is None:
+            return  # open mode: no tenants, no tenant limits
+        if self.tenant_max_queued is not None:
+            queued = _count(conn, [JobStatus.QUEUED], tenant)
+            if queued >= self.tenant_max_queued:
+                raise TenantLimitExceeded(
+                    f"tenant {tenant} has {queued} queued jobs (limit "
+                    f"{self.tenant_max_queued}); retry when one has started",
+                    retry_after=10,
+                )
+        if self.tenant_max_active is not None:
+            active = _count(conn, [JobStatus.QUEUED, JobStatus.RUNNING], tenant)
+            if active >= self.tenant_max_active:
+                raise TenantLimitExceeded(
+                    f"tenant {tenant} has {active} queued or running jobs (limit "
+                    f"{self.tenant_max_active}); retry when one has finished",
+                    retry_after=30,
+                )
 
 
 _BY_ID = select(jobs_table).where(jobs_table.c.id == bindparam("job_id"))
@@ -289,26 +341,30 @@ class JobStore:
 
     # --- writes ------------------------------------------------------------------------------
 
-    def create(self, job: Job, max_queued: int | None = None) -> Job:
-        """Insert a queued job; QueueFull when ``max_queued`` jobs already wait."""
+    def create(self, job: Job, limits: Admission | None = None) -> Job:
+        """Insert a queued job; QueueFull / TenantLimitExceeded when a limit is reached."""
         with self.transaction() as conn:
-            self.insert_in(conn, job, max_queued)
+            self.insert_in(conn, job, limits)
         return job
 
-    def insert_in(self, conn: Connection, job: Job, max_queued: int | None = None) -> None:
+    def insert_in(self, conn: Connection, job: Job, limits: Admission | None = None) -> None:
         """Insert within a caller's transaction (a distributed executor enqueues in the same one).
 
-        QueueFull when ``max_queued`` jobs already wait; the caller's transaction then rolls
-        back whatever else it wrote."""
-        if max_queued is not None:
-            waiting = conn.execute(
-                select(func.count())
-                .select_from(jobs_table)
-                .where(jobs_table.c.status == JobStatus.QUEUED.value)
-            ).scalar_one()
-            if waiting >= max_queued:
-                raise QueueFull(f"{waiting} jobs are already queued; retry later")
+        The limits are checked inside that transaction, after taking the database's submit lock
+        (PostgreSQL: a transaction-scoped advisory lock; SQLite: the write lock, taken by a
+        write that changes nothing), so concurrent submits are serialized and a limit is never
+        overshot. On a refusal the caller's transaction rolls back whatever else it wrote."""
+        if limits is not None and limits.any():
+            self._lock_submits(conn)
+            limits.check(conn, job.tenant)
         conn.execute(jobs_table.insert().values(**self._row(job)))
+
+    @staticmethod
+    def _lock_submits(conn: Connection) -> None:
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SUBMIT_LOCK_KEY})")
+        else:
+            conn.execute(update(jobs_table).where(jobs_table.c.id.is_(None)).values(id=None))
 
     @staticmethod
     def _row(job: Job) -> dict[str, Any]:
@@ -452,6 +508,49 @@ class JobStore:
                 .values(**values)
             )
         return result.rowcount == 1
+
+    def mark_deleted(
+        self, job_id: str, freed_bytes: int, tenant: str | None = None
+    ) -> Job | None:
+        """Record that a finished job's files are removed: no artifacts any more, and
+        ``deleted_at`` / ``artifact_bytes_freed`` in its details and metrics. The row stays as
+        a tombstone (its history and metrics). None if the job is not finished; the job as it
+        is if already deleted."""
+        with self.transaction() as conn:
+            job = self.get(job_id, tenant, conn=conn)
+            if not job.status.terminal:
+                return None
+            if "deleted_at" in job.details:
+                return job
+            now = utcnow()
+            conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id, jobs_table.c.files_deleted_at.is_(None))
+                .values(
+                    artifacts=[],
+                    files_deleted_at=now,
+                    details={**job.details, "deleted_at": now.isoformat()},
+                    metrics={**job.metrics, "artifact_bytes_freed": freed_bytes},
+                    updated_at=now,
+                    version=jobs_table.c.version + 1,
+                )
+            )
+            return self.get(job_id, conn=conn)
+
+    def expired(self, finished_before: datetime, limit: int) -> list[str]:
+        """Ids of finished jobs that still hold files and ended before ``finished_before``."""
+        query = (
+            select(jobs_table.c.id)
+            .where(
+                jobs_table.c.finished_at < finished_before,
+                jobs_table.c.files_deleted_at.is_(None),
+                jobs_table.c.status.in_([s.value for s in JobStatus if s.terminal]),
+            )
+            .order_by(jobs_table.c.finished_at)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [r[0] for r in conn.execute(query)]
 
     def request_cancel(
         self, job_id: str, tenant: str | None = None, conn: Connection | None = None

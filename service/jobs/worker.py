@@ -57,6 +57,8 @@ from service.jobs.executors.process import (
     spawn_job_process,
     stop_cancelled,
     stop_interrupted,
+    stop_timed_out,
+    time_limit,
     warm_up,
 )
 from service.jobs.layout import JobLayout
@@ -110,7 +112,7 @@ class WorkerRuntime:
             extra={"job_id": job_id, "pid": process.pid, "attempt": job.attempts},
         )
         try:
-            return await self._watch(job_id, process)
+            return await self._watch(job_id, process, time_limit(job, self.settings))
         except asyncio.CancelledError:
             if context.abort_reason() is AbortReason.SHUTDOWN:
                 await _off_loop(self._release_on_shutdown, job_id, process)
@@ -120,10 +122,14 @@ class WorkerRuntime:
         finally:
             self.running.pop(job_id, None)
 
-    async def _watch(self, job_id: str, process: BaseProcess) -> str:
+    async def _watch(self, job_id: str, process: BaseProcess, limit: float | None) -> str:
         next_cancel_check = time.monotonic() + CANCEL_POLL_SECONDS
+        deadline = None if limit is None else time.monotonic() + limit
         while process.is_alive():
             await asyncio.sleep(PROCESS_POLL_SECONDS)
+            if deadline is not None and limit is not None and time.monotonic() >= deadline:
+                await _off_loop(stop_timed_out, self.store, self.settings, job_id, process, limit)
+                return "timed out"
             if time.monotonic() < next_cancel_check:
                 continue
             next_cancel_check = time.monotonic() + CANCEL_POLL_SECONDS

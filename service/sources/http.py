@@ -34,6 +34,7 @@ from service.errors import (
     ChecksumMismatch,
     DiskFull,
     DownloadFailed,
+    DownloadStalled,
     DownloadTooLarge,
     InvalidRequest,
     SourceError,
@@ -181,6 +182,32 @@ def _final_response(
     raise DownloadFailed(f"more than {MAX_REDIRECTS} redirects")
 
 
+class _StallWatch:
+    """Fails a download whose rate over a ``download_stall_seconds`` window stays under
+    ``download_min_bytes_per_second``: a trickle keeps the read timeout from ever firing."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._window = settings.download_stall_seconds
+        self._min_bytes = settings.download_min_bytes_per_second * settings.download_stall_seconds
+        self.restart()
+
+    def restart(self) -> None:
+        self._since = time.monotonic()
+        self._bytes = 0
+
+    def received(self, n: int, url: str) -> None:
+        self._bytes += n
+        elapsed = time.monotonic() - self._since
+        if elapsed < self._window:
+            return
+        if self._bytes < self._min_bytes:
+            raise DownloadStalled(
+                f"{public_url(url)} sent {self._bytes} bytes in {elapsed:.0f} s, less than "
+                f"the {self._min_bytes / self._window:.0f} bytes/s required"
+            )
+        self.restart()
+
+
 def _raise_for_status(response: httpx.Response, url: str) -> None:
     status = response.status_code
     if status in (401, 403):
@@ -214,7 +241,9 @@ def download_file(
     received = 0
     state = _Attempt()
     failures = 0
-    timeout = httpx.Timeout(30.0, read=60.0)
+    # A silent server is a stalled one: the read timeout is the stall window too.
+    timeout = httpx.Timeout(30.0, read=min(60.0, settings.download_stall_seconds))
+    stall = _StallWatch(settings)
     with egress_client(settings.egress_policy, timeout) as client:
         while True:
             ctx.check_abort()
@@ -257,7 +286,9 @@ def download_file(
                     ctx.advance(have)
                     with _PartWriter(part, digest) as out:
                         # No chunk_size: httpx's re-chunking buffer would lose bytes on a cut.
+                        stall.restart()
                         for chunk in response.iter_raw():
+                            stall.received(len(chunk), url)
                             out.feed(chunk)
                             have += len(chunk)
                             received += len(chunk)
@@ -277,6 +308,8 @@ def download_file(
                 if total is None or have == total:
                     break
                 raise DownloadFailed(f"body ended after {have} of {total} bytes")
+            except DownloadStalled:
+                raise
             except (httpx.TransportError, DownloadFailed) as exc:
                 failures = 0 if progressed else failures + 1
                 if failures > settings.download_retries:

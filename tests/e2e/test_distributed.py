@@ -251,3 +251,24 @@ def test_restarting_the_api_mid_run_loses_nothing(
                 done = again.wait_for(job_id, timeout=240)
                 assert done["status"] == "succeeded", done["error"]
                 assert done["attempts"] == 1
+
+
+def test_a_job_past_its_timeout_is_killed_on_its_worker_and_fails_job_timeout(
+    tmp_path: Path, root: Path, slow_source: str
+) -> None:
+    with cluster(tmp_path, root, workers=1) as c:
+        with c.api.client() as client:
+            response = client.post("/v1/jobs", json={
+                "source": slow_source, "exports": [{"format": "safetensors"}], "timeout": 2})
+        assert response.status_code == 202, response.text
+        job_id = response.json()["id"]
+        c.wait_until(job_id, "download")
+        [start] = c.starts(job_id)
+        job = c.api.wait_for(job_id, timeout=30)
+        assert job["status"] == "failed" and job["error"]["type"] == "job_timeout", job
+        assert job["artifacts"] == []
+        deadline = time.monotonic() + 5
+        while not _gone(start["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(start["pid"])
+        assert not (c.data_dir / "jobs" / job_id / "artifacts").exists()

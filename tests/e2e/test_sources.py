@@ -7,6 +7,7 @@ import json
 import sqlite3
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,60 @@ def test_a_redirect_to_a_private_address_fails_the_job_as_egress_refused(
     assert job["status"] == "failed"
     assert job["error"]["type"] == "egress_refused", job["error"]
     assert job["artifacts"] == []
+
+
+def test_a_job_past_its_timeout_is_killed_and_fails_job_timeout(
+    service: ServiceProcess, http_server: FileServer, checkpoints: dict[str, Path]
+) -> None:
+    weights = checkpoints["v1"] / "model.safetensors"
+    url = http_server.add(f"/{uuid.uuid4().hex}/model.safetensors",
+                          Route(body=weights, bytes_per_second=20_000))  # ~20 s
+    with service.client() as client:
+        response = client.post("/v1/jobs", json={
+            "source": url, "exports": [{"format": "safetensors"}], "timeout": 1.5})
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    service.wait_for(job_id, timeout=120, until={"running", "failed", "succeeded"})
+    job = service.wait_for(job_id, timeout=15)  # the limit counts from the start, not the queue
+    assert job["status"] == "failed" and job["error"]["type"] == "job_timeout", job
+    assert job["artifacts"] == []
+    elapsed = (datetime.fromisoformat(job["finished_at"])
+               - datetime.fromisoformat(job["started_at"])).total_seconds()
+    assert 1.5 <= elapsed < 6
+    assert not (service.data_dir / "jobs" / job["id"] / "artifacts").exists()
+
+
+def test_a_timeout_that_is_not_a_positive_number_is_refused(service: ServiceProcess) -> None:
+    with service.client() as client:
+        response = client.post("/v1/jobs", json={
+            "source": "http://127.0.0.1:9/model.safetensors",
+            "exports": [{"format": "safetensors"}], "timeout": 0})
+    assert response.status_code == 422, response.text
+
+
+def test_deleting_a_finished_job_removes_its_files_and_its_artifact_urls_answer_410(
+    service: ServiceProcess, http_server: FileServer, checkpoints: dict[str, Path]
+) -> None:
+    weights = (checkpoints["v1"] / "model.safetensors").read_bytes()
+    url = http_server.add(f"/{uuid.uuid4().hex}/model.safetensors", Route(body=weights))
+    job = run(service, {"source": url, "exports": [{"format": "safetensors"}]})
+    assert job["status"] == "succeeded", job["error"]
+    artifact_url = job["artifacts"][0]["url"]
+    with service.client() as client:
+        assert client.get(artifact_url).status_code == 200
+        deleted = client.delete(f"/v1/jobs/{job['id']}")
+        assert deleted.status_code == 200, deleted.text
+        body = deleted.json()
+        assert body["status"] == "succeeded" and body["artifacts"] == [] and body["deleted_at"]
+        assert body["metrics"]["artifact_bytes_freed"] >= sum(
+            a["size"] for a in job["artifacts"])
+        gone = client.get(artifact_url)
+        assert gone.status_code == 410
+        assert gone.headers["content-type"].startswith("application/problem+json")
+        assert client.get(f"/v1/jobs/{job['id']}").json()["deleted_at"] == body["deleted_at"]
+        scrape = client.get("/metrics")
+    assert not (service.data_dir / "jobs" / job["id"]).exists()
+    if scrape.status_code == 200:  # open mode on loopback
+        freed = [line for line in scrape.text.splitlines()
+                 if line.startswith("modelprep_job_artifact_bytes_freed_total")]
+        assert freed and float(freed[0].split()[-1]) >= body["metrics"]["artifact_bytes_freed"]

@@ -14,7 +14,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 
 @router.get(
     "/{job_id}/artifacts/{path:path}",
-    responses={**PROBLEMS, 200: {"content": {"application/octet-stream": {}}}, 206: {}, 304: {}},
+    responses={**PROBLEMS, 200: {"content": {"application/octet-stream": {}}}, 206: {}, 304: {},
+               410: PROBLEMS[404]},
     response_class=FileResponse,
 )
 def download_artifact(

@@ -78,6 +78,17 @@ async def get_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut
     return JobOut.from_job(await fetch_job(jobs, job_id, principal.scope))
 
 
-@router.delete("/{job_id}", status_code=status.HTTP_202_ACCEPTED, responses=PROBLEMS)
-def cancel_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut:
-    return JobOut.from_job(jobs.cancel(job_id, principal.scope))
+@router.delete(
+    "/{job_id}",
+    status_code=status.HTTP_202_ACCEPTED,
+    responses={**PROBLEMS, 200: {"model": JobOut, "description": "A finished job: its "
+                                 "artifacts and work files are removed; the job stays."}},
+)
+def delete_job(
+    job_id: str, jobs: JobsDep, principal: PrincipalDep, response: Response
+) -> JobOut:
+    """Cancel a queued or running job (202); remove a finished job's files (200)."""
+    job = jobs.delete(job_id, principal.scope)
+    if "deleted_at" in job.details:
+        response.status_code = status.HTTP_200_OK
+    return JobOut.from_job(job)

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from service.config import Settings
 from service.jobs.model import Job
+from service.jobs.store import Admission
+
+
+def admission(settings: Settings) -> Admission:
+    """The limits every executor checks inside the transaction that inserts a job."""
+    return Admission(
+        max_queued=settings.max_queued,
+        tenant_max_queued=settings.tenant_max_queued,
+        tenant_max_active=settings.tenant_max_active,
+    )
 
 
 class Executor(Protocol):

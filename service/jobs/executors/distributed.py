@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection
 
 from service.config import Settings
 from service.errors import ConfigurationError, SecretNotForwardable
+from service.jobs.executors.base import admission
 from service.jobs.model import Job, JobStatus
 from service.jobs.store import JobStore, utcnow
 
@@ -134,7 +135,7 @@ class ProcrastinateExecutor:
                 "configure MODELPREP_HF_TOKEN on the workers instead"
             )
         with self.store.transaction() as conn:
-            self.store.insert_in(conn, job, max_queued=self.settings.max_queued)
+            self.store.insert_in(conn, job, admission(self.settings))
             self.queue.enqueue(conn, job.id)
         return job
 

@@ -19,15 +19,19 @@ import logging
 import os
 import socket
 import threading
+import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
 from service.config import Settings
+from service.jobs.executors.base import admission
 from service.jobs.executors.process import (
     settle_exited,
     spawn_job_process,
     stop_cancelled,
     stop_interrupted,
+    stop_timed_out,
+    time_limit,
     warm_up,
 )
 from service.jobs.model import Job, JobStatus
@@ -47,6 +51,8 @@ class LocalExecutor:
         self._running: dict[str, BaseProcess] = {}
         self._secrets: dict[str, dict[str, str]] = {}
         self._cancels: set[str] = set()
+        self._deadlines: dict[str, tuple[float, float]] = {}
+        """job id -> (monotonic deadline, time limit in seconds), for jobs with a limit."""
         self._lock = threading.Lock()
         self._wake_pipe: tuple[int, int] | None = None
         """(read, write) ends of the pipe that wakes the dispatcher; open while it runs."""
@@ -87,7 +93,7 @@ class LocalExecutor:
             if secrets:
                 self._secrets[job.id] = secrets
         try:
-            self.store.create(job, max_queued=self.settings.max_queued)
+            self.store.create(job, admission(self.settings))
         except BaseException:
             with self._lock:
                 self._secrets.pop(job.id, None)
@@ -140,7 +146,11 @@ class LocalExecutor:
         read_end = self._wake_pipe[0]
         with self._lock:
             sentinels = [process.sentinel for process in self._running.values()]
-        if read_end in wait([read_end, *sentinels], timeout=self.poll_seconds):
+            deadlines = [deadline for deadline, _ in self._deadlines.values()]
+        timeout = self.poll_seconds
+        if deadlines:
+            timeout = max(0.0, min(timeout, min(deadlines) - time.monotonic()))
+        if read_end in wait([read_end, *sentinels], timeout=timeout):
             try:
                 while os.read(read_end, 4096):
                     pass
@@ -149,8 +159,21 @@ class LocalExecutor:
 
     def _tick(self) -> None:
         self._apply_cancels()
+        self._apply_timeouts()
         self._reap()
         self._fill()
+
+    def _apply_timeouts(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = {job_id: limit for job_id, (deadline, limit) in self._deadlines.items()
+                   if deadline <= now and job_id in self._running}
+            running = dict(self._running)
+        for job_id, limit in due.items():
+            stop_timed_out(self.store, self.settings, job_id, running[job_id], limit)
+            with self._lock:
+                self._running.pop(job_id, None)
+                self._deadlines.pop(job_id, None)
 
     def _apply_cancels(self) -> None:
         with self._lock:
@@ -166,6 +189,7 @@ class LocalExecutor:
             stop_cancelled(self.store, self.settings, job_id, process)
             with self._lock:
                 self._running.pop(job_id, None)
+                self._deadlines.pop(job_id, None)
 
     def _reap(self) -> None:
         with self._lock:
@@ -176,17 +200,22 @@ class LocalExecutor:
             settle_exited(self.store, self.settings, job_id, process)
             with self._lock:
                 self._running.pop(job_id, None)
+                self._deadlines.pop(job_id, None)
 
     def _fill(self) -> None:
         free = self.settings.workers - len(self.running_ids)
         if free <= 0:
             return
         for job_id in self.store.next_queued(free):
-            if self.store.claim(job_id, self.worker_id) is None:
+            job = self.store.claim(job_id, self.worker_id)
+            if job is None:
                 continue
             with self._lock:
                 secrets = self._secrets.pop(job_id, {})
+            limit = time_limit(job, self.settings)
             process = spawn_job_process(job_id, self.settings, secrets)
             with self._lock:
                 self._running[job_id] = process
+                if limit is not None:
+                    self._deadlines[job_id] = (time.monotonic() + limit, limit)
             log.info("started", extra={"job_id": job_id, "pid": process.pid})

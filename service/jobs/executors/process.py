@@ -21,9 +21,9 @@ import signal
 from multiprocessing.process import BaseProcess
 
 from service.config import Settings
-from service.errors import WorkerCrashed
+from service.errors import JobTimeout, WorkerCrashed
 from service.jobs.layout import JobLayout
-from service.jobs.model import JobError, JobStatus
+from service.jobs.model import Job, JobError, JobStatus
 from service.jobs.runner import run_job
 from service.jobs.store import JobStore
 
@@ -102,6 +102,27 @@ def stop_cancelled(store: JobStore, settings: Settings, job_id: str, process: Ba
         job_id, JobStatus.CANCELLED, error=JobError("job_cancelled", "cancelled by request")
     )
     log.info("cancelled", extra={"job_id": job_id})
+
+
+def time_limit(job: Job, settings: Settings) -> float | None:
+    """Seconds ``job`` may run: the smaller of its own ``timeout`` and the service's."""
+    own = job.spec.get("timeout")
+    limits = [float(v) for v in (own, settings.job_timeout) if v is not None]
+    return min(limits) if limits else None
+
+
+def stop_timed_out(
+    store: JobStore, settings: Settings, job_id: str, process: BaseProcess, limit: float
+) -> None:
+    """Kill a job that ran past its time limit, discard its files, fail it ``job_timeout``."""
+    kill_process_group(process)
+    process.join(timeout=5)
+    message = f"job ran longer than its time limit of {limit:g} s and was killed"
+    # Only a job still running is failed (and its files discarded): one that finished in the
+    # last instant keeps its result.
+    if store.finish(job_id, JobStatus.FAILED, error=JobError(JobTimeout.code, message)):
+        JobLayout.for_job(settings, job_id).discard(keep_offload=settings.keep_failed_offload)
+        log.warning(message, extra={"job_id": job_id})
 
 
 def stop_interrupted(process: BaseProcess) -> None:

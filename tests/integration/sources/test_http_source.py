@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from service.config import Settings
 from service.errors import (
     ChecksumMismatch,
     DownloadFailed,
+    DownloadStalled,
     DownloadTooLarge,
     JobCancelled,
     SourceNotAllowed,
@@ -210,3 +212,16 @@ def test_cancellation_stops_the_download(
     with pytest.raises(JobCancelled):
         fetch_source(SourceRequest(url), settings, ctx)
     assert ctx.done < big.stat().st_size
+
+
+def test_a_trickling_source_fails_as_stalled_without_retries(
+    http_server: FileServer, payload: Path, tmp_path: Path
+) -> None:
+    settings = Settings(data_dir=tmp_path / "d", egress_allowlist=["127.0.0.0/8"],
+                        download_stall_seconds=0.5, download_min_bytes_per_second=1_000_000)
+    url = http_server.add("/slow/model.safetensors", Route(body=payload, bytes_per_second=50_000))
+    started = time.monotonic()
+    with pytest.raises(DownloadStalled, match="bytes/s required"):
+        fetch_source(SourceRequest(url), settings, _ctx(settings))
+    assert time.monotonic() - started < 10
+    assert len(http_server.seen) == 1

@@ -13,7 +13,7 @@ import pytest
 
 from service.errors import Conflict, JobNotFound, QueueFull
 from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, Progress
-from service.jobs.store import JobStore, utcnow
+from service.jobs.store import Admission, JobStore, utcnow
 from tests.fixtures.postgres import fresh_database
 
 
@@ -59,10 +59,10 @@ def test_other_tenants_job_is_not_found(store: JobStore) -> None:
 
 
 def test_queue_limit_refuses_beyond_max_queued(store: JobStore) -> None:
-    store.create(new_job(), max_queued=2)
-    store.create(new_job(), max_queued=2)
+    store.create(new_job(), Admission(max_queued=2))
+    store.create(new_job(), Admission(max_queued=2))
     with pytest.raises(QueueFull):
-        store.create(new_job(), max_queued=2)
+        store.create(new_job(), Admission(max_queued=2))
 
 
 def test_a_job_is_claimed_once(store: JobStore) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from service.jobs.executors.local import LocalExecutor
 from service.jobs.model import Artifact, Job, JobStatus, Phase
 from service.jobs.service import JobService
 from service.jobs.spec import JobSpec
-from service.jobs.store import JobStore, utcnow
+from service.jobs.store import Admission, JobStore, utcnow
+from tests.fixtures.postgres import fresh_database
 
 
 @pytest.fixture
@@ -89,3 +92,42 @@ def test_artifact_bytes_limit_counts_succeeded_jobs_artifacts(
 def test_artifact_limit_accepts_human_sizes(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, tenant_max_artifact_bytes="2GiB")  # type: ignore[arg-type]
     assert settings.tenant_max_artifact_bytes == 2 * 1024**3
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
+    with ExitStack() as stack:
+        url = (f"sqlite:///{tmp_path / 'race.db'}" if request.param == "sqlite"
+               else stack.enter_context(fresh_database()))
+        store = JobStore.from_url(url)
+        stack.callback(store.dispose)
+        store.create_schema()
+        yield store
+
+
+@pytest.mark.parametrize("limit", ["tenant_max_active", "tenant_max_queued", "max_queued"])
+def test_concurrent_submits_never_overshoot_a_limit(any_store: JobStore, limit: str) -> None:
+    """Twelve submits released at once by a barrier, on their own connections: exactly the
+    limit's worth get in, the rest are refused, and no error other than the limit's occurs."""
+    limits = Admission(**{limit: 3})
+    add_job(any_store, "a", JobStatus.SUCCEEDED)  # finished jobs count for no limit
+    barrier = threading.Barrier(12)
+    outcomes: list[str] = []
+
+    def submit() -> None:
+        job = Job(id=uuid.uuid4().hex, status=JobStatus.QUEUED, phase=Phase.QUEUED, spec={},
+                  created_at=utcnow(), tenant="a")
+        barrier.wait()
+        try:
+            any_store.create(job, limits)
+            outcomes.append("admitted")
+        except QueueFull:  # TenantLimitExceeded is one
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=submit) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outcomes) == ["admitted"] * 3 + ["refused"] * 9
+    assert any_store.count(JobStatus.QUEUED, "a") == 3
