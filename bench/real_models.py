@@ -140,15 +140,19 @@ def measure(model: str, label: str | None, export: str, base: Path) -> dict[str,
         row.update(check="-", result="JOB FAILED: " + log.read_text()[-300:].strip().splitlines()[-1])
         return row
     where = json.loads(stdout.strip().splitlines()[-1])
-    try:
-        row["check"] = consumer_check(
-            model, export, Path(where["artifacts"]), Path(where["source"]), out
-        )
-        row["result"] = "ok"
-    except AssertionError as exc:
-        row.update(check="-", result=f"MISMATCH: {str(exc)[:200]}")
-    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:  # table still prints
-        row.update(check="-", result=f"CHECK ERROR: {type(exc).__name__}: {str(exc)[:200]}")
+    # The check loads models too: in a child of its own, or every later job child would
+    # inherit this process's peak RSS (Linux keeps ru_maxrss across fork and exec).
+    check = subprocess.run(
+        [sys.executable, __file__, "--check", model, export, where["artifacts"], where["source"],
+         str(out)],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    lines = check.stdout.strip().splitlines()
+    if check.returncode == 0 and lines:
+        row.update(check=lines[-1], result="ok")
+    else:
+        last = (check.stderr.strip().splitlines() or ["?"])[-1]
+        row.update(check="-", result=f"CHECK FAILED: {last[:200]}")
     shutil.rmtree(out, ignore_errors=True)
     return row
 
@@ -157,7 +161,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "LAYOUT", "EXPORT", "OUT"))
+    parser.add_argument("--check", nargs=5, metavar=("MODEL", "EXPORT", "ARTS", "SRC", "WORK"))
     args = parser.parse_args()
+    if args.check:
+        model, export, artifacts, source, work = args.check
+        print(consumer_check(model, export, Path(artifacts), Path(source), Path(work)))
+        return
     if args.child:
         model, label, export, out = args.child
         child(model, None if label == "base" else label, export, Path(out))
