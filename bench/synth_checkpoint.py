@@ -26,8 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.checkpoint.base import FileRegion, TensorInfo
 from service.config import Settings
-from service.exporters.safetensors import INDEX_FILE
-from service.exporters.safetensors_writer import plan_shards, write_json_atomic, write_shard
+from service.exporters.safetensors_writer import (
+    INDEX_FILE,
+    plan_shards,
+    write_json_atomic,
+    write_shard,
+)
 from service.stage import InMemoryContext
 
 

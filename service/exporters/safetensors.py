@@ -17,7 +17,8 @@ Only floating tensors are cast; integer and bool tensors keep their dtype. Tied 
 stored once under the name transformers expects (see :mod:`service.checkpoint.ties`).
 
 This module is what the API process needs (the spec, the submission check); the writer, which
-needs torch, is :mod:`service.exporters.safetensors_writer`, imported by ``export``.
+needs torch, is :mod:`service.exporters.safetensors_writer`, imported by ``export``; it takes
+the spec's fields and never imports this module (no import cycle).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportS
 from service.stage import JobContext
 from service.units import parse_size
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 OutDtype = Literal["float32", "float16", "bfloat16"]
 
 
@@ -63,7 +62,10 @@ class SafetensorsExporter(Exporter):
     ) -> ExportResult:
         from service.exporters.safetensors_writer import export_safetensors
 
-        return export_safetensors(_safetensors_spec(spec), inputs, out_dir, ctx)
+        sspec = _safetensors_spec(spec)
+        return export_safetensors(
+            inputs, out_dir, ctx, dtype_name=sspec.dtype, max_shard_size=sspec.max_shard_size
+        )
 
     def verify(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext

@@ -25,9 +25,11 @@ from service.checkpoint.safetensors import DTYPE_NAMES
 from service.checkpoint.ties import tied_targets_from_config, tied_targets_of_model
 from service.errors import DiskFull, ExportFailed, UnsupportedDtype
 from service.exporters.base import ExportInputs, ExportResult
-from service.exporters.safetensors import INDEX_FILE, SINGLE_FILE, OutDtype, SafetensorsSpec
 from service.stage import JobContext, Phase
 from service.units import parse_size
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 CHUNK_BYTES = 32 * 1024 * 1024
 """Size of one read buffer; ``PREFETCH_DEPTH + 2`` of them (and as many cast buffers) exist."""
@@ -394,7 +396,7 @@ def write_json_atomic(path: Path, payload: object) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def copy_aux(src: Path, dst: Path, dtype: OutDtype | None) -> str:
+def copy_aux(src: Path, dst: Path, dtype: str | None) -> str:
     """Copy one aux file, hashing it; ``config.json`` records the export dtype when it changed."""
     if src.name == "config.json" and dtype is not None:
         try:
@@ -420,17 +422,25 @@ def copy_aux(src: Path, dst: Path, dtype: OutDtype | None) -> str:
 
 
 def export_safetensors(
-    spec: SafetensorsSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
+    inputs: ExportInputs,
+    out_dir: Path,
+    ctx: JobContext,
+    *,
+    dtype_name: str | None,
+    max_shard_size: str | int,
 ) -> ExportResult:
-    """The whole export: plan every shard from metadata, then stream the data shard by shard."""
-    max_shard = parse_size(spec.max_shard_size)
+    """The whole export: plan every shard from metadata, then stream the data shard by shard.
+
+    Takes the spec's fields, not the spec, so that this module never imports
+    :mod:`service.exporters.safetensors` (which imports it when exporting)."""
+    max_shard = parse_size(max_shard_size)
     ckpt = inputs.checkpoint
     reader = ckpt.reader
     if inputs.model is not None and isinstance(inputs.model, torch.nn.Module):
         tied: set[str] | None = tied_targets_of_model(inputs.model)
     else:
         tied = tied_targets_from_config(ckpt.config) if reader.aliases() else set()
-    dtype = _TORCH_DTYPES[spec.dtype] if spec.dtype else None
+    dtype = _TORCH_DTYPES[dtype_name] if dtype_name else None
     plan = plan_shards(reader, dtype, max_shard, tied)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -450,7 +460,7 @@ def export_safetensors(
         digests[INDEX_FILE] = write_json_atomic(out_dir / INDEX_FILE, index)
     for aux in ckpt.aux_files:
         ctx.check_abort()
-        digests[aux.name] = copy_aux(aux, out_dir / aux.name, spec.dtype)
+        digests[aux.name] = copy_aux(aux, out_dir / aux.name, dtype_name)
     _fsync_dir(out_dir)
     files = [s.filename for s in plan.shards]
     files += [INDEX_FILE] if len(plan.shards) > 1 else []
@@ -459,7 +469,7 @@ def export_safetensors(
         files=files,
         digests=digests,
         summary={
-            "dtype": spec.dtype,
+            "dtype": dtype_name,
             "shards": len(plan.shards),
             "max_shard_size": max_shard,
             "tensors": sum(len(s.tensors) for s in plan.shards),

@@ -19,7 +19,8 @@ from service.checkpoint.safetensors import parse_header
 from service.config import Settings
 from service.errors import CorruptCheckpoint, InvalidRequest, JobCancelled
 from service.exporters.base import ExportInputs, ExportResult, registry
-from service.exporters.safetensors import INDEX_FILE, SafetensorsExporter, SafetensorsSpec
+from service.exporters.safetensors import SafetensorsExporter, SafetensorsSpec
+from service.exporters.safetensors_writer import INDEX_FILE
 from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import Arch, CheckpointKind, build_tiny_model, copy_tree, sample_inputs
