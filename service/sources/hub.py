@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import re
 import shutil
@@ -26,9 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Literal, TypeVar
 
-import httpx2
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import (
     DisabledRepoError,
@@ -41,11 +39,14 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils._paths import filter_repo_objects
-from huggingface_hub.utils._validators import validate_repo_id
 from pydantic import SecretStr
-from tqdm import tqdm
 
+from service.adapters.huggingface_hub import (
+    TransportError,
+    filter_repo_objects,
+    job_progress_bar,
+    validate_repo_id,
+)
 from service.config import Settings
 from service.errors import (
     DiskFull,
@@ -200,7 +201,7 @@ def _map_error(exc: Exception, ref: HubRef) -> ServiceError | None:
         return DownloadFailed(f"the hub answered HTTP {status} for {what}")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return DiskFull(f"disk full while downloading {what}")
-    if isinstance(exc, httpx2.TransportError | LocalEntryNotFoundError | OSError):
+    if isinstance(exc, TransportError | LocalEntryNotFoundError | OSError):
         return None
     return DownloadFailed(f"fetching {what} failed: {type(exc).__name__}")
 
@@ -224,38 +225,6 @@ def _with_retries(call: Callable[[], T], ref: HubRef, settings: Settings) -> T:
                     f"{type(exc).__name__}"
                 ) from exc
             time.sleep(settings.download_backoff_seconds * 2 ** (attempt - 1))
-
-
-class _NullFile(io.TextIOBase):
-    def write(self, s: str) -> int:
-        return len(s)
-
-
-class _JobProgress(tqdm):  # type: ignore[misc]  # tqdm ships no type information
-    """The progress bar ``huggingface_hub`` updates while downloading (plain HTTP and Xet
-    alike): bytes go to the job's progress and every update is a cancellation point.
-
-    A real, enabled tqdm writing nowhere, so that every attribute the Xet progress reporter
-    reads (``total``, ``format_dict``...) exists.
-    """
-
-    ctx: JobContext | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.pop("name", None)
-        kwargs.update(file=_NullFile(), disable=False, mininterval=1.0)
-        super().__init__(*args, **kwargs)
-
-    def update(self, n: float | None = 1) -> bool | None:
-        if self.ctx is not None:
-            self.ctx.check_abort()
-            self.ctx.advance(int(n or 0))
-        result: bool | None = super().update(n)
-        return result
-
-
-def _progress_for(ctx: JobContext | None) -> type[_JobProgress]:
-    return type("JobProgress", (_JobProgress,), {"ctx": ctx})
 
 
 class HubFetcher:
@@ -300,7 +269,7 @@ class HubFetcher:
                 return 0
             _with_retries(lambda: hf_hub_download(
                 ref.repo_id, name, revision=commit, endpoint=endpoint, token=token,
-                local_dir=files, tqdm_class=cast(Any, _progress_for(progress)),
+                local_dir=files, tqdm_class=job_progress_bar(progress),
             ), at_commit, settings)
             return (files / name).stat().st_size
 

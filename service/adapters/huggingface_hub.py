@@ -1,0 +1,65 @@
+"""What the hub source (:mod:`service.sources.hub`) relies on beyond huggingface_hub's API.
+
+``filter_repo_objects`` (the hub's own pattern matching) and ``validate_repo_id`` are used
+through their public names in ``huggingface_hub.utils``, re-exported here only because mypy
+does not see them as exported there.
+
+Assumptions (checked by tests/unit/adapters/test_huggingface_hub.py; huggingface_hub capped in
+pyproject.toml):
+
+* ``huggingface_hub.utils.httpx`` is the HTTP client module the hub client raises from (httpx2
+  in huggingface_hub 2.x): a network failure is its ``TransportError``, which the source
+  retries. Reached through that exported name, so modelprep imports no second HTTP client.
+* ``hf_hub_download(tqdm_class=...)`` instantiates the class with tqdm's arguments and calls
+  ``update(n)`` with bytes, for plain HTTP and Xet downloads alike; the Xet reporter reads
+  ``total`` and ``format_dict``, so the class is a real, enabled ``tqdm.std.tqdm`` (tqdm is
+  declared because we subclass it; huggingface_hub's own subclass would disable itself under
+  ``HF_HUB_DISABLE_PROGRESS_BARS`` and hide a job's progress).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import huggingface_hub.utils as hub_utils
+from tqdm.std import tqdm
+
+from service.stage import JobContext
+
+__all__ = ["TransportError", "filter_repo_objects", "job_progress_bar", "validate_repo_id"]
+
+# Public names of huggingface_hub.utils (in its __all__) that mypy does not see as exported.
+filter_repo_objects = hub_utils.filter_repo_objects  # type: ignore[attr-defined]
+validate_repo_id = hub_utils.validate_repo_id  # type: ignore[attr-defined]
+TransportError: type[Exception] = hub_utils.httpx.TransportError  # type: ignore[attr-defined]
+"""A network failure of the hub client (connection refused or reset, timeout)."""
+
+
+class _NullFile(io.TextIOBase):
+    def write(self, s: str) -> int:
+        return len(s)
+
+
+class _JobProgress(tqdm):  # type: ignore[misc]  # tqdm ships no type information
+    """The progress bar ``huggingface_hub`` updates while downloading: bytes go to the job's
+    progress and every update is a cancellation point. Writes nowhere."""
+
+    ctx: JobContext | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("name", None)
+        kwargs.update(file=_NullFile(), disable=False, mininterval=1.0)
+        super().__init__(*args, **kwargs)
+
+    def update(self, n: float | None = 1) -> bool | None:
+        if self.ctx is not None:
+            self.ctx.check_abort()
+            self.ctx.advance(int(n or 0))
+        result: bool | None = super().update(n)
+        return result
+
+
+def job_progress_bar(ctx: JobContext | None) -> type[Any]:
+    """The ``tqdm_class`` to hand ``hf_hub_download``: reports into ``ctx`` (None: nowhere)."""
+    return type("JobProgress", (_JobProgress,), {"ctx": ctx})
