@@ -18,6 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from service.adapters.multiprocessing import release_forkserver
 from service.config import Settings
 from service.errors import JobCancelled, ServiceError
 from service.jobs.layout import JobLayout
@@ -68,7 +69,7 @@ def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent (the forkserver, which lives exactly
     as long as the service) dies, so no orphan job keeps writing into a directory that recovery
     will hand to the next attempt."""
-    _release_forkserver()
+    release_forkserver()
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -80,20 +81,6 @@ def _die_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1
-
-
-def _release_forkserver() -> None:
-    """Close the forkserver's "alive" pipe that multiprocessing hands every forked child.
-
-    While any child holds it the forkserver outlives the service; closed, the forkserver exits
-    as soon as the service's end closes (even on SIGKILL), and with it every job process."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is not None:
-        os.close(fd)
-        server._forkserver_alive_fd = None  # type: ignore[union-attr]
 
 
 def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
