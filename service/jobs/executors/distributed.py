@@ -17,11 +17,11 @@ import logging
 from typing import Any
 
 import procrastinate
-from procrastinate import sql
 from procrastinate.sync_psycopg_connector import SyncPsycopgConnector
 from sqlalchemy import make_url
 from sqlalchemy.engine import Connection
 
+from service.adapters.procrastinate import list_jobs, retry_job
 from service.config import Settings
 from service.errors import ConfigurationError, SecretNotForwardable
 from service.jobs.executors.base import admission
@@ -69,17 +69,7 @@ class JobQueue:
 
     def entries(self, conn: Connection, job_id: str) -> list[dict[str, Any]]:
         """The procrastinate jobs (id, status, ...) of ``job_id`` still waiting or running."""
-        rows = self._connector.execute_query_all_with_connection(
-            _driver(conn),
-            query=sql.queries["list_jobs"],
-            id=None,
-            queue_name=None,
-            task_name=TASK_NAME,
-            status=None,
-            lock=job_id,
-            queueing_lock=None,
-            worker_id=None,
-        )
+        rows = list_jobs(self._connector, _driver(conn), task_name=TASK_NAME, lock=job_id)
         return [row for row in rows if row["status"] in self._LIVE]
 
     def abort(self, conn: Connection, job_id: str) -> None:
@@ -100,15 +90,7 @@ class JobQueue:
 
     def retry(self, conn: Connection, queue_job_id: int) -> None:
         """Put one procrastinate job from ``doing`` back to ``todo``, due now."""
-        self._connector.execute_query_all_with_connection(
-            _driver(conn),
-            query=sql.queries["retry_job"],
-            job_id=queue_job_id,
-            retry_at=utcnow(),
-            new_priority=None,
-            new_queue_name=None,
-            new_lock=None,
-        )
+        retry_job(self._connector, _driver(conn), queue_job_id, utcnow())
 
 
 class ProcrastinateExecutor:
