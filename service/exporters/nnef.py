@@ -135,6 +135,7 @@ def export_nnef(
     The model is a copy of the job's meta build (``inputs.skeleton``) reading its weights from
     the job's offload store (``inputs.store``); called alone, with neither, it builds on meta
     itself and reads the checkpoint."""
+    from service.adapters import torch_to_nnef as t2n
     from service.exporters import nnef_offload as off
     from service.exporters.nnef_verify import ensure_tract_fits
     from service.exporters.tract_cli import write_launcher
@@ -164,10 +165,10 @@ def export_nnef(
         reader.drop_page_cache = False
     try:
         with (
-            off.job_tempdir(work / "tmp"),
-            off.weights_only_unpickling(),
-            off.checkpoint_tensors_writable(),
-            off.eager_q4_dequantize(),
+            t2n.job_tempdir(work / "tmp"),
+            t2n.weights_only_unpickling(),
+            t2n.checkpoint_tensors_writable(),
+            t2n.eager_q4_dequantize(),
         ):
             launcher = write_launcher(work / "bin")
             offload_dir = work / "offload"

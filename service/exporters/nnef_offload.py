@@ -10,36 +10,28 @@ safetensors checkpoint, points into the shards themselves) or through the projec
 resident) every time torch-to-nnef touches it.
 
 Everything torch-to-nnef itself still writes (offloaded q4_0 blocks, archive staging) lands in
-an ``offload_dir``/``TMPDIR`` owned by the job (:func:`job_tempdir`), and every ``torch.load`` it
-makes runs weights-only (:func:`weights_only_unpickling`).
+an ``offload_dir``/``TMPDIR`` owned by the job, and every ``torch.load`` it makes runs
+weights-only: the patches that ensure it are in :mod:`service.adapters.torch_to_nnef`.
 
 This module imports torch and torch-to-nnef at import time: import it inside functions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
-import os
-import pickle
-import shutil
-import tarfile
-import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
-from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.updater import ModTensorUpdater
 
+from service.adapters.torch_to_nnef import CheckpointTensor, ReloadHook, TensorSource
 from service.checkpoint.base import Checkpoint, WeightReader
-from service.errors import CheckpointError, NoModelConfig, UnsafePickle, UnsupportedExport
+from service.errors import CheckpointError, NoModelConfig, UnsupportedExport
 
 if TYPE_CHECKING:
     from service.offload.store import OffloadStore
@@ -47,85 +39,6 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 
 ModelKind = Literal["causal_lm", "encoder"]
-class TensorSource(Protocol):
-    """Where a :class:`CheckpointTensor` re-reads its bytes: a checkpoint reader or the store."""
-
-    def read(self, name: str) -> torch.Tensor: ...
-
-
-ReloadHook = Callable[[int], None]
-"""Called with the byte size of every weight read: progress, metrics, cancellation."""
-
-
-class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
-    """An ``OffloadedTensor`` whose payload is the checkpoint's own bytes.
-
-    ``source`` is the stored tensor name; once torch-to-nnef rewrites the values
-    (``update_values``) it becomes None and the parent's ``.pt`` file in ``offload_dir`` is used.
-    """
-
-    elem: torch.Tensor
-    reader: TensorSource
-    source: str | None
-    hook: ReloadHook | None
-
-    @classmethod
-    def create(
-        cls,
-        reader: TensorSource,
-        source: str,
-        name: str,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        offload_dir: Path,
-        hook: ReloadHook | None = None,
-    ) -> CheckpointTensor:
-        shell = torch.empty(shape, dtype=dtype, device="meta")
-        tensor: CheckpointTensor = cls(
-            shell, "cpu", offload_dir=offload_dir, name=name, offloaded_tensor_type=torch.Tensor
-        )
-        tensor.reader, tensor.source, tensor.hook = reader, source, hook
-        return tensor
-
-    def _reload_unmanaged(self, device: Any = None) -> torch.Tensor:
-        if self.source is None:
-            return super()._reload_unmanaged(device=device)  # type: ignore[no-any-return]
-        value = self.reader.read(self.source)
-        if self.hook is not None:
-            self.hook(value.nbytes)
-        shell: torch.Tensor = self.elem
-        if value.dtype != shell.dtype:
-            value = value.to(shell.dtype)
-        target = self.target_device if device is None else torch.device(device)
-        return value.to(target)
-
-    def to(self, *args: Any, **kwargs: Any) -> Any:
-        """Casts stay lazy (applied at each reload) instead of rewriting the payload."""
-        if self.source is None:
-            return super().to(*args, **kwargs)
-        dtype = kwargs.get("dtype")
-        device = kwargs.get("device")
-        for arg in args:
-            if isinstance(arg, torch.dtype):
-                dtype = arg
-            elif arg is not None:
-                device = arg
-        shell: torch.Tensor = self.elem
-        if dtype is not None and dtype != shell.dtype:
-            self.elem = shell.to(dtype)
-        if device is not None:
-            self.target_device = torch.device(device)
-        return self
-
-    def update_values(
-        self, values: torch.Tensor, strict_shape: bool = True, strict_dtype: bool = True
-    ) -> None:
-        if self.source is not None:
-            self.source = None
-            strict_dtype = False  # there is no previous .pt payload to compare with
-        super().update_values(values, strict_shape=strict_shape, strict_dtype=strict_dtype)
-
-
 @dataclass
 class OffloadedModel:
     module: nn.Module
@@ -281,129 +194,6 @@ def attach_offloaded_weights(
         shown = ", ".join(sorted(missing)[:5])
         raise CheckpointError(f"checkpoint lacks {len(missing)} weights of the model: {shown}")
     return total
-
-
-# --- guards around torch-to-nnef --------------------------------------------------------------
-
-
-def _offload_state_globals() -> list[Any]:
-    """The classes torch-to-nnef pickles in its own offloaded q4_0 payloads (and nothing else)."""
-    from torch_to_nnef.tensor.quant import base as qbase
-    from torch_to_nnef.tensor.quant import qtract
-
-    found: list[Any] = []
-    for mod in (qbase, qtract):
-        for value in vars(mod).values():
-            if isinstance(value, type) and value.__module__ == mod.__name__:
-                found.append(value)
-    return found
-
-
-@contextlib.contextmanager
-def weights_only_unpickling() -> Iterator[None]:
-    """Within the block every ``torch.load`` is ``weights_only=True``, whatever the caller asks.
-
-    torch-to-nnef falls back to ``weights_only=False`` for a ``.bin`` that needs it and reloads
-    its own offloaded q4_0 payloads that way; both now either load under the allow-list of
-    torch-to-nnef's quantization classes or raise :class:`UnsafePickle`. The job runs in its
-    own process, so swapping the module attribute affects nobody else.
-    """
-    real_load = torch.load
-    allowed = _offload_state_globals()
-
-    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs["weights_only"] = True
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return real_load(f, *args, **kwargs)
-        except pickle.UnpicklingError as exc:
-            raise UnsafePickle(
-                f"refused to unpickle {Path(str(f)).name}: it holds objects other than tensors"
-            ) from exc
-
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = real_load
-
-
-def _tgz_compress(dir_path: str, file_path: str, compression_level: int = 0) -> None:
-    """nnef_tools' ``tgz_compress`` with 8 MiB copies instead of tarfile's 16 KiB ones."""
-    with tarfile.open(file_path, "w:gz", compresslevel=compression_level) as tar:
-        tar.copybufsize = 8 << 20  # type: ignore[attr-defined]  # real attribute, not in typeshed
-        for name in sorted(os.listdir(dir_path)):
-            tar.add(os.path.join(dir_path, name), name)
-
-
-@contextlib.contextmanager
-def checkpoint_tensors_writable() -> Iterator[None]:
-    """Teach torch-to-nnef's NNEF writer to write a :class:`CheckpointTensor` variable.
-
-    Its ``write_offloaded_tensor`` reads the ``.pt`` file an ``OffloadedTensor`` normally has;
-    ours has none, so the value is reloaded from the checkpoint and written the same way. The
-    archive step copies through Python in 16 KiB pieces (a third of the export time on a 1 GB
-    model); the same archive is written with larger copies.
-    """
-    from torch_to_nnef.nnef_io import writer
-
-    original = writer.write_offloaded_tensor
-    original_tgz = writer.tgz_compress
-
-    def write(tensor: Any, filename: str, quantized: bool) -> None:
-        if isinstance(tensor, CheckpointTensor) and tensor.source is not None:
-            value = tensor.reload()
-            writer.write_nnef_tensor(
-                np.asarray(writer.maybe_torch_to_np(value), order="C"), filename, quantized
-            )
-            del value
-            return
-        original(tensor, filename, quantized)
-
-    writer.write_offloaded_tensor = write
-    writer.tgz_compress = _tgz_compress
-    try:
-        yield
-    finally:
-        writer.write_offloaded_tensor = original
-        writer.tgz_compress = original_tgz
-
-
-@contextlib.contextmanager
-def eager_q4_dequantize() -> Iterator[None]:
-    """Run torch-to-nnef's q4_0 dequantization eagerly instead of through ``torch.compile``.
-
-    It is a reshape, a subtract and a multiply; compiling it costs tens of seconds and hundreds
-    of MB per export and writes an inductor cache under the system temp dir.
-    """
-    from torch_to_nnef.tensor.quant.base import QScalePerGroupF16
-
-    original = QScalePerGroupF16.__dict__["_dequantize"]
-    eager = getattr(QScalePerGroupF16, "_dequantize_original", None)
-    if eager is not None:
-        QScalePerGroupF16._dequantize = staticmethod(eager)
-    try:
-        yield
-    finally:
-        QScalePerGroupF16._dequantize = original
-
-
-@contextlib.contextmanager
-def job_tempdir(path: Path) -> Iterator[Path]:
-    """Point ``tempfile`` (torch-to-nnef's ``mkdtemp``/``TemporaryDirectory``) at ``path``.
-
-    torch-to-nnef stages archives and offload files in ``tempfile.mkdtemp()`` directories and
-    does not always remove them; the job process is dedicated, so the process-wide
-    ``tempfile.tempdir`` can be redirected for the block and the whole directory removed after.
-    """
-    path.mkdir(parents=True, exist_ok=True)
-    previous = tempfile.tempdir
-    tempfile.tempdir = str(path)
-    try:
-        yield path
-    finally:
-        tempfile.tempdir = previous
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class TensorOutputs(nn.Module):

@@ -23,6 +23,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from service.adapters.torch_to_nnef import weights_only_unpickling
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import (
@@ -35,7 +36,7 @@ from service.errors import (
 )
 from service.exporters.base import ExportInputs, ExportResult, registry
 from service.exporters.nnef import NNEFExporter, NNEFSpec, prompt_ids
-from service.exporters.nnef_offload import offloaded_model, weights_only_unpickling
+from service.exporters.nnef_offload import offloaded_model
 from service.exporters.nnef_verify import IOSpec, greedy_reference, verify_causal_lm
 from service.exporters.tract_cli import write_launcher
 from service.offload.build import build_on_meta
@@ -442,7 +443,7 @@ def test_exporter_is_registered_under_nnef() -> None:
 def test_checkpoint_tensor_rereads_the_checkpoint_casts_lazily_and_keeps_rewrites(
     tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
-    from service.exporters.nnef_offload import CheckpointTensor
+    from service.adapters.torch_to_nnef import CheckpointTensor
 
     reads: list[int] = []
     with open_checkpoint(tiny_checkpoint("llama", "safetensors")) as ckpt:

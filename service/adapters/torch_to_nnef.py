@@ -1,0 +1,243 @@
+"""torch-to-nnef's internals this service patches or extends, in one place.
+
+Assumptions (each checked by tests/unit/adapters/test_torch_to_nnef.py, which names the one that
+broke; torch-to-nnef capped in pyproject.toml at the series they were checked on):
+
+* ``OffloadedTensor.reload()`` goes through the private ``_reload_unmanaged(device)``, which
+  :class:`CheckpointTensor` overrides to read the checkpoint's bytes instead of a ``.pt`` file;
+  ``update_values(values, strict_shape, strict_dtype)`` rewrites the payload.
+* The NNEF writer (``torch_to_nnef.nnef_io.writer``) writes an offloaded variable through its
+  module attribute ``write_offloaded_tensor(tensor, filename, quantized)`` and archives through
+  ``tgz_compress(dir, file, compression_level)``; ``write_nnef_tensor`` and
+  ``maybe_torch_to_np`` write one array (:func:`checkpoint_tensors_writable` swaps both).
+* ``QScalePerGroupF16._dequantize`` is a ``torch.compile`` wrapper of
+  ``_dequantize_original`` (:func:`eager_q4_dequantize` calls the latter).
+* torch-to-nnef pickles only classes of ``tensor.quant.base`` and ``tensor.quant.qtract`` in
+  its offloaded payloads and loads them with ``torch.load`` looked up on the module at call
+  time (:func:`weights_only_unpickling` swaps it for a weights-only one).
+* It stages files with ``tempfile.mkdtemp``/``TemporaryDirectory`` (:func:`job_tempdir`).
+
+The patches are context managers: a job process enters them around an export and leaves them
+as they were. This module imports torch and torch-to-nnef at import time: import it inside
+functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch_to_nnef.tensor.offload import OffloadedTensor
+
+from service.errors import UnsafePickle
+
+
+class TensorSource(Protocol):
+    """Where a :class:`CheckpointTensor` re-reads its bytes: a checkpoint reader or the store."""
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+ReloadHook = Callable[[int], None]
+"""Called with the byte size of every weight read: progress, metrics, cancellation."""
+
+
+class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
+    """An ``OffloadedTensor`` whose payload is the checkpoint's own bytes.
+
+    ``source`` is the stored tensor name; once torch-to-nnef rewrites the values
+    (``update_values``) it becomes None and the parent's ``.pt`` file in ``offload_dir`` is used.
+    """
+
+    elem: torch.Tensor
+    reader: TensorSource
+    source: str | None
+    hook: ReloadHook | None
+
+    @classmethod
+    def create(
+        cls,
+        reader: TensorSource,
+        source: str,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        offload_dir: Path,
+        hook: ReloadHook | None = None,
+    ) -> CheckpointTensor:
+        shell = torch.empty(shape, dtype=dtype, device="meta")
+        tensor: CheckpointTensor = cls(
+            shell, "cpu", offload_dir=offload_dir, name=name, offloaded_tensor_type=torch.Tensor
+        )
+        tensor.reader, tensor.source, tensor.hook = reader, source, hook
+        return tensor
+
+    def _reload_unmanaged(self, device: Any = None) -> torch.Tensor:
+        if self.source is None:
+            return super()._reload_unmanaged(device=device)  # type: ignore[no-any-return]
+        value = self.reader.read(self.source)
+        if self.hook is not None:
+            self.hook(value.nbytes)
+        shell: torch.Tensor = self.elem
+        if value.dtype != shell.dtype:
+            value = value.to(shell.dtype)
+        target = self.target_device if device is None else torch.device(device)
+        return value.to(target)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """Casts stay lazy (applied at each reload) instead of rewriting the payload."""
+        if self.source is None:
+            return super().to(*args, **kwargs)
+        dtype = kwargs.get("dtype")
+        device = kwargs.get("device")
+        for arg in args:
+            if isinstance(arg, torch.dtype):
+                dtype = arg
+            elif arg is not None:
+                device = arg
+        shell: torch.Tensor = self.elem
+        if dtype is not None and dtype != shell.dtype:
+            self.elem = shell.to(dtype)
+        if device is not None:
+            self.target_device = torch.device(device)
+        return self
+
+    def update_values(
+        self, values: torch.Tensor, strict_shape: bool = True, strict_dtype: bool = True
+    ) -> None:
+        if self.source is not None:
+            self.source = None
+            strict_dtype = False  # there is no previous .pt payload to compare with
+        super().update_values(values, strict_shape=strict_shape, strict_dtype=strict_dtype)
+
+
+
+def _offload_state_globals() -> list[Any]:
+    """The classes torch-to-nnef pickles in its own offloaded q4_0 payloads (and nothing else)."""
+    from torch_to_nnef.tensor.quant import base as qbase
+    from torch_to_nnef.tensor.quant import qtract
+
+    found: list[Any] = []
+    for mod in (qbase, qtract):
+        for value in vars(mod).values():
+            if isinstance(value, type) and value.__module__ == mod.__name__:
+                found.append(value)
+    return found
+
+
+@contextlib.contextmanager
+def weights_only_unpickling() -> Iterator[None]:
+    """Within the block every ``torch.load`` is ``weights_only=True``, whatever the caller asks.
+
+    torch-to-nnef falls back to ``weights_only=False`` for a ``.bin`` that needs it and reloads
+    its own offloaded q4_0 payloads that way; both now either load under the allow-list of
+    torch-to-nnef's quantization classes or raise :class:`UnsafePickle`. The job runs in its
+    own process, so swapping the module attribute affects nobody else.
+    """
+    real_load = torch.load
+    allowed = _offload_state_globals()
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return real_load(f, *args, **kwargs)
+        except pickle.UnpicklingError as exc:
+            raise UnsafePickle(
+                f"refused to unpickle {Path(str(f)).name}: it holds objects other than tensors"
+            ) from exc
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = real_load
+
+
+def _tgz_compress(dir_path: str, file_path: str, compression_level: int = 0) -> None:
+    """nnef_tools' ``tgz_compress`` with 8 MiB copies instead of tarfile's 16 KiB ones."""
+    with tarfile.open(file_path, "w:gz", compresslevel=compression_level) as tar:
+        tar.copybufsize = 8 << 20  # type: ignore[attr-defined]  # real attribute, not in typeshed
+        for name in sorted(os.listdir(dir_path)):
+            tar.add(os.path.join(dir_path, name), name)
+
+
+@contextlib.contextmanager
+def checkpoint_tensors_writable() -> Iterator[None]:
+    """Teach torch-to-nnef's NNEF writer to write a :class:`CheckpointTensor` variable.
+
+    Its ``write_offloaded_tensor`` reads the ``.pt`` file an ``OffloadedTensor`` normally has;
+    ours has none, so the value is reloaded from the checkpoint and written the same way. The
+    archive step copies through Python in 16 KiB pieces (a third of the export time on a 1 GB
+    model); the same archive is written with larger copies.
+    """
+    from torch_to_nnef.nnef_io import writer
+
+    original = writer.write_offloaded_tensor
+    original_tgz = writer.tgz_compress
+
+    def write(tensor: Any, filename: str, quantized: bool) -> None:
+        if isinstance(tensor, CheckpointTensor) and tensor.source is not None:
+            value = tensor.reload()
+            writer.write_nnef_tensor(
+                np.asarray(writer.maybe_torch_to_np(value), order="C"), filename, quantized
+            )
+            del value
+            return
+        original(tensor, filename, quantized)
+
+    writer.write_offloaded_tensor = write
+    writer.tgz_compress = _tgz_compress
+    try:
+        yield
+    finally:
+        writer.write_offloaded_tensor = original
+        writer.tgz_compress = original_tgz
+
+
+@contextlib.contextmanager
+def eager_q4_dequantize() -> Iterator[None]:
+    """Run torch-to-nnef's q4_0 dequantization eagerly instead of through ``torch.compile``.
+
+    It is a reshape, a subtract and a multiply; compiling it costs tens of seconds and hundreds
+    of MB per export and writes an inductor cache under the system temp dir.
+    """
+    from torch_to_nnef.tensor.quant.base import QScalePerGroupF16
+
+    original = QScalePerGroupF16.__dict__["_dequantize"]
+    eager = getattr(QScalePerGroupF16, "_dequantize_original", None)
+    if eager is not None:
+        QScalePerGroupF16._dequantize = staticmethod(eager)
+    try:
+        yield
+    finally:
+        QScalePerGroupF16._dequantize = original
+
+
+@contextlib.contextmanager
+def job_tempdir(path: Path) -> Iterator[Path]:
+    """Point ``tempfile`` (torch-to-nnef's ``mkdtemp``/``TemporaryDirectory``) at ``path``.
+
+    torch-to-nnef stages archives and offload files in ``tempfile.mkdtemp()`` directories and
+    does not always remove them; the job process is dedicated, so the process-wide
+    ``tempfile.tempdir`` can be redirected for the block and the whole directory removed after.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(path)
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(path, ignore_errors=True)
+
+
