@@ -2,8 +2,8 @@
 
 Every error the service raises on purpose derives from :class:`ServiceError`. Each class has a
 stable ``code`` (the ``error.type`` of a failed job and the ``type`` suffix of a problem+json
-body) and an HTTP ``status`` used only by ``service.api.errors``. Subclasses also inherit the
-matching builtin so callers can catch precisely (``except FileNotFoundError`` still works).
+body); which HTTP status each becomes is decided in ``service.api.errors`` alone. Subclasses
+also inherit the matching builtin so callers can catch precisely (``except FileNotFoundError`` still works).
 
 A failed job stores ``code`` and the message; the message must never contain a secret.
 """
@@ -17,7 +17,6 @@ class ServiceError(Exception):
     """Root of every deliberate modelprep error."""
 
     code: ClassVar[str] = "service_error"
-    status: ClassVar[int] = 500
     title: ClassVar[str] = "Internal service error"
 
     @property
@@ -34,7 +33,6 @@ class InvalidRequest(ValueError, ServiceError):
     """The request is well-formed JSON but asks for something impossible."""
 
     code = "invalid_request"
-    status = 422
     title = "Invalid request"
 
 
@@ -52,7 +50,6 @@ class UnsupportedExport(InvalidRequest):
 
 class NotFound(LookupError, ServiceError):
     code = "not_found"
-    status = 404
     title = "Not found"
 
 
@@ -76,7 +73,6 @@ class ArtifactGone(ArtifactNotFound):
 
 class Conflict(ServiceError):
     code = "conflict"
-    status = 409
     title = "Conflict"
 
 
@@ -84,7 +80,6 @@ class QueueFull(ServiceError):
     """Back-pressure: too many jobs are waiting."""
 
     code = "queue_full"
-    status = 429
     title = "Too many queued jobs"
 
     def __init__(self, message: str, retry_after: int = 5) -> None:
@@ -94,7 +89,6 @@ class QueueFull(ServiceError):
 
 class Unauthorized(PermissionError, ServiceError):
     code = "unauthorized"
-    status = 401
     title = "Unauthorized"
 
 
@@ -102,7 +96,6 @@ class PathOutsideRoot(PermissionError, ServiceError):
     """A path (source, artifact) resolves outside the root it must stay in."""
 
     code = "path_outside_root"
-    status = 403
     title = "Path outside allowed root"
 
 
@@ -113,13 +106,11 @@ class SourceError(ServiceError):
     """The checkpoint could not be obtained."""
 
     code = "source_error"
-    status = 422
     title = "Source error"
 
 
 class SourceNotAllowed(PermissionError, SourceError):
     code = "source_not_allowed"
-    status = 422
     title = "Source not allowed"
 
 
@@ -128,13 +119,11 @@ class EgressRefused(PermissionError, ServiceError):
     refuses: loopback, link-local, private or otherwise non-global (see service/egress.py)."""
 
     code = "egress_refused"
-    status = 422
     title = "Destination not allowed by the egress policy"
 
 
 class SourceNotFound(FileNotFoundError, SourceError):
     code = "source_not_found"
-    status = 422
     title = "Source not found"
 
 
@@ -201,7 +190,6 @@ class CheckpointError(ValueError, ServiceError):
     """The checkpoint's files are unreadable or inconsistent."""
 
     code = "checkpoint_error"
-    status = 422
     title = "Invalid checkpoint"
 
 
@@ -314,7 +302,6 @@ class Forbidden(PermissionError, ServiceError):
     """The caller is known but may not do this (a tenant key on an admin-only endpoint)."""
 
     code = "forbidden"
-    status = 403
     title = "Forbidden"
 
 

@@ -10,12 +10,51 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import QueueFull, ServiceError, Unauthorized
+from service.errors import (
+    CheckpointError,
+    Conflict,
+    EgressRefused,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    PathOutsideRoot,
+    QueueFull,
+    ServiceError,
+    SourceError,
+    SourceNotAllowed,
+    SourceNotFound,
+    Unauthorized,
+)
 
 log = logging.getLogger(__name__)
 
 PROBLEM_JSON = "application/problem+json"
 TYPE_BASE = "https://modelprep.dev/problems/"
+
+HTTP_STATUS: dict[type[ServiceError], int] = {
+    InvalidRequest: 422,
+    NotFound: 404,
+    Conflict: 409,
+    QueueFull: 429,  # TenantLimitExceeded too
+    Unauthorized: 401,
+    PathOutsideRoot: 403,
+    Forbidden: 403,
+    SourceError: 422,
+    SourceNotAllowed: 422,  # before PermissionError-derived 403s in the MRO: a request fault
+    SourceNotFound: 422,
+    EgressRefused: 422,
+    CheckpointError: 422,
+}
+"""The HTTP status of each domain error; a class not listed takes its nearest listed base's
+(the method resolution order decides), an error with none is a 500."""
+
+
+def http_status(exc: ServiceError) -> int:
+    """The HTTP status ``exc`` maps to (see :data:`HTTP_STATUS`)."""
+    for cls in type(exc).__mro__:
+        if cls in HTTP_STATUS:
+            return HTTP_STATUS[cls]
+    return 500
 
 
 def problem(
@@ -62,7 +101,8 @@ def install_error_handlers(app: FastAPI) -> None:
         elif isinstance(exc, Unauthorized):
             headers = {"WWW-Authenticate": 'Bearer realm="modelprep"'}
         return problem(
-            exc.status, exc.code, exc.title, exc.message, request.url.path, headers=headers
+            http_status(exc), exc.code, exc.title, exc.message, request.url.path,
+            headers=headers,
         )
 
     @app.exception_handler(RequestValidationError)

@@ -5,6 +5,7 @@ import inspect
 import pytest
 
 from service import errors
+from service.api.errors import http_status
 from service.errors import ServiceError
 
 
@@ -34,9 +35,33 @@ def test_every_error_carries_its_message_whatever_builtin_it_mixes_in(
 ) -> None:
     exc = cls("the detail")
     assert exc.message == "the detail"
-    assert 400 <= exc.status < 600
+    assert 400 <= http_status(exc) < 600
 
 
 def test_error_codes_are_unique() -> None:
     codes = [c.code for c in all_errors()]
     assert len(codes) == len(set(codes))
+
+
+@pytest.mark.parametrize(
+    ("cls", "status"),
+    [
+        (errors.UnsupportedExport, 422),
+        (errors.SourceNotAllowed, 422),  # a PermissionError, yet the request's fault
+        (errors.RepositoryNotFound, 422),
+        (errors.UnsafePickle, 422),
+        (errors.JobNotFound, 404),
+        (errors.Conflict, 409),
+        (errors.TenantLimitExceeded, 429),
+        (errors.Unauthorized, 401),
+        (errors.Forbidden, 403),
+        (errors.PathOutsideRoot, 403),
+        (errors.VerificationFailed, 500),
+        (errors.ServiceError, 500),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_the_api_maps_each_domain_error_to_its_http_status(
+    cls: type[ServiceError], status: int
+) -> None:
+    assert http_status(cls.__new__(cls)) == status

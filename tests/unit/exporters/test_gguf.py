@@ -28,6 +28,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from service.api.errors import http_status
 from service.checkpoint import WeightReader, open_checkpoint
 from service.config import Settings
 from service.errors import JobCancelled, UnsupportedExport, VerificationFailed
@@ -726,7 +727,7 @@ def test_bert_is_refused_at_submission_with_422() -> None:
     config["architectures"] = ["BertModel"]
     with pytest.raises(UnsupportedExport, match="BertModel") as info:
         GGUFExporter().check(GGUFSpec(type="q8_0"), config)
-    assert info.value.status == 422
+    assert http_status(info.value) == 422
 
 
 def test_a_real_bert_checkpoint_config_is_refused() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from service.api.errors import http_status
 from service.config import Settings
 from service.errors import QueueFull, TenantLimitExceeded
 from service.jobs.executors.local import LocalExecutor
@@ -60,7 +61,7 @@ def test_queued_limit_counts_only_the_tenants_waiting_jobs(
     with pytest.raises(TenantLimitExceeded, match="tenant a has 2 queued jobs") as err:
         jobs.submit(spec(llama_safetensors_dir), tenant="a")
     assert isinstance(err.value, QueueFull) and err.value.retry_after > 0
-    assert err.value.status == 429
+    assert http_status(err.value) == 429
     jobs.submit(spec(llama_safetensors_dir), tenant="b")  # another tenant is not affected
     jobs.submit(spec(llama_safetensors_dir), tenant=None)  # open mode has no tenant limits
 
