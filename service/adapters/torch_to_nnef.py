@@ -16,6 +16,11 @@ broke; torch-to-nnef capped in pyproject.toml at the series they were checked on
   its offloaded payloads and loads them with ``torch.load`` looked up on the module at call
   time (:func:`weights_only_unpickling` swaps it for a weights-only one).
 * It stages files with ``tempfile.mkdtemp``/``TemporaryDirectory`` (:func:`job_tempdir`).
+* Its LLM exporter's ``ctx_dtype_dyn_cache`` replaces ``transformers.cache_utils.DynamicLayer.update``
+  (transformers >= 4.56) and on exit restores only ``DynamicCache.update``: the patched layer
+  update stays for the rest of the process and breaks a later ``torch.export`` of a decoder with
+  a dynamic cache (an ONNX export after an NNEF one in the same job). :func:`cache_update_restored`
+  puts both back.
 
 The patches are context managers: a job process enters them around an export and leaves them
 as they were. This module imports torch and torch-to-nnef at import time: import it inside
@@ -221,6 +226,27 @@ def eager_q4_dequantize() -> Iterator[None]:
         yield
     finally:
         QScalePerGroupF16._dequantize = original
+
+
+@contextlib.contextmanager
+def cache_update_restored() -> Iterator[None]:
+    """Leave transformers' KV-cache update methods as they were before torch-to-nnef ran.
+
+    torch-to-nnef (0.24.12) patches ``DynamicLayer.update`` for its trace and never restores it;
+    every later export in the same process (ONNX's dynamo capture) then traces the patched
+    update, whose shapes do not follow the cache's dynamic axes."""
+    from transformers import cache_utils
+
+    saved = [
+        (owner, "update", owner.__dict__["update"])
+        for owner in (cache_utils.DynamicLayer, cache_utils.DynamicCache)
+        if "update" in owner.__dict__
+    ]
+    try:
+        yield
+    finally:
+        for owner, name, method in saved:
+            setattr(owner, name, method)
 
 
 @contextlib.contextmanager

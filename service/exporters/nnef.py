@@ -169,6 +169,7 @@ def export_nnef(
             t2n.weights_only_unpickling(),
             t2n.checkpoint_tensors_writable(),
             t2n.eager_q4_dequantize(),
+            t2n.cache_update_restored(),
         ):
             launcher = write_launcher(work / "bin")
             offload_dir = work / "offload"

@@ -87,3 +87,18 @@ def test_offloaded_payloads_reload_weights_only(tmp_path: Path) -> None:
 
         assert tempfile.gettempdir() == str(tmp)
     assert not (tmp_path / "tmp").exists()
+
+
+def test_the_llm_exporter_leaks_its_cache_patch_and_the_adapter_undoes_it() -> None:
+    from torch_to_nnef_llm.models.base import ctx_dtype_dyn_cache
+    from transformers import cache_utils
+
+    original = cache_utils.DynamicLayer.__dict__["update"]
+    with t2n.cache_update_restored(), ctx_dtype_dyn_cache():
+        assert cache_utils.DynamicLayer.__dict__["update"] is not original, (
+            "assumption changed: torch-to-nnef's ctx_dtype_dyn_cache patches "
+            "DynamicLayer.update (if it no longer does, cache_update_restored can go)"
+        )
+    assert cache_utils.DynamicLayer.__dict__["update"] is original, (
+        "cache_update_restored must put DynamicLayer.update back after torch-to-nnef's export"
+    )
