@@ -107,7 +107,7 @@ def _load_config(path: Path) -> dict[str, object] | None:
     """The parsed ``config.json``, or None when absent or not a JSON object (weights still usable)."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     return raw if isinstance(raw, dict) else None
 

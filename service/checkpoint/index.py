@@ -39,6 +39,8 @@ def load_index(path: Path) -> ShardIndex:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpoint(f"{path.name} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise CorruptCheckpoint(f"{path.name}: JSON nested too deeply") from exc
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CorruptCheckpoint(f"{path.name} has no weight_map")

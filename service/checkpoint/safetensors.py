@@ -109,6 +109,8 @@ def parse_header(path: Path) -> SafetensorsHeader:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpoint(f"{path.name}: header is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # e.g. [[[[...]]]] thousands deep: no real header nests
+        raise CorruptCheckpoint(f"{path.name}: header JSON is nested too deeply") from exc
     if not isinstance(header, dict):
         raise CorruptCheckpoint(f"{path.name}: header is not a JSON object")
 

@@ -83,7 +83,7 @@ class JobService:
         config_path = path / "config.json" if path.is_dir() else path.parent / "config.json"
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # deeply nested JSON recurses
             return True, None
         return True, config if isinstance(config, dict) else None
 

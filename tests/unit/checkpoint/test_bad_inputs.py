@@ -224,3 +224,28 @@ def test_file_that_is_not_weights(tmp_path: Path) -> None:
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(SourceNotFound):
         open_checkpoint(tmp_path / "nope")
+
+
+DEEP = 200_000
+"""Nesting far past the JSON parser's recursion limit (Python's is about 1000 frames)."""
+
+
+def test_header_that_is_deeply_nested_json_is_corrupt_not_a_crash(tmp_path: Path) -> None:
+    raw = b"[" * DEEP + b"]" * DEEP
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(CorruptCheckpoint, match="nested too deeply"):
+        open_checkpoint(tmp_path)
+
+
+def test_shard_index_that_is_deeply_nested_json_is_corrupt(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text("[" * DEEP + "]" * DEEP)
+    with pytest.raises(CorruptCheckpoint, match="nested too deeply"):
+        open_checkpoint(tmp_path)
+
+
+def test_config_that_is_deeply_nested_json_is_ignored_like_any_unreadable_config(
+    st_copy: Path,
+) -> None:
+    (st_copy / "config.json").write_text('{"a": ' + "[" * DEEP + "]" * DEEP + "}")
+    with open_checkpoint(st_copy) as ckpt:
+        assert ckpt.config is None
