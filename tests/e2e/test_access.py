@@ -238,10 +238,14 @@ def test_logs_are_json_with_ids_and_never_hold_secrets(
     with service.client(headers={**auth("a"), "X-Request-ID": "trace-me-42"}) as client:
         echoed = client.get(f"/v1/jobs/{streamed.job['id']}")
     assert echoed.headers["x-request-id"] == "trace-me-42"
+    lines = service.wait_for_records(
+        lambda e: e.get("logger") == "service.access" and e.get("request_id") == "trace-me-42",
+        lambda e: e.get("job_id") == streamed.job["id"] and e.get("msg") == "succeeded",
+        what="the access line of the traced request and the job's 'succeeded' line",
+    )
     text = service.logs()
     for secret in (*KEYS.values(), HF_TOKEN):
         assert secret not in text
-    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     access = [entry for entry in lines if entry["logger"] == "service.access"]
     assert any(e["request_id"] == "trace-me-42" and e["tenant"] == "a" and e["status"] == 200
                for e in access)
@@ -255,8 +259,10 @@ def test_open_service_warns_at_start_up(root: Path, tmp_path: Path) -> None:
     with running_service(tmp_path / "open", [root]) as svc:
         with svc.client() as client:
             assert client.get("/v1/jobs").status_code == 200  # no key needed on loopback
-        warnings = [json.loads(line) for line in svc.logs().splitlines()
-                    if line.startswith("{") and "NO API KEYS" in line]
+        records = svc.wait_for_records(
+            lambda e: "NO API KEYS" in str(e.get("msg")), what="the open-service warning"
+        )
+        warnings = [e for e in records if "NO API KEYS" in str(e.get("msg"))]
     assert warnings and warnings[0]["level"] == "warning"
 
 
