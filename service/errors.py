@@ -67,7 +67,6 @@ class ArtifactGone(ArtifactNotFound):
     """The job's artifacts were removed (``DELETE`` on the finished job, or retention)."""
 
     code = "artifact_gone"
-    status = 410
     title = "Artifact removed"
 
 
@@ -132,7 +131,6 @@ class SourceUnreadable(PermissionError, SourceError):
     while the host files it mounts keep their owner)."""
 
     code = "source_unreadable"
-    status = 422
     title = "Source not readable"
 
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import (
+    ArtifactGone,
     CheckpointError,
     Conflict,
     EgressRefused,
@@ -34,6 +35,7 @@ TYPE_BASE = "https://modelprep.dev/problems/"
 HTTP_STATUS: dict[type[ServiceError], int] = {
     InvalidRequest: 422,
     NotFound: 404,
+    ArtifactGone: 410,  # removed by DELETE or retention: not coming back
     Conflict: 409,
     QueueFull: 429,  # TenantLimitExceeded too
     Unauthorized: 401,

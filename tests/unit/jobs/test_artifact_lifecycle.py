@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from service.api.errors import http_status
 from service.config import Settings
 from service.errors import ArtifactGone, Conflict, InvalidRequest
 from service.jobs.executors.local import LocalExecutor
@@ -67,7 +68,7 @@ def test_deleting_a_finished_job_removes_its_files_and_keeps_a_tombstone(
     assert jobs.artifact_bytes("a") == 0  # the tenant's quota is free again
     with pytest.raises(ArtifactGone) as gone:
         jobs.artifact(job_id, "model.safetensors", tenant="a")
-    assert gone.value.status == 410
+    assert http_status(gone.value) == 410
     again = jobs.delete(job_id, tenant="a")  # idempotent: same tombstone
     assert again.details["deleted_at"] == job.details["deleted_at"]
     assert again.metrics["artifact_bytes_freed"] == 1010
