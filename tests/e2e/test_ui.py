@@ -119,6 +119,16 @@ def test_a_tenant_submits_watches_and_downloads_and_another_tenant_sees_nothing(
     expected = next(a for a in job["artifacts"] if a["path"] == "safetensors/model.safetensors")
     assert hashlib.sha256(downloaded).hexdigest() == expected["sha256"]
 
+    # Delete the finished job's files from its page: the artifacts go, their URLs answer 410.
+    alice.on("dialog", lambda dialog: dialog.accept())
+    alice.click("#delete")
+    expect(alice.locator("#deleted")).to_contain_text("files deleted", timeout=JOB_TIMEOUT_MS)
+    expect(alice.locator("a.download")).to_have_count(0)
+    with ui_service.client(headers={"Authorization": f"Bearer {KEYS['alice']}"}) as client:
+        gone = client.get(f"/v1/jobs/{job_id}/artifacts/safetensors/model.safetensors")
+        assert gone.status_code == 410, gone.text
+        assert client.get(f"/v1/jobs/{job_id}").json()["artifacts"] == []
+
     # The list shows the job to its tenant, filterable by status.
     alice.goto(f"{ui_service.url}/ui/#/jobs?status=succeeded")
     expect(alice.locator(f"tr[data-job-id='{job_id}'] td.status")).to_have_text("succeeded")

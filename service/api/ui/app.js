@@ -231,9 +231,11 @@ async function jobView(jobId) {
   const renderDetails = async () => {
     refill(times, `created ${when(job.created_at)} · started ${when(job.started_at)} · finished ${when(job.finished_at)}`,
       session.admin ? ` · tenant ${job.tenant ?? "–"}` : "");
-    // DELETE /v1/jobs/{id} cancels; a finished job has nothing to cancel, so no button.
+    // DELETE /v1/jobs/{id} cancels a live job and removes a finished job's files (the job stays).
     refill(actions,
-      isTerminal(job.status) ? null : h("button", { id: "cancel", type: "button", onclick: cancel }, "Cancel job"));
+      isTerminal(job.status) ? null : h("button", { id: "cancel", type: "button", onclick: () => act("cancel") }, "Cancel job"),
+      isTerminal(job.status) && !job.deleted_at ? h("button", { id: "delete", type: "button", onclick: () => act("delete") }, "Delete files") : null,
+      job.deleted_at ? h("span", { id: "deleted" }, `files deleted ${when(job.deleted_at)}`) : null);
     const artifacts = table(["artifact", "size", "sha256"], job.artifacts.map((a) => h("tr", {},
       h("td", {}, h("a", { href: "#", class: "download", dataset: { path: a.path }, onclick: (e) => {
         e.preventDefault();
@@ -251,10 +253,12 @@ async function jobView(jobId) {
       h("h2", {}, "Request"), h("pre", {}, JSON.stringify(job.request, null, 2)));
     sizeBars(details);
   };
-  const cancel = async () => {
+  const act = async (what) => {
+    if (what === "delete" && !confirm("Delete this job's artifacts? The job record stays.")) return;
     try {
       job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`, { method: "DELETE" });
-      notice.replaceChildren(h("p", { class: "ok" }, "cancel requested"));
+      notice.replaceChildren(h("p", { class: "ok" }, what === "delete" ? "files deleted" : "cancel requested"));
+      if (what === "delete") await renderDetails();
     } catch (error) {
       notice.replaceChildren(problemBox(error));
     }
