@@ -21,6 +21,12 @@ broke; torch-to-nnef capped in pyproject.toml at the series they were checked on
   update stays for the rest of the process and breaks a later ``torch.export`` of a decoder with
   a dynamic cache (an ONNX export after an NNEF one in the same job). :func:`cache_update_restored`
   puts both back.
+* That replacement (``torch_to_nnef_llm.models.base._force_dyn_layer_update_ge4_56``, looked up
+  as a module global when the context is entered) stores the first keys without setting the
+  layer's ``is_initialized``, so ``get_seq_length()`` stays 0: an eager decode with the cache
+  then restarts positions at 0 every step (SmolLM2's PyTorch reference drifted by 12.9 after the
+  prompt). :func:`cache_update_restored` also swaps in :func:`_initialized_layer_update`, which
+  keeps the concat-without-empty-tensor that tract needs and the layer's bookkeeping.
 
 The patches are context managers: a job process enters them around an export and leaves them
 as they were. This module imports torch and torch-to-nnef at import time: import it inside
@@ -235,6 +241,7 @@ def cache_update_restored() -> Iterator[None]:
     torch-to-nnef (0.24.12) patches ``DynamicLayer.update`` for its trace and never restores it;
     every later export in the same process (ONNX's dynamo capture) then traces the patched
     update, whose shapes do not follow the cache's dynamic axes."""
+    from torch_to_nnef_llm.models import base
     from transformers import cache_utils
 
     saved = [
@@ -242,11 +249,28 @@ def cache_update_restored() -> Iterator[None]:
         for owner in (cache_utils.DynamicLayer, cache_utils.DynamicCache)
         if "update" in owner.__dict__
     ]
+    saved.append((base, "_force_dyn_layer_update_ge4_56", base._force_dyn_layer_update_ge4_56))
+    base._force_dyn_layer_update_ge4_56 = _initialized_layer_update
     try:
         yield
     finally:
         for owner, name, method in saved:
             setattr(owner, name, method)
+
+
+def _initialized_layer_update(
+    self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch-to-nnef's tract-friendly ``DynamicLayer.update`` (no concat with an empty first
+    cache) that also marks the layer initialized, as transformers' own update does."""
+    if not self.is_initialized:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = key_states, value_states
+        self.is_initialized = True
+    else:
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+    return self.keys, self.values
 
 
 @contextlib.contextmanager

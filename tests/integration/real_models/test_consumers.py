@@ -143,3 +143,19 @@ def test_safetensors_and_nnef_of_a_real_model_match_transformers_and_tract(
     assert verify["max_abs_err"] <= verify["tolerance"], verify
     if decoder:
         assert_tract_decoded_like_transformers(source, verify)
+
+
+def test_nnef_of_real_smollm2_decodes_in_tract_like_transformers(tmp_path: Path) -> None:
+    """The model issue 11 reported: GQA 9/3, rope theta 1e5 in rope_parameters, tied under the
+    output name (first 4 real layers, float16, sharded). Its check once failed by 12.9 because
+    torch-to-nnef's cache patch broke the PyTorch reference's cached decode."""
+    from tests.fixtures.real_models import Variant, real_variant
+
+    source = real_variant(
+        "smollm2",
+        Variant(tie="output", config_keys="v4", dtype="float16", layout="safetensors-sharded", layers=4),
+    )
+    _, manifest = run_job(tmp_path, source, [{"format": "nnef", "decode_steps": 4}])
+    (nnef,) = manifest["exports"]
+    assert nnef["verify"]["max_abs_err"] <= nnef["verify"]["tolerance"], nnef["verify"]
+    assert_tract_decoded_like_transformers(source, nnef["verify"])

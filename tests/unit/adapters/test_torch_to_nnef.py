@@ -102,3 +102,27 @@ def test_the_llm_exporter_leaks_its_cache_patch_and_the_adapter_undoes_it() -> N
     assert cache_utils.DynamicLayer.__dict__["update"] is original, (
         "cache_update_restored must put DynamicLayer.update back after torch-to-nnef's export"
     )
+
+
+def test_a_cached_decode_under_torch_to_nnefs_cache_patch_matches_an_uncached_one() -> None:
+    """torch-to-nnef's replacement DynamicLayer.update left get_seq_length() at 0, so every cached
+    step restarted positions at 0 (the SmolLM2 NNEF check's 12.9 logit drift)."""
+    from torch_to_nnef_llm.models.base import ctx_dtype_dyn_cache
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5, 35]])
+    with torch.no_grad():
+        uncached = model(ids, use_cache=False).logits[:, -1]
+        with t2n.cache_update_restored(), ctx_dtype_dyn_cache():
+            past = model(ids[:, :-1], use_cache=True).past_key_values
+            assert past.get_seq_length() == ids.shape[1] - 1, (
+                "the cache must count the prompt under torch-to-nnef's DynamicLayer.update"
+            )
+            cached = model(ids[:, -1:], past_key_values=past, use_cache=True).logits[:, -1]
+    assert torch.allclose(cached, uncached, atol=1e-5), (cached - uncached).abs().max()
