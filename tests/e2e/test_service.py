@@ -237,7 +237,7 @@ def test_bad_checkpoints_fail_the_job_with_a_typed_error(
         ({"source": "file:///etc", "exports": [{"format": "safetensors"}]}, 422,
          "source_not_allowed"),
         ({"source": "ftp://x/y", "exports": [{"format": "safetensors"}]}, 422, "invalid_request"),
-        ({"source": "file:///x", "exports": [{"format": "onnx"}]}, 422, "invalid_request"),
+        ({"source": "file:///x", "exports": [{"format": "tflite"}]}, 422, "invalid_request"),
         ({"source": "file:///x", "exports": [{"format": "safetensors", "dtype": "float8"}]}, 422,
          "invalid_request"),
         ({"source": "file:///x", "exports": []}, 422, "invalid_request"),
