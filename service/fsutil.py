@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -9,34 +10,58 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from service.errors import ConfigurationError
+from service.errors import ConfigurationError, DiskFull
 
 _HASH_BLOCK = 8 * 1024 * 1024
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
+def atomic_write_json(path: Path, data: Any, *, compact: bool = False) -> str:
     """Write ``data`` as JSON so that ``path`` holds either the old or the new content, never a
-    torn file: temp file in the same directory, fsync, ``os.replace``."""
+    torn file; returns the sha256 of the bytes written (an export lists it without rereading).
+
+    Temp file in the same directory, fsync, ``os.replace``, fsync of the directory so that the
+    rename itself survives a crash. ``compact`` drops the indentation: for index files rewritten
+    often (the offload store's), where nobody reads them by eye. A full disk is
+    :class:`DiskFull`, with the temp file removed."""
+    if compact:
+        text = json.dumps(data, separators=(",", ":"))
+    else:
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    raw = text.encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise DiskFull(f"disk full while writing {path.name}") from exc
         raise
+    fsync_dir(path.parent)
+    return hashlib.sha256(raw).hexdigest()
 
 
 def sha256_file(path: Path) -> str:
+    """The sha256 (hex) of a file, read in blocks so that RAM does not grow with its size."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(_HASH_BLOCK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in directory ``path`` durable (a file's own fsync does not cover its
+    directory entry: after a crash a renamed or new file could be missing)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:
@@ -48,11 +73,7 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(Path(dirpath))
 
 
 def ensure_writable_dir(path: Path, setting: str) -> None:

@@ -10,37 +10,12 @@ free pages wherever they are, without making every allocation an mmap.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import threading
-from collections.abc import Callable
-
-_TRIM: Callable[[int], int] | None = None
-_LOADED = False
-_LOCK = threading.Lock()
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    global _TRIM, _LOADED
-    with _LOCK:
-        if not _LOADED:
-            _LOADED = True
-            name = ctypes.util.find_library("c")
-            try:
-                libc = ctypes.CDLL(name) if name else None
-                _TRIM = getattr(libc, "malloc_trim", None)
-            except OSError:  # pragma: no cover - not glibc
-                _TRIM = None
-    return _TRIM
+from service.libc import malloc_trim
 
 
 def release_free_heap() -> bool:
     """Return the heap's free pages to the system; False where libc has no ``malloc_trim``."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    return malloc_trim()
 
 
 class HeapTrimmer:

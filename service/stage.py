@@ -87,6 +87,13 @@ class InMemoryContext:
     _phase_started: float = 0.0
 
     def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None:
+        """Enter ``phase`` with a new progress count. Entering the phase the job is already in
+        (the pipeline enters download, then the source's fetcher does, once it knows a total)
+        restarts its count without starting another entry of the timeline."""
+        if self.phases_seen and self.phases_seen[-1] is phase:
+            self.total, self.unit, self.done = total, unit, 0
+            self._changed(force=True)
+            return
         self.close_phase()
         self._phase_started = time.monotonic()
         # details["phases"]: the timeline the API's /metrics turns into per-phase histograms.
@@ -125,3 +132,38 @@ class InMemoryContext:
 
     def _changed(self, force: bool = False) -> None:
         """Called after every change of progress or details; nothing to persist here."""
+
+
+class SideContext:
+    """A job's context for a stage's side work (a verification's own dispatch, fetching a second
+    source such as an imatrix): cancellation is the job's, while phase, progress and details stay
+    private so they never overwrite the figures that describe the job's main work. Metrics go
+    to the job under ``metric_prefix`` (``None`` drops them)."""
+
+    def __init__(self, ctx: JobContext, work_dir: Path, metric_prefix: str | None = None) -> None:
+        self._ctx = ctx
+        self._prefix = metric_prefix
+        self.job_id = ctx.job_id
+        self.settings = ctx.settings
+        self.work_dir = work_dir
+        self.details: dict[str, Any] = {}
+
+    def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def check_abort(self) -> None:
+        self._ctx.check_abort()
+
+    def add_metric(self, key: str, value: float) -> None:
+        if self._prefix is not None:
+            self._ctx.add_metric(f"{self._prefix}{key}", value)
+
+    def set_metric(self, key: str, value: Any) -> None:
+        if self._prefix is not None:
+            self._ctx.set_metric(f"{self._prefix}{key}", value)
+
+    def set_detail(self, section: str, value: Any) -> None:
+        self.details[section] = value

@@ -18,16 +18,18 @@ types and never opens a checkpoint.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 from typing import Literal
 
 from service.checkpoint.base import Checkpoint, FileRegion, TensorInfo, WeightReader
+from service.checkpoint.consistency import check_config_matches_weights
 from service.checkpoint.index import ShardIndex, check_index_matches, load_index
 from service.errors import CheckpointError, NoWeightFiles, SourceNotFound
 
 __all__ = [
-    "AUX_FILE_NAMES",
+    "AUX_PATTERNS",
     "Checkpoint",
     "FileRegion",
     "TensorInfo",
@@ -35,9 +37,10 @@ __all__ = [
     "open_checkpoint",
 ]
 
-AUX_FILE_NAMES = (
+AUX_PATTERNS = (
     "config.json",
     "generation_config.json",
+    "preprocessor_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -46,12 +49,24 @@ AUX_FILE_NAMES = (
     "vocab.json",
     "merges.txt",
     "tokenizer.model",
+    "*.tiktoken",
     "spiece.model",
     "sentencepiece.bpe.model",
     "chat_template.jinja",
     "chat_template.json",
-    "preprocessor_config.json",
 )
+"""Files that travel with the weights (exports carry them over), top level only, as fnmatch
+patterns. The one list: a hub download fetches exactly these (service/sources/hub.py) and
+open_checkpoint hands exactly these to the exporters, so nothing downloaded is dropped."""
+
+
+def aux_files_in(root: Path) -> list[Path]:
+    """The auxiliary files at the top of checkpoint directory ``root``, sorted by name."""
+    return sorted(
+        p for p in root.iterdir()
+        if p.is_file() and any(fnmatch.fnmatchcase(p.name, pat) for pat in AUX_PATTERNS)
+    )  # fmt: skip
+
 
 Format = Literal["safetensors", "pickle"]
 
@@ -66,7 +81,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
     Raises :class:`NoWeightFiles` when there are no weights, :class:`MissingShard` when an index
     names an absent shard, :class:`CorruptCheckpoint` for truncated or lying files and
-    :class:`UnsafePickle` for pickles holding arbitrary objects. A tie the config implies is
+    :class:`UnsafePickle` for pickles holding arbitrary objects, :class:`ConfigMismatch` when
+    config.json promises layers or dimensions the weights lack. A tie the config implies is
     readable under both names, whichever one the files hold (``checkpoint.ties``).
     """
     from service.checkpoint.safetensors import SafetensorsReader
@@ -82,16 +98,18 @@ def open_checkpoint(path: Path) -> Checkpoint:
         reader = SafetensorsReader(files)
     else:
         reader = PickleReader(files)
+    config = _load_config(root / "config.json")
     try:
         if index is not None:
             stored = {i.name: i.file for i in reader.tensor_infos()}
             stored.update({a: stored[c] for a, c in reader.aliases().items()})
             check_index_matches(index, stored)
+        # Before anything is built on the config's word (resolve_ties below builds on meta).
+        check_config_matches_weights(config, {i.name: i.shape for i in reader.tensor_infos()})
     except CheckpointError:
         reader.close()
         raise
-    aux = [root / n for n in AUX_FILE_NAMES if (root / n).is_file()]
-    config = _load_config(root / "config.json")
+    aux = aux_files_in(root)
     resolve_ties(reader, config)  # after the index check: an index lists stored names only
     return Checkpoint(
         root=root,

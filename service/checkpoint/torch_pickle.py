@@ -14,7 +14,6 @@ refused with :class:`CheckpointError` rather than loaded into RAM whole.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import pickle
 import zipfile
@@ -27,19 +26,10 @@ import torch
 
 from service.checkpoint.base import FileRegion, TensorInfo
 from service.errors import CheckpointError, CorruptCheckpoint, UnsafePickle
+from service.libc import madvise_dontneed
 
-_MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
 _WRAPPER_KEYS = ("state_dict", "model", "module")
-
-_libc: ctypes.CDLL | None
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _libc.madvise.restype = ctypes.c_int
-except (OSError, AttributeError):  # not Linux/glibc: pages are then released on close only
-    _libc = None
-
 
 def release_pages(address: int, length: int) -> None:
     """Drop the whole pages of ``[address, address + length)`` from this process's RSS.
@@ -49,8 +39,8 @@ def release_pages(address: int, length: int) -> None:
     """
     start = (address + _PAGE - 1) // _PAGE * _PAGE
     end = (address + length) // _PAGE * _PAGE
-    if _libc is not None and end > start:
-        _libc.madvise(start, end - start, _MADV_DONTNEED)
+    if end > start:
+        madvise_dontneed(start, end - start)
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:

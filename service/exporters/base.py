@@ -27,11 +27,20 @@ from typing import Any, ClassVar, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from service.checkpoint.base import Checkpoint
+from service.config import Settings
 from service.stage import JobContext
 
 
+def _format_required(schema: dict[str, Any]) -> None:
+    """``format`` is the tag of the exports union: a request must carry it, so the published
+    schema requires it, though subclasses give it a default for code that builds a spec."""
+    required = schema.setdefault("required", [])
+    if "format" not in required:
+        required.insert(0, "format")
+
+
 class ExportSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_format_required)
     format: str
 
 
@@ -89,9 +98,28 @@ class Exporter(Protocol):
         """What the job must prepare for this export (see :class:`Needs`)."""
         return Needs()
 
+    def modules(self) -> tuple[str, ...]:
+        """The modules ``export`` and ``verify`` import when they run (heavy imports stay out of
+        the API process) that every job should find already imported: the job forkserver
+        imports them once (:mod:`service.jobs.executors.preload`). Leave out what only a rare
+        job uses: it would cost every job process its memory."""
+        return ()
+
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
         """Raise :class:`service.errors.InvalidRequest` for a spec this exporter cannot honour."""
         ...
+
+    def check_request(self, spec: ExportSpec, settings: Settings) -> None:
+        """Submission-time checks that need no checkpoint (an extra source the spec names, say);
+        run for every job, local or not. Default: nothing."""
+        return
+
+    def check_files(
+        self, spec: ExportSpec, config: dict[str, Any] | None, root: Path, settings: Settings
+    ) -> None:
+        """:meth:`check` for a local source, whose files (``root``) can be judged at submission
+        too; the default judges the config only."""
+        self.check(spec, config)
 
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext

@@ -16,7 +16,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from service.errors import ServiceError, VerificationFailed
+import numpy as np
+
+from service.errors import ServiceError, VerificationFailed, VerificationTooLarge
+from service.units import parse_size
 
 
 def run_child(
@@ -71,3 +74,47 @@ def run_child(
         hint = " (out of memory?)" if code == -signal.SIGKILL else ""
         raise error(f"{what} {how}{hint}: {tail[-500:]}")
     return int(usage.ru_maxrss) * 1024
+
+
+def memory_limit(setting: str | None) -> int:
+    """Bytes a verifier child may take: the setting, else 90% of what the machine has now."""
+    if setting is not None:
+        return parse_size(setting)
+    import psutil
+
+    return int(psutil.virtual_memory().available * 0.9)
+
+
+def ensure_fits(runtime: str, need: int, setting: str | None, setting_name: str) -> None:
+    """Refuse up front a verification ``runtime`` cannot hold: tract and onnxruntime read every
+    weight into RAM, so their need grows with the model, unlike the export's."""
+    limit = memory_limit(setting)
+    if need > limit:
+        raise VerificationTooLarge(
+            f"{runtime} needs about {need / 2**30:.1f} GiB of RAM to run this model (it holds "
+            f"every weight), more than the {limit / 2**30:.1f} GiB this worker allows "
+            f'({setting_name}); export with "verify": false, or on a bigger worker'
+        )
+
+
+def compare_outputs(
+    runtime: str,
+    found: list[np.ndarray],
+    expected: list[np.ndarray],
+    atol: float,
+    rtol: float,
+) -> tuple[float, float, float]:
+    """(max abs error, max |reference|, tolerance ``atol + rtol * max|reference|``) of a
+    runtime's outputs against PyTorch's; :class:`VerificationFailed` on a shape mismatch or a
+    non-finite value (which no tolerance can judge)."""
+    err = 0.0
+    ref = 0.0
+    for f, e in zip(found, expected, strict=True):
+        if f.shape != e.shape:
+            raise VerificationFailed(f"{runtime} output shape {f.shape} != PyTorch {e.shape}")
+        if not np.all(np.isfinite(f)):
+            raise VerificationFailed(f"{runtime} produced non-finite values")
+        diff = np.abs(f.astype(np.float64) - e.astype(np.float64))
+        err = max(err, float(diff.max(initial=0.0)))
+        ref = max(ref, float(np.abs(e).max(initial=0.0)))
+    return err, ref, atol + rtol * ref

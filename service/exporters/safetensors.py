@@ -31,6 +31,7 @@ from service.checkpoint.base import Checkpoint
 from service.errors import InvalidRequest
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
 from service.stage import JobContext
+from service.tensors import dtype_name
 from service.units import parse_size
 
 OutDtype = Literal["float32", "float16", "bfloat16"]
@@ -52,6 +53,10 @@ class SafetensorsExporter(Exporter):
         """The source's reference outputs: the export is checked by running it through
         transformers (:meth:`verify`), not by reading it back."""
         return Needs(reference=True)
+
+    def modules(self) -> tuple[str, ...]:
+        """The writer and the parity check: most jobs export safetensors, verified."""
+        return ("service.exporters.safetensors_writer", "service.verify.parity")
 
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
         """Reject an unparseable ``max_shard_size`` at submission time."""
@@ -90,7 +95,7 @@ def _source_dtype(checkpoint: Checkpoint) -> str:
     counts: Counter[str] = Counter()
     for info in checkpoint.reader.tensor_infos():
         if info.dtype.is_floating_point:
-            counts[str(info.dtype).removeprefix("torch.")] += info.nbytes
+            counts[dtype_name(info.dtype)] += info.nbytes
     return counts.most_common(1)[0][0] if counts else "float32"
 
 

@@ -5,7 +5,6 @@ Imports torch at import time: only the job process loads it, through the exporte
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import json
@@ -25,7 +24,10 @@ from service.checkpoint.safetensors import DTYPE_NAMES
 from service.checkpoint.ties import tied_targets_from_config, tied_targets_of_model
 from service.errors import DiskFull, ExportFailed, UnsupportedDtype
 from service.exporters.base import ExportInputs, ExportResult
+from service.fsutil import atomic_write_json, fsync_dir
+from service.libc import sync_file_range_write
 from service.stage import JobContext, Phase
+from service.tensors import tensor_bytes
 from service.units import parse_size
 
 SINGLE_FILE = "model.safetensors"
@@ -205,15 +207,6 @@ def encode_header(tensors: list[PlannedTensor]) -> bytes:
 # --- writing -----------------------------------------------------------------------------------
 
 
-_libc: ctypes.CDLL | None
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-except (OSError, AttributeError):  # not Linux: the final fsync does all the waiting
-    _libc = None
-_SYNC_FILE_RANGE_WRITE = 2
-
-
 class _HashingFile:
     """An output file written with ``os.write`` while its sha256 is computed.
 
@@ -233,8 +226,8 @@ class _HashingFile:
         done = 0
         while done < len(view):
             done += os.write(self.fd, view[done:])
-        if _libc is not None and done >= 1 << 20:
-            _libc.sync_file_range(self.fd, self.written, done, _SYNC_FILE_RANGE_WRITE)
+        if done >= 1 << 20:  # not Linux: the final fsync does all the waiting
+            sync_file_range_write(self.fd, self.written, done)
         self.written += done
         return done
 
@@ -248,12 +241,6 @@ class _HashingFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    # numpy has no bfloat16/float8: reinterpret as bytes first (1-D, so view() is always legal).
-    flat = t.reshape(-1)
-    return flat.view(torch.uint8).numpy().data
 
 
 T = TypeVar("T")
@@ -370,7 +357,7 @@ def write_shard(
             ctx.check_abort()
             # bytes_read counts source bytes: a f32 -> bf16 export reads twice what it writes
             ctx.add_metric("bytes_read", source_bytes)
-            n = out.write(_as_bytes(piece))
+            n = out.write(tensor_bytes(piece))
             ctx.add_metric("bytes_written", n)
             ctx.advance(n)
         if out.written != shard.file_size:
@@ -384,18 +371,6 @@ def write_shard(
         out.abandon()
 
 
-def write_json_atomic(path: Path, payload: object) -> str:
-    """Write JSON via temp file + fsync + ``os.replace`` (never a half-written index); sha256."""
-    data = (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode()
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return hashlib.sha256(data).hexdigest()
-
-
 def copy_aux(src: Path, dst: Path, dtype: str | None) -> str:
     """Copy one aux file, hashing it; ``config.json`` records the export dtype when it changed."""
     if src.name == "config.json" and dtype is not None:
@@ -407,7 +382,7 @@ def copy_aux(src: Path, dst: Path, dtype: str | None) -> str:
             config["dtype"] = dtype
             if "torch_dtype" in config:
                 config["torch_dtype"] = dtype
-            return write_json_atomic(dst, config)
+            return atomic_write_json(dst, config)
     sha = hashlib.sha256()
     with src.open("rb") as fin, dst.open("wb") as fout:
         while block := fin.read(1 << 20):
@@ -457,11 +432,11 @@ def export_safetensors(
             },
             "weight_map": dict(sorted(plan.weight_map.items())),
         }
-        digests[INDEX_FILE] = write_json_atomic(out_dir / INDEX_FILE, index)
+        digests[INDEX_FILE] = atomic_write_json(out_dir / INDEX_FILE, index)
     for aux in ckpt.aux_files:
         ctx.check_abort()
         digests[aux.name] = copy_aux(aux, out_dir / aux.name, dtype_name)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     files = [s.filename for s in plan.shards]
     files += [INDEX_FILE] if len(plan.shards) > 1 else []
     files += [a.name for a in ckpt.aux_files]
@@ -493,12 +468,3 @@ def single_threaded_torch() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-

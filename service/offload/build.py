@@ -20,6 +20,16 @@ from service.checkpoint.base import Checkpoint, TensorInfo
 from service.config import Settings
 from service.errors import NoModelConfig
 from service.stage import JobContext, Phase
+from service.tensors import dtype_name
+
+COMMON_MODEL_MODULES = (
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.bert.modeling_bert",
+)
+"""Model code most jobs build (Llama-style decoders, BERT-style encoders), which transformers
+imports only on first use: the job forkserver imports it once
+(:mod:`service.jobs.executors.preload`), so that a job starts without seconds of imports."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,7 @@ class BuiltModel:
             "architecture": self.architecture,
             "model_type": self.model_type,
             "parameters": self.parameter_count,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "no_split_modules": self.no_split_module_classes,
             "keys": self.keys.to_json(),
         }

@@ -1,7 +1,7 @@
 """Fill a meta model from a checkpoint, tensor by tensor: RAM for ``"cpu"``, the store for ``"disk"``.
 
 The checkpoint is read in storage order (sequential I/O) and never more than one tensor is held:
-``"cpu"`` tensors become real parameters, ``"disk"`` tensors become :class:`OffloadedTensor`
+``"cpu"`` tensors become real parameters, ``"disk"`` tensors become :class:`StoreTensor`
 handles. Safetensors data is referenced in place (``WeightReader.region``: zero copy); other
 formats are streamed once into the store in chunks. Tied parameters share one handle.
 """
@@ -20,7 +20,7 @@ from service.offload.build import BuiltModel, resolve_name, tied_names
 from service.offload.device_map import DeviceMap, placement_of, resolve_device_map
 from service.offload.quant import QuantEncoding, packed_nbytes
 from service.offload.store import OffloadStore
-from service.offload.tensor import OffloadedTensor
+from service.offload.tensor import StoreTensor
 from service.stage import JobContext, Phase
 
 CHUNK_BYTES = 64 << 20
@@ -42,9 +42,13 @@ class DispatchResult:
         return {"placed": dict(self.placed), "missing": list(self.missing)}
 
 
-def _owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str, bool]]]:
+Slot = tuple[nn.Module, str, bool]
+"""(module, attribute, is_parameter): one place in the model that holds a tensor."""
+
+
+def _owners(model: nn.Module) -> dict[str, list[Slot]]:
     """Tensor name -> every (module, attribute, is_parameter) slot holding it (tied included)."""
-    slots: dict[str, list[tuple[nn.Module, str, bool]]] = {}
+    slots: dict[str, list[Slot]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
         for attr, value in module._parameters.items():
@@ -56,9 +60,9 @@ def _owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str, bool]]]:
     return slots
 
 
-def _assign(slots: list[tuple[nn.Module, str, bool]], value: torch.Tensor) -> None:
+def _assign(slots: list[Slot], value: torch.Tensor) -> None:
     param = (
-        value if isinstance(value, OffloadedTensor) else nn.Parameter(value, requires_grad=False)
+        value if isinstance(value, StoreTensor) else nn.Parameter(value, requires_grad=False)
     )
     for module, attr, is_param in slots:
         if is_param:
@@ -96,23 +100,84 @@ def dispatch_checkpoint(
     """
     infos = reader.tensor_infos()
     ctx.set_phase(Phase.OFFLOAD, total=sum(i.nbytes for i in infos), unit="bytes")
-    slots = _owners(model)
-    module_names = set(slots)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    tied = tied_names(model)
-    groups: dict[str, list[tuple[nn.Module, str, bool]]] = {}
-    for name, name_slots in slots.items():
-        groups.setdefault(tied.get(name, name), []).extend(name_slots)
-    done: dict[str, str] = {}  # module canonical name -> store key / "cpu"
-    placed = {"cpu": 0, "disk_ref": 0, "disk_owned": 0}
-    since_commit = 0
+    dispatcher = _Dispatcher.for_model(model, reader, device_map, store, quantization)
+    dispatcher.load_all(infos, ctx)
+    missing = dispatcher.still_on_meta()
+    if missing and strict:
+        raise WeightsMismatch(
+            f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+            + ", ".join(missing[:5])
+            + (" ..." if len(missing) > 5 else "")
+        )
+    result = DispatchResult(model, device_map, store, dispatcher.placed, missing)
+    publish_offload_metrics(store, ctx, result)
+    return result
 
-    def load(info: TensorInfo, source_name: str, target: str) -> None:
-        nonlocal since_commit
-        canonical = tied.get(target, target)
-        if canonical in done:
+
+@dataclass
+class _Dispatcher:
+    """Puts each checkpoint tensor where the device map says, once per tied group: a real
+    parameter in RAM (``cpu``), or a :class:`StoreTensor` over the store (``disk``), written
+    quantized, referenced in place in the checkpoint file, or copied in chunks."""
+
+    reader: WeightReader
+    device_map: DeviceMap
+    store: OffloadStore
+    quantization: QuantEncoding | None
+    slots: dict[str, list[Slot]]
+    """Module tensor name -> every slot holding it."""
+    tied: dict[str, str]
+    """Tied name -> the canonical name of its group."""
+    groups: dict[str, list[Slot]]
+    """Canonical name -> the slots of every tied name in its group."""
+    prefix: str
+    done: dict[str, str] = field(default_factory=dict)
+    """Canonical name -> store key, or ``cpu``."""
+    placed: dict[str, int] = field(
+        default_factory=lambda: {"cpu": 0, "disk_ref": 0, "disk_owned": 0}
+    )
+    since_commit: int = 0
+
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        reader: WeightReader,
+        device_map: DeviceMap,
+        store: OffloadStore,
+        quantization: QuantEncoding | None,
+    ) -> _Dispatcher:
+        slots = _owners(model)
+        tied = tied_names(model)
+        groups: dict[str, list[Slot]] = {}
+        for name, name_slots in slots.items():
+            groups.setdefault(tied.get(name, name), []).extend(name_slots)
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        return cls(reader, device_map, store, quantization, slots, tied, groups, prefix)
+
+    def load_all(self, infos: list[TensorInfo], ctx: JobContext) -> None:
+        """Every stored tensor, then every alias the reader knows (a tied name stored once),
+        then a final index commit."""
+        module_names = set(self.slots)
+        by_name = {i.name: i for i in infos}
+        for info in infos:
+            ctx.check_abort()
+            target = resolve_name(info.name, module_names, self.prefix)
+            if target is not None:
+                self.load(info, info.name, target)
+            ctx.advance(info.nbytes)
+        for alias, canonical_source in self.reader.aliases().items():
+            target = resolve_name(alias, module_names, self.prefix)
+            if target is not None and canonical_source in by_name:
+                self.load(by_name[canonical_source], canonical_source, target)
+        self.store.commit()
+
+    def load(self, info: TensorInfo, source_name: str, target: str) -> None:
+        """Checkpoint tensor ``source_name`` into module tensor ``target`` and its tied group."""
+        canonical = self.tied.get(target, target)
+        if canonical in self.done:
             return
-        slot = groups[canonical]
+        slot = self.groups[canonical]
         current = getattr(slot[0][0], slot[0][1])
         dtype = current.dtype if current is not None else info.dtype
         if tuple(current.shape) != tuple(info.shape):
@@ -121,61 +186,46 @@ def dispatch_checkpoint(
                 f"{list(current.shape)} for {canonical}"
             )
         is_param = slot[0][2]
-        if not is_param or placement_of(canonical, device_map) != "disk":
-            _assign(slot, reader.read(source_name).to(dtype))
-            placed["cpu"] += 1
-            done[canonical] = "cpu"
+        if not is_param or placement_of(canonical, self.device_map) != "disk":
+            _assign(slot, self.reader.read(source_name).to(dtype))
+            self.placed["cpu"] += 1
+            self.done[canonical] = "cpu"
             return
-        region = reader.region(source_name)
-        if _quantizable(info, quantization):
-            assert quantization is not None
-            store.put_quantized(canonical, reader.read(source_name), quantization)
-            placed["disk_owned"] += 1
+        self._offload(info, source_name, canonical)
+        _assign(slot, StoreTensor.from_store(self.store, canonical, dtype))
+        self.done[canonical] = canonical
+        self.since_commit += 1
+        if self.since_commit >= COMMIT_EVERY:
+            self.store.commit()
+            self.since_commit = 0
+
+    def _offload(self, info: TensorInfo, source_name: str, canonical: str) -> None:
+        """Into the store: quantized when asked and possible, else a reference to the bytes in
+        the checkpoint file when they can be read in place, else a copy in chunks."""
+        region = self.reader.region(source_name)
+        if _quantizable(info, self.quantization):
+            assert self.quantization is not None
+            self.store.put_quantized(canonical, self.reader.read(source_name), self.quantization)
+            self.placed["disk_owned"] += 1
         elif region is not None:
-            store.put_reference(canonical, region, info.dtype, tuple(info.shape))
-            placed["disk_ref"] += 1
+            self.store.put_reference(canonical, region, info.dtype, tuple(info.shape))
+            self.placed["disk_ref"] += 1
         else:
-            store.put_chunks(
+            self.store.put_chunks(
                 canonical,
-                reader.iter_chunks(source_name, CHUNK_BYTES),
+                self.reader.iter_chunks(source_name, CHUNK_BYTES),
                 info.dtype,
                 tuple(info.shape),
             )
-            placed["disk_owned"] += 1
-        _assign(slot, OffloadedTensor.from_store(store, canonical, dtype))
-        done[canonical] = canonical
-        since_commit += 1
-        if since_commit >= COMMIT_EVERY:
-            store.commit()
-            since_commit = 0
+            self.placed["disk_owned"] += 1
 
-    by_name = {i.name: i for i in infos}
-    for info in infos:
-        ctx.check_abort()
-        target = resolve_name(info.name, module_names, prefix)
-        if target is not None:
-            load(info, info.name, target)
-        ctx.advance(info.nbytes)
-    for alias, canonical_source in reader.aliases().items():
-        target = resolve_name(alias, module_names, prefix)
-        if target is not None and canonical_source in by_name:
-            load(by_name[canonical_source], canonical_source, target)
-    store.commit()
-
-    missing = [
-        name
-        for name, slot in slots.items()
-        if getattr(slot[0][0], slot[0][1]) is not None and getattr(slot[0][0], slot[0][1]).is_meta
-    ]
-    if missing and strict:
-        raise WeightsMismatch(
-            f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
-            + ", ".join(missing[:5])
-            + (" ..." if len(missing) > 5 else "")
-        )
-    result = DispatchResult(model, device_map, store, placed, missing)
-    publish_offload_metrics(store, ctx, result)
-    return result
+    def still_on_meta(self) -> list[str]:
+        """Module tensors the checkpoint did not fill."""
+        return [
+            name
+            for name, slot in self.slots.items()
+            if (value := getattr(slot[0][0], slot[0][1])) is not None and value.is_meta
+        ]
 
 
 def dispatch_model(

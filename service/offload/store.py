@@ -45,18 +45,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from service.checkpoint.base import FileRegion
 from service.config import Settings
 from service.errors import DiskFull, OffloadQuotaExceeded, PathOutsideRoot, ServiceError
+from service.fsutil import atomic_write_json, fsync_dir
+from service.offload.paths import DATA_DIR, INDEX_NAME, METRICS_NAME, inside, job_store_dir
+from service.tensors import dtype_name, tensor_bytes
 
 FORMAT = "modelprep.offload"
 VERSION = 1
-INDEX_NAME = "index.json"
-METRICS_NAME = "metrics.json"
-DATA_DIR = "data"
 
 Encoding = Literal["raw", "q8_0", "q4_0"]
 
@@ -66,10 +65,6 @@ class OffloadStoreError(ServiceError):
 
     code = "offload_store_error"
     title = "Offload store error"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -109,35 +104,6 @@ class StoreEntry:
             shape=tuple(int(d) for d in data["shape"]),
             encoding=data.get("encoding", "raw"),
         )
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Replace ``path`` whole: temp file in the same directory, fsync, rename, fsync the dir."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            json.dump(data, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
-            raise DiskFull(f"disk full while writing {path.name}") from exc
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    dir_fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path.resolve().is_relative_to(root.resolve())
 
 
 class OffloadStore:
@@ -249,7 +215,7 @@ class OffloadStore:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for chunk in chunks:
-                    data = _as_bytes(chunk)
+                    data = tensor_bytes(chunk)
                     if self.quota_bytes is not None and (
                         self._owned_bytes + written + len(data) > self.quota_bytes
                     ):
@@ -310,8 +276,8 @@ class OffloadStore:
             }
             self._dirty = False
         try:
-            _fsync_dir(self.root / DATA_DIR)  # data files' names are durable before the index
-            write_json_atomic(self.root / INDEX_NAME, index)
+            fsync_dir(self.root / DATA_DIR)  # data files' names are durable before the index
+            atomic_write_json(self.root / INDEX_NAME, index, compact=True)
         except DiskFull as exc:
             self._abort(str(exc))
             raise
@@ -320,8 +286,10 @@ class OffloadStore:
         """Persist the reload counters so ``offload_usage`` (another process) can report them."""
         if self._aborted is not None:
             return
-        write_json_atomic(
-            self.root / METRICS_NAME, {"reloads": self.reloads, "bytes_read": self.bytes_read}
+        atomic_write_json(
+            self.root / METRICS_NAME,
+            {"reloads": self.reloads, "bytes_read": self.bytes_read},
+            compact=True,
         )
 
     # -- reading ----------------------------------------------------------------------------
@@ -431,7 +399,7 @@ class OffloadStore:
     def _resolve(self, entry: StoreEntry) -> Path:
         if entry.kind == "owned":
             path = self.root / entry.path
-            if not _inside(path, self.root):
+            if not inside(path, self.root):
                 raise PathOutsideRoot(f"offload entry {entry.path} escapes the store")
             return path
         path = Path(entry.path)
@@ -493,20 +461,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _as_bytes(chunk: torch.Tensor) -> bytes | memoryview:
-    flat = chunk.detach().contiguous().reshape(-1)
-    arr: np.ndarray[Any, Any] = flat.view(torch.uint8).numpy()
-    return arr.data.cast("B")
-
-
-def job_store_dir(jobs_dir: Path, job_id: str) -> Path:
-    """``<jobs_dir>/<job_id>/offload``; refuses ids that would leave ``jobs_dir``."""
-    path = jobs_dir / job_id / "offload"
-    if not job_id or "/" in job_id or job_id in (".", "..") or not _inside(path, jobs_dir):
-        raise PathOutsideRoot(f"job id {job_id!r} does not name a directory under {jobs_dir}")
-    return path
 
 
 def open_job_store(settings: Settings, job_id: str, checkpoint_root: Path | None) -> OffloadStore:

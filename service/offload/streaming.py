@@ -4,7 +4,7 @@ As accelerate's hooks do: just before a module's forward, its own offloaded tens
 from the store into plain tensors; right after, they are dropped again. At any time RAM holds
 the ``"cpu"`` part of the model, the weights of the one module running, and activations, so a
 model larger than RAM runs. Weights touched outside their module's forward still work: an
-:class:`OffloadedTensor` loads itself for the op that needs it.
+:class:`StoreTensor` loads itself for the op that needs it.
 
 Two leaves are paged finer, because their weights can be huge (a 128k-token vocabulary at
 8192 wide is 4 GiB in float32): an ``nn.Linear`` whose weight exceeds ``page_bytes`` runs in
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from service.offload.tensor import OffloadedTensor
+from service.offload.tensor import StoreTensor
 
 PAGE_BYTES = 64 << 20
 """Largest slice of one weight paged in at once by the sliced Linear / gathered Embedding."""
@@ -55,7 +55,7 @@ class _Pager:
         originals: dict[str, torch.Tensor] = {}
         nbytes = 0
         for attr, value in module._parameters.items():
-            if isinstance(value, OffloadedTensor):
+            if isinstance(value, StoreTensor):
                 loaded = value.materialize()
                 originals[attr] = value
                 module._parameters[attr] = loaded
@@ -88,14 +88,14 @@ def offloaded_modules(model: nn.Module) -> list[nn.Module]:
     return [
         m
         for m in model.modules()
-        if any(isinstance(p, OffloadedTensor) for p in m._parameters.values())
+        if any(isinstance(p, StoreTensor) for p in m._parameters.values())
     ]
 
 
 def _sliceable(module: nn.Module, page_bytes: int) -> bool:
     """A plain Linear/Embedding (forward not overridden) whose weight is worth slicing."""
     weight = module._parameters.get("weight")
-    if not isinstance(weight, OffloadedTensor) or weight.nbytes <= page_bytes:
+    if not isinstance(weight, StoreTensor) or weight.nbytes <= page_bytes:
         return False
     if type(module).forward is nn.Linear.forward:
         return True
@@ -126,8 +126,8 @@ class _Sliced:
         self.pager = pager
         self.page_bytes = page_bytes
         weight = module._parameters["weight"]
-        assert isinstance(weight, OffloadedTensor)
-        self.weight: OffloadedTensor = weight
+        assert isinstance(weight, StoreTensor)
+        self.weight: StoreTensor = weight
 
     def _account(self, loaded: torch.Tensor, first: bool) -> None:
         stats = self.pager.stats
@@ -153,7 +153,7 @@ class _Sliced:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         bias = self.module._parameters.get("bias")
-        if isinstance(bias, OffloadedTensor):
+        if isinstance(bias, StoreTensor):
             bias = bias.materialize()
             self.pager.stats.tensors_loaded += 1
             self.pager.stats.bytes_loaded += bias.nbytes

@@ -1,7 +1,8 @@
 """A tensor whose data lives in an offload store and is read back on each use.
 
 In the spirit of torch-to-nnef's ``OffloadedTensor``, but with no pickle on disk and no private
-file per tensor: an :class:`OffloadedTensor` is a ``torch.Tensor`` wrapper subclass with the
+file per tensor, and named apart from it so that each name means one thing here (the NNEF
+export meets both): a :class:`StoreTensor` is a ``torch.Tensor`` wrapper subclass with the
 logical shape, dtype and device ("cpu") and no storage. Module code uses it like any weight;
 ``__torch_dispatch__`` loads the bytes from the store for the one aten op that needs them and
 drops them afterwards, so nothing stays resident. Every load is counted on the tensor
@@ -24,7 +25,7 @@ _aten = torch.ops.aten
 _SHARE_OPS = {_aten.detach.default, _aten.alias.default}
 
 
-class OffloadedTensor(torch.Tensor):
+class StoreTensor(torch.Tensor):
     """Shape, dtype and a store key; the data is read from disk whenever an op needs it."""
 
     store: OffloadStore
@@ -51,7 +52,7 @@ class OffloadedTensor(torch.Tensor):
         super().__init__()
 
     @classmethod
-    def from_store(cls, store: OffloadStore, key: str, dtype: torch.dtype) -> OffloadedTensor:
+    def from_store(cls, store: OffloadStore, key: str, dtype: torch.dtype) -> StoreTensor:
         """A tensor over the store entry ``key``, presented (and decoded) as ``dtype``."""
         return cls(store, key, store.entry(key).shape, dtype)
 
@@ -63,18 +64,18 @@ class OffloadedTensor(torch.Tensor):
         self.bytes_read += self.store.bytes_read - before
         return tensor
 
-    def share(self) -> OffloadedTensor:
+    def share(self) -> StoreTensor:
         """Another handle on the same stored data (what ``detach`` returns)."""
-        return OffloadedTensor(self.store, self.key, tuple(self.shape), self.dtype)
+        return StoreTensor(self.store, self.key, tuple(self.shape), self.dtype)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (
-            f"OffloadedTensor(key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"StoreTensor(key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"encoding={self.store.entry(self.key).encoding})"
         )
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        raise TypeError("an OffloadedTensor is a handle on a job's disk; pass the store path")
+        raise TypeError("a StoreTensor is a handle on a job's disk; pass the store path")
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -86,16 +87,16 @@ class OffloadedTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func in _SHARE_OPS and isinstance(args[0], OffloadedTensor):
+        if func in _SHARE_OPS and isinstance(args[0], StoreTensor):
             return args[0].share()
         if func._schema.is_mutable and any(
-            isinstance(arg, OffloadedTensor) and info.alias_info and info.alias_info.is_write
+            isinstance(arg, StoreTensor) and info.alias_info and info.alias_info.is_write
             for arg, info in zip(args, func._schema.arguments, strict=False)
         ):
             # the write would land in a temporary copy and vanish: refuse it loudly
             raise TypeError(f"{func} would modify an offloaded (read-only) tensor")
 
         def unwrap(value: Any) -> Any:
-            return value.materialize() if isinstance(value, OffloadedTensor) else value
+            return value.materialize() if isinstance(value, StoreTensor) else value
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from service.config import Settings
+from service.errors import PathOutsideRoot
+from service.offload.paths import INDEX_NAME, METRICS_NAME, job_store_dir
 
 _COUNTERS = (
     "bytes_on_disk",
@@ -51,8 +53,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 def store_usage(root: Path) -> dict[str, Any]:
     """The figures of one store directory, as far as its files tell."""
     usage = directory_usage(root)
-    index = _read_json(root / "index.json")
-    metrics = _read_json(root / "metrics.json")
+    index = _read_json(root / INDEX_NAME)
+    metrics = _read_json(root / METRICS_NAME)
     tensors = index.get("tensors", {}) if isinstance(index.get("tensors"), dict) else {}
     refs = [e for e in tensors.values() if isinstance(e, dict) and e.get("kind") == "ref"]
     owned = {
@@ -76,7 +78,10 @@ def offload_usage(settings: Settings) -> dict[str, Any]:
     jobs_dir = settings.jobs_dir
     if jobs_dir.is_dir():
         for job_dir in sorted(jobs_dir.iterdir()):
-            store = job_dir / "offload"
+            try:
+                store = job_store_dir(jobs_dir, job_dir.name)
+            except PathOutsideRoot:
+                continue  # a link out of the jobs directory is nobody's store
             if store.is_dir() and not store.is_symlink():
                 jobs[job_dir.name] = store_usage(store)
     total: dict[str, Any] = {key: sum(j[key] for j in jobs.values()) for key in _COUNTERS}

@@ -6,7 +6,7 @@ from urllib.parse import urlparse
 
 from service.config import Settings
 from service.errors import InvalidRequest
-from service.sources.base import ResolvedSource, SourceFetcher, SourceRequest
+from service.sources.base import ResolvedSource, SourceFetcher, SourceIdentity, SourceRequest
 from service.sources.http import HttpFetcher
 from service.sources.hub import HubFetcher
 from service.sources.local import LocalFetcher
@@ -32,4 +32,22 @@ def fetch_source(request: SourceRequest, settings: Settings, ctx: JobContext) ->
     return fetcher_for(request.uri).fetch(request, settings, ctx)
 
 
-__all__ = ["ResolvedSource", "SourceRequest", "check_source", "fetch_source", "fetcher_for"]
+def identify_source(
+    request: SourceRequest,
+    settings: Settings,
+    ctx: JobContext,
+    fetched: ResolvedSource | None = None,
+) -> SourceIdentity | None:
+    """The identity of the source's bytes (see :meth:`SourceFetcher.identify`)."""
+    return fetcher_for(request.uri).identify(request, settings, ctx, fetched)
+
+
+__all__ = [
+    "ResolvedSource",
+    "SourceIdentity",
+    "SourceRequest",
+    "check_source",
+    "fetch_source",
+    "fetcher_for",
+    "identify_source",
+]

@@ -20,6 +20,22 @@ class SourceRequest:
     revision: str | None = None
     sha256: str | None = None
     token: SecretStr | None = field(default=None, repr=False)
+    pinned: str | None = None
+    """The commit a hub ``revision`` was resolved to by :meth:`SourceFetcher.identify`: the
+    fetch then downloads exactly the commit the job's identity names, even if the branch
+    moves meanwhile."""
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """What a source's bytes are, independent of where they were asked for: two jobs whose
+    sources have the same ``key`` read the same checkpoint (result reuse keys on it)."""
+
+    key: str
+    """``hf:<endpoint>/<repo>@<commit>``, ``sha256:<hex>`` (one HTTP file) or
+    ``files:<hex>`` (a local checkpoint's content hash)."""
+    request: SourceRequest
+    """The request that fetches exactly these bytes (a hub branch pinned to its commit)."""
 
 
 @dataclass(frozen=True)
@@ -43,3 +59,14 @@ class SourceFetcher(Protocol):
     def fetch(
         self, request: SourceRequest, settings: Settings, ctx: JobContext
     ) -> ResolvedSource: ...
+
+    def identify(
+        self,
+        request: SourceRequest,
+        settings: Settings,
+        ctx: JobContext,
+        fetched: ResolvedSource | None = None,
+    ) -> SourceIdentity | None:
+        """The source's identity: before the fetch (``fetched`` None) when it can be known
+        without downloading the checkpoint (None otherwise), after it always."""
+        ...

@@ -21,7 +21,7 @@ import queue
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Self
 from urllib.parse import unquote, urljoin, urlsplit
@@ -42,7 +42,9 @@ from service.errors import (
     SourceNotFound,
     SourceUnauthorized,
 )
-from service.sources.base import ResolvedSource, SourceRequest
+from service.fsutil import sha256_file
+from service.retry import Backoff
+from service.sources.base import ResolvedSource, SourceIdentity, SourceRequest
 from service.sources.cache import DownloadCache
 from service.stage import JobContext, Phase
 
@@ -226,108 +228,157 @@ def download_file(
     SourceNotFound / SourceUnauthorized for 404 / 401-403, DownloadFailed once
     ``settings.download_retries`` consecutive attempts made no progress.
     """
-    part = dest.with_name(f".{dest.name}.part")
-    def new_digest() -> Any | None:
-        return hashlib.sha256() if sha256 is not None else None  # hashing is most of the CPU
-
-    digest = new_digest()
-    have = 0
-    if part.exists():  # left by an interrupted process: rehash and resume from its end
-        with part.open("rb") as f:
-            while block := f.read(BLOCK_BYTES):
-                if digest is not None:
-                    digest.update(block)
-                have += len(block)
-    received = 0
-    state = _Attempt()
-    failures = 0
+    download = _Download(url, dest.with_name(f".{dest.name}.part"), settings, ctx, sha256)
+    download.resume()
+    backoff = Backoff(settings.download_retries, settings.download_backoff_seconds)
     # A silent server is a stalled one: the read timeout is the stall window too.
     timeout = httpx.Timeout(30.0, read=min(60.0, settings.download_stall_seconds))
     stall = _StallWatch(settings)
     with egress_client(settings.egress_policy, timeout) as client:
         while True:
             ctx.check_abort()
-            headers = {"Accept-Encoding": "identity"}
-            if have:
-                headers["Range"] = f"bytes={have}-"
-                if state.validator:
-                    headers["If-Range"] = state.validator
-            progressed = False
             try:
-                response = _final_response(client, url, headers)
-                try:
-                    if response.status_code == 416 and have:
-                        match = re.match(r"bytes \*/(\d+)", response.headers.get("content-range", ""))
-                        if match is not None and int(match.group(1)) == have:
-                            break  # the part file is already complete
-                        have, digest = 0, new_digest()
-                        part.unlink(missing_ok=True)
-                        raise DownloadFailed("resume offset refused; restarting from zero")
-                    if response.status_code in _RETRY_STATUS:
-                        raise DownloadFailed(f"HTTP {response.status_code}")
-                    if response.status_code not in (200, 206):
-                        _raise_for_status(response, url)
-                    start, total = _body_range(response)
-                    if start != have:  # Range ignored or answered elsewhere: restart from zero
-                        have, digest = 0, new_digest()
-                        part.unlink(missing_ok=True)
-                        if start != 0:
-                            raise DownloadFailed("server answered an unexpected byte range")
-                    if total is not None and total > settings.max_download_bytes:
-                        raise DownloadTooLarge(
-                            f"{public_url(url)} is {total} bytes, more than the "
-                            f"{settings.max_download_bytes} allowed"
-                        )
-                    state.total = total
-                    state.validator = response.headers.get("etag") or response.headers.get(
-                        "last-modified"
-                    )
-                    ctx.set_phase(Phase.DOWNLOAD, total, "bytes")
-                    ctx.advance(have)
-                    with _PartWriter(part, digest) as out:
-                        # No chunk_size: httpx's re-chunking buffer would lose bytes on a cut.
-                        stall.restart()
-                        for chunk in response.iter_raw():
-                            stall.received(len(chunk), url)
-                            out.feed(chunk)
-                            have += len(chunk)
-                            received += len(chunk)
-                            progressed = True
-                            if have > settings.max_download_bytes:
-                                raise DownloadTooLarge(
-                                    f"{public_url(url)} exceeds the {settings.max_download_bytes}"
-                                    " bytes allowed"
-                                )
-                            if out.pending >= BLOCK_BYTES:
-                                ctx.advance(out.pending)
-                                out.hand_off()
-                                ctx.check_abort()
-                        ctx.advance(out.pending)
-                finally:
-                    response.close()
-                if total is None or have == total:
+                if download.attempt(client, stall):
                     break
-                raise DownloadFailed(f"body ended after {have} of {total} bytes")
             except DownloadStalled:
                 raise
             except (httpx.TransportError, DownloadFailed) as exc:
-                failures = 0 if progressed else failures + 1
-                if failures > settings.download_retries:
+                if not backoff.failed(progressed=download.progressed):
                     raise DownloadFailed(
-                        f"download of {public_url(url)} failed after {failures} attempts: "
-                        f"{type(exc).__name__}"
+                        f"download of {public_url(url)} failed after {backoff.failures} "
+                        f"attempts: {type(exc).__name__}"
                     ) from exc
-                time.sleep(settings.download_backoff_seconds * 2 ** max(failures - 1, 0))
             except DownloadTooLarge:
-                part.unlink(missing_ok=True)
+                download.part.unlink(missing_ok=True)
                 raise
-    if digest is not None and digest.hexdigest() != sha256:
-        part.unlink(missing_ok=True)
-        raise ChecksumMismatch(
-            f"{public_url(url)} has sha256 {digest.hexdigest()}, expected {sha256}"
+    return download.finish(dest)
+
+
+@dataclass
+class _Download:
+    """One file's download across attempts: the part file, the sha256 of its bytes so far
+    (only when the job gave one to check: hashing is most of the CPU), and what the server
+    said of the file (:class:`_Attempt`)."""
+
+    url: str
+    part: Path
+    settings: Settings
+    ctx: JobContext
+    sha256: str | None
+    digest: Any | None = None
+    have: int = 0
+    """Bytes in the part file."""
+    received: int = 0
+    """Bytes received over the network (a resumed part file's are not)."""
+    progressed: bool = False
+    """Whether the last attempt received any byte."""
+    state: _Attempt = field(default_factory=_Attempt)
+
+    def _new_digest(self) -> Any | None:
+        return hashlib.sha256() if self.sha256 is not None else None
+
+    def resume(self) -> None:
+        """Continue from a part file left by an interrupted process: rehash it, start at its end."""
+        self.digest = self._new_digest()
+        if self.part.exists():
+            with self.part.open("rb") as f:
+                while block := f.read(BLOCK_BYTES):
+                    if self.digest is not None:
+                        self.digest.update(block)
+                    self.have += len(block)
+
+    def restart(self) -> None:
+        """Drop the part file: the next bytes received are the file's first."""
+        self.have, self.digest = 0, self._new_digest()
+        self.part.unlink(missing_ok=True)
+
+    def _headers(self) -> dict[str, str]:
+        """Identity encoding (byte offsets must be the file's); a Range from the part file's
+        end, valid only while the file is the one first seen (If-Range)."""
+        headers = {"Accept-Encoding": "identity"}
+        if self.have:
+            headers["Range"] = f"bytes={self.have}-"
+            if self.state.validator:
+                headers["If-Range"] = self.state.validator
+        return headers
+
+    def attempt(self, client: httpx.Client, stall: _StallWatch) -> bool:
+        """One request; True once the part file holds the whole file. Raises
+        :class:`DownloadFailed` for what another attempt may cure."""
+        self.progressed = False
+        response = _final_response(client, self.url, self._headers())
+        try:
+            if response.status_code == 416 and self.have:
+                match = re.match(r"bytes \*/(\d+)", response.headers.get("content-range", ""))
+                if match is not None and int(match.group(1)) == self.have:
+                    return True  # the part file is already complete
+                self.restart()
+                raise DownloadFailed("resume offset refused; restarting from zero")
+            total = self._accept(response)
+            self._receive(response, stall)
+        finally:
+            response.close()
+        if total is None or self.have == total:
+            return True
+        raise DownloadFailed(f"body ended after {self.have} of {total} bytes")
+
+    def _accept(self, response: httpx.Response) -> int | None:
+        """Check a response before its body is read; the file's total size when announced."""
+        if response.status_code in _RETRY_STATUS:
+            raise DownloadFailed(f"HTTP {response.status_code}")
+        if response.status_code not in (200, 206):
+            _raise_for_status(response, self.url)
+        start, total = _body_range(response)
+        if start != self.have:  # Range ignored or answered elsewhere: restart from zero
+            self.restart()
+            if start != 0:
+                raise DownloadFailed("server answered an unexpected byte range")
+        limit = self.settings.max_download_bytes
+        if total is not None and total > limit:
+            raise DownloadTooLarge(
+                f"{public_url(self.url)} is {total} bytes, more than the {limit} allowed"
+            )
+        self.state.total = total
+        self.state.validator = response.headers.get("etag") or response.headers.get(
+            "last-modified"
         )
-    os.replace(part, dest)
-    return received
+        self.ctx.set_phase(Phase.DOWNLOAD, total, "bytes")
+        self.ctx.advance(self.have)
+        return total
+
+    def _receive(self, response: httpx.Response, stall: _StallWatch) -> None:
+        """Append the body to the part file, reporting progress and checking the size limit
+        and cancellation once per block."""
+        limit = self.settings.max_download_bytes
+        with _PartWriter(self.part, self.digest) as out:
+            # No chunk_size: httpx's re-chunking buffer would lose bytes on a cut.
+            stall.restart()
+            for chunk in response.iter_raw():
+                stall.received(len(chunk), self.url)
+                out.feed(chunk)
+                self.have += len(chunk)
+                self.received += len(chunk)
+                self.progressed = True
+                if self.have > limit:
+                    raise DownloadTooLarge(
+                        f"{public_url(self.url)} exceeds the {limit} bytes allowed"
+                    )
+                if out.pending >= BLOCK_BYTES:
+                    self.ctx.advance(out.pending)
+                    out.hand_off()
+                    self.ctx.check_abort()
+            self.ctx.advance(out.pending)
+
+    def finish(self, dest: Path) -> int:
+        """Check the sha256 when one was given, then give the file its name; bytes received."""
+        if self.digest is not None and self.digest.hexdigest() != self.sha256:
+            self.part.unlink(missing_ok=True)
+            raise ChecksumMismatch(
+                f"{public_url(self.url)} has sha256 {self.digest.hexdigest()}, "
+                f"expected {self.sha256}"
+            )
+        os.replace(self.part, dest)
+        return self.received
 
 
 def _body_range(response: httpx.Response) -> tuple[int, int | None]:
@@ -349,6 +400,22 @@ class HttpFetcher:
         check_http_url(request.uri)
         check_sha256(request.sha256)
         settings.egress_policy.check_literal(request.uri)
+
+    def identify(
+        self,
+        request: SourceRequest,
+        settings: Settings,
+        ctx: JobContext,
+        fetched: ResolvedSource | None = None,
+    ) -> SourceIdentity | None:
+        """``sha256:<hex>`` of the file: the declared one at once, else hashed once fetched
+        (the same key either way, so a job with a declared sha256 reuses one without)."""
+        sha256 = check_sha256(request.sha256)
+        if sha256 is None:
+            if fetched is None:
+                return None
+            sha256 = sha256_file(fetched.path)
+        return SourceIdentity(f"sha256:{sha256}", request)
 
     def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
         check_http_url(request.uri)

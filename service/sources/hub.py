@@ -16,12 +16,12 @@ else: it is not logged, not put in messages, details or the ResolvedSource.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
 import re
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +47,7 @@ from service.adapters.huggingface_hub import (
     job_progress_bar,
     validate_repo_id,
 )
+from service.checkpoint import AUX_PATTERNS
 from service.config import Settings
 from service.errors import (
     DiskFull,
@@ -60,31 +61,13 @@ from service.errors import (
     SourceNotFound,
     SourceUnauthorized,
 )
-from service.sources.base import ResolvedSource, SourceRequest
+from service.retry import Backoff
+from service.sources.base import ResolvedSource, SourceIdentity, SourceRequest
 from service.sources.cache import DownloadCache
 from service.stage import JobContext, Phase
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
-
-AUX_PATTERNS = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "*.tiktoken",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-]
-"""Files that travel with the weights (exports carry them over); top level only."""
 
 SAFETENSORS_PATTERNS = ["*.safetensors"]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
@@ -134,7 +117,7 @@ def parse_hf_uri(uri: str, revision: str | None) -> HubRef:
 def plan_files(repo_files: list[str]) -> FilePlan:
     """Pick the job's files from a commit's listing (top level only); raises NoWeightFiles."""
     top = [f for f in repo_files if "/" not in f]
-    aux = sorted(filter_repo_objects(top, allow_patterns=AUX_PATTERNS))
+    aux = sorted(filter_repo_objects(top, allow_patterns=list(AUX_PATTERNS)))
     safetensors = sorted(filter_repo_objects(top, allow_patterns=SAFETENSORS_PATTERNS))
     if safetensors:
         return FilePlan("safetensors", aux, _index_of(top, ".safetensors", "model"),
@@ -208,7 +191,7 @@ def _map_error(exc: Exception, ref: HubRef) -> ServiceError | None:
 
 def _with_retries(call: Callable[[], T], ref: HubRef, settings: Settings) -> T:
     """Run a hub call, retrying network failures with exponential backoff."""
-    attempt = 0
+    backoff = Backoff(settings.download_retries, settings.download_backoff_seconds)
     while True:
         try:
             return call()
@@ -218,13 +201,25 @@ def _with_retries(call: Callable[[], T], ref: HubRef, settings: Settings) -> T:
             mapped = _map_error(exc, ref)
             if mapped is not None:
                 raise mapped from exc
-            attempt += 1
-            if attempt > settings.download_retries:
+            if not backoff.failed():
                 raise DownloadFailed(
-                    f"fetching {ref.repo_id}@{ref.revision} failed after {attempt} attempts: "
-                    f"{type(exc).__name__}"
+                    f"fetching {ref.repo_id}@{ref.revision} failed after {backoff.failures} "
+                    f"attempts: {type(exc).__name__}"
                 ) from exc
-            time.sleep(settings.download_backoff_seconds * 2 ** (attempt - 1))
+
+
+def _endpoint(settings: Settings) -> str:
+    return (settings.hf_endpoint or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def _resolve_commit(api: HfApi, ref: HubRef, settings: Settings) -> str:
+    """The commit sha ``ref.revision`` (branch, tag or sha) names now; with the job's token,
+    which is what authorizes a job to use a cached copy of a gated repo."""
+    info = _with_retries(lambda: api.model_info(ref.repo_id, revision=ref.revision), ref,
+                         settings)
+    if info.sha is None:
+        raise RevisionNotFound(f"revision {ref.revision!r} of {ref.repo_id} has no commit")
+    return info.sha
 
 
 class HubFetcher:
@@ -233,18 +228,35 @@ class HubFetcher:
     def check(self, request: SourceRequest, settings: Settings) -> None:
         parse_hf_uri(request.uri, request.revision)
 
+    def identify(
+        self,
+        request: SourceRequest,
+        settings: Settings,
+        ctx: JobContext,
+        fetched: ResolvedSource | None = None,
+    ) -> SourceIdentity:
+        """``hf:<endpoint>/<repo>@<commit>``: one API call resolves a branch or tag, before
+        any file is downloaded; the returned request is pinned to that commit."""
+        ref = parse_hf_uri(request.uri, request.revision)
+        endpoint = _endpoint(settings)
+        if fetched is not None and fetched.revision:
+            commit = fetched.revision
+        else:
+            ctx.set_phase(Phase.DOWNLOAD, None, "bytes")
+            api = HfApi(endpoint=endpoint, token=_secret(request, settings))
+            commit = request.pinned or _resolve_commit(api, ref, settings)
+        return SourceIdentity(
+            f"hf:{endpoint}/{ref.repo_id}@{commit}", dataclasses.replace(request, pinned=commit)
+        )
+
     def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
         ref = parse_hf_uri(request.uri, request.revision)
-        endpoint = (settings.hf_endpoint or DEFAULT_ENDPOINT).rstrip("/")
+        endpoint = _endpoint(settings)
         token = _secret(request, settings)
         api = HfApi(endpoint=endpoint, token=token)
         ctx.set_phase(Phase.DOWNLOAD, None, "bytes")
-
-        info = _with_retries(lambda: api.model_info(ref.repo_id, revision=ref.revision), ref,
-                             settings)
-        commit = info.sha
-        if commit is None:
-            raise RevisionNotFound(f"revision {ref.revision!r} of {ref.repo_id} has no commit")
+        # Pinned by identify() in this job, with this token: that call authorized it.
+        commit = request.pinned or _resolve_commit(api, ref, settings)
         at_commit = HubRef(ref.repo_id, commit)
         tree = _with_retries(
             lambda: [e for e in api.list_repo_tree(ref.repo_id, revision=commit, recursive=True)

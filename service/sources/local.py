@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from service.checkpoint import aux_files_in
 from service.config import Settings
 from service.errors import SourceNotAllowed, SourceNotFound, SourceUnreadable
-from service.sources.base import ResolvedSource, SourceRequest
-from service.stage import JobContext
+from service.fsutil import sha256_file
+from service.sources.base import ResolvedSource, SourceIdentity, SourceRequest
+from service.stage import JobContext, Phase
 
 
 def resolve_under_roots(path: Path, roots: list[Path]) -> Path:
@@ -40,6 +44,45 @@ def check_readable(path: Path) -> None:
             pending.extend(sorted(entry.iterdir(), reverse=True))
 
 
+def checkpoint_files(path: Path) -> list[tuple[str, Path]]:
+    """The files a job reads of a local source, as (name relative to the checkpoint, path):
+    every regular file under a directory but hidden ones (``.git``, editors' files); for a
+    single weights file, the file and the files beside it that travel with weights (config,
+    tokenizer), which the checkpoint reader takes from its directory."""
+    if path.is_dir():
+        return sorted(
+            (entry.relative_to(path).as_posix(), entry)
+            for entry in path.rglob("*")
+            if entry.is_file()
+            and not any(part.startswith(".") for part in entry.relative_to(path).parts)
+        )
+    beside = aux_files_in(path.parent)
+    return sorted([(path.name, path), *((p.name, p) for p in beside if p != path)])
+
+
+def _cached_digest(path: Path, cache: Path) -> tuple[str, bool]:
+    """(sha256 of ``path``, whether it came from the digest cache).
+
+    The cache is keyed by what changes whenever the file's bytes do: device, inode, size,
+    mtime and ctime in nanoseconds (ctime cannot be set back by a user), so a checkpoint of
+    hundreds of GB is read once, not by every job of it."""
+    st = path.stat()
+    entry = cache / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
+    try:
+        digest = entry.read_text(encoding="ascii").strip()
+        if len(digest) == 64:
+            return digest, True
+    except OSError:
+        pass
+    digest = sha256_file(path)
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".digest.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(digest)
+    os.replace(tmp, entry)
+    return digest, False
+
+
 class LocalFetcher:
     schemes: tuple[str, ...] = ("file",)
 
@@ -59,3 +102,29 @@ class LocalFetcher:
 
     def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
         return ResolvedSource(path=self.path(request, settings), uri=request.uri)
+
+    def identify(
+        self,
+        request: SourceRequest,
+        settings: Settings,
+        ctx: JobContext,
+        fetched: ResolvedSource | None = None,
+    ) -> SourceIdentity:
+        """``files:<hex>``: a hash over the name, size and sha256 of every file the job reads
+        (:func:`checkpoint_files`), wherever the checkpoint lives. File digests are cached by
+        inode and change times under ``cache_dir/digests``, so only new or changed files are
+        read (at disk speed, as the ``download`` phase's progress)."""
+        files = checkpoint_files(self.path(request, settings))
+        ctx.set_phase(Phase.DOWNLOAD, sum(p.stat().st_size for _, p in files), "bytes")
+        cache = settings.cache_dir / "digests"
+        combined = hashlib.sha256()
+        hashed = 0
+        for name, file in files:
+            ctx.check_abort()
+            digest, hit = _cached_digest(file, cache)
+            size = file.stat().st_size
+            hashed += 0 if hit else size
+            combined.update(f"{name}\0{size}\0{digest}\n".encode())
+            ctx.advance(size)
+        ctx.add_metric("bytes_hashed", hashed)
+        return SourceIdentity(f"files:{combined.hexdigest()}", request)

@@ -15,6 +15,7 @@ def admission(settings: Settings) -> Admission:
         max_queued=settings.max_queued,
         tenant_max_queued=settings.tenant_max_queued,
         tenant_max_active=settings.tenant_max_active,
+        tenant_max_artifact_bytes=settings.tenant_max_artifact_bytes,
     )
 
 

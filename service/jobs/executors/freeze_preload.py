@@ -1,5 +1,6 @@
-"""Imported last by the job forkserver (``PRELOAD`` in ``process.py``): what the preload built is
-kept out of the garbage collector from here on.
+"""The one module the job forkserver imports (``set_forkserver_preload`` in ``process.py``):
+it imports what a job will import (:func:`.preload.preload`, derived from the code), then keeps
+what that built out of the garbage collector from here on.
 
 A job process is forked from the forkserver and inherits its heap, several hundred thousand
 objects of torch and transformers. Unfrozen, the first full collection in a job walks them all
@@ -10,5 +11,8 @@ objects are never walked: a job's collections cost what the job itself allocated
 
 import gc
 
+from service.jobs.executors.preload import preload
+
+preload()
 gc.collect()
 gc.freeze()

@@ -29,19 +29,9 @@ from service.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
 
-PRELOAD = [
-    "service.jobs.runner",
-    "service.jobs.pipeline",
-    "service.exporters",
-    "service.exporters.safetensors_writer",  # the writer export() imports: torch-only, no spec
-    "service.checkpoint.safetensors",  # the readers: open_checkpoint imports them when called
-    "service.checkpoint.torch_pickle",
-    "transformers",
-    "transformers.models.llama.modeling_llama",
-    "transformers.models.bert.modeling_bert",
-    "service.jobs.executors.freeze_preload",  # last: freezes what the modules above built
-]
-"""Imported once by the forkserver; a module that fails to import is simply left to the job."""
+PRELOAD = ["service.jobs.executors.freeze_preload"]
+"""The forkserver imports this one module, which derives what jobs import and imports it
+(:mod:`service.jobs.executors.preload`), then freezes the heap."""
 
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(PRELOAD)

@@ -209,3 +209,22 @@ def test_read_into_fills_a_caller_buffer_with_any_element_range(
             reader.read_into(name, whole.numel() - 50, out)
         with pytest.raises(ValueError):
             reader.read_into(name, 0, out.half())
+
+
+def test_aux_files_follow_the_one_pattern_list_the_hub_downloads(
+    tmp_path: Path, llama_sharded_safetensors_dir: Path
+) -> None:
+    from service.adapters.huggingface_hub import filter_repo_objects
+    from service.checkpoint import AUX_PATTERNS
+
+    root = _copy(llama_sharded_safetensors_dir, tmp_path / "ckpt")
+    for name in ("cl100k_base.tiktoken", "preprocessor_config.json", "notes.txt", "README.md"):
+        (root / name).write_text("{}")
+    with open_checkpoint(root) as ckpt:
+        names = [p.name for p in ckpt.aux_files]
+    assert names == sorted(names)
+    assert {"cl100k_base.tiktoken", "preprocessor_config.json", "config.json"} <= set(names)
+    assert not {"notes.txt", "README.md"} & set(names)
+    # The hub fetches exactly what the checkpoint then carries over: nothing downloaded is lost.
+    listed = sorted(p.name for p in root.iterdir())
+    assert sorted(filter_repo_objects(listed, allow_patterns=list(AUX_PATTERNS))) == names

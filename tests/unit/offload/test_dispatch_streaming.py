@@ -16,7 +16,7 @@ from service.offload.device_map import placed_bytes, resolve_device_map
 from service.offload.dispatch import dispatch_checkpoint, dispatch_model
 from service.offload.store import OffloadStore
 from service.offload.streaming import offloaded_modules, streamed, streamed_forward
-from service.offload.tensor import OffloadedTensor
+from service.offload.tensor import StoreTensor
 from service.stage import InMemoryContext, Phase
 from tests.fixtures.models import sample_inputs
 from tests.unit.offload.conftest import eager_output
@@ -45,7 +45,7 @@ def test_all_on_disk_streamed_forward_equals_the_in_memory_model(
     assert torch.equal(out, eager_output(arch, tied))  # type: ignore[arg-type]
 
     params = dict(built.model.named_parameters())  # tied ones once
-    assert all(isinstance(p, OffloadedTensor) for p in params.values())
+    assert all(isinstance(p, StoreTensor) for p in params.values())
     n_bytes = sum(p.nbytes for p in params.values())
     in_place = kind == "safetensors"
     assert result.placed == {
@@ -91,7 +91,7 @@ def test_paging_holds_one_module_at_a_time(
         for m in offloaded_modules(built.model)
     )
     assert stats.peak_resident_bytes == largest
-    assert all(isinstance(p, OffloadedTensor) for p in built.model.parameters())
+    assert all(isinstance(p, StoreTensor) for p in built.model.parameters())
 
 
 def test_a_failing_forward_leaves_weights_offloaded(
@@ -104,7 +104,7 @@ def test_a_failing_forward_leaves_weights_offloaded(
     bad_ids = torch.full((1, 4), 10_000)  # out of the vocabulary: the embedding raises
     with pytest.raises(IndexError), torch.inference_mode(), streamed(built.model):
         built.model(input_ids=bad_ids)
-    assert all(isinstance(p, OffloadedTensor) for p in built.model.parameters())
+    assert all(isinstance(p, StoreTensor) for p in built.model.parameters())
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])
@@ -123,11 +123,11 @@ def test_auto_map_fills_the_ram_budget_with_whole_layers_and_spills_the_rest(
     split_class = built.no_split_module_classes[-1]  # LlamaDecoderLayer / BertLayer
     for name, module in built.model.named_modules():
         if type(module).__name__ == split_class:
-            places = {isinstance(p, OffloadedTensor) for p in module.parameters()}
+            places = {isinstance(p, StoreTensor) for p in module.parameters()}
             assert len(places) == 1, f"{name} was split between RAM and disk"
     totals = placed_bytes(built.model, result.device_map, built.dtype)
     assert 0 < totals["cpu"] <= budget
-    on_cpu = sum(p.nbytes for p in built.model.parameters() if not isinstance(p, OffloadedTensor))
+    on_cpu = sum(p.nbytes for p in built.model.parameters() if not isinstance(p, StoreTensor))
     assert on_cpu == totals["cpu"]
     assert ctx.details["offload"]["device_map"]["modules"]["disk"] > 0
 
@@ -149,9 +149,9 @@ def test_explicit_device_map_is_honoured(
         out, _ = streamed_forward(built.model, sample_inputs("llama"))
     assert torch.equal(out, eager_output("llama"))
     params = dict(built.model.named_parameters())
-    assert not isinstance(params["model.embed_tokens.weight"], OffloadedTensor)
-    assert isinstance(params["model.layers.1.mlp.up_proj.weight"], OffloadedTensor)
-    assert isinstance(params["lm_head.weight"], OffloadedTensor)
+    assert not isinstance(params["model.embed_tokens.weight"], StoreTensor)
+    assert isinstance(params["model.layers.1.mlp.up_proj.weight"], StoreTensor)
+    assert isinstance(params["lm_head.weight"], StoreTensor)
 
 
 @pytest.mark.parametrize(
@@ -271,4 +271,4 @@ def test_a_cancelled_job_stops_between_modules(
     with pytest.raises(JobCancelled):
         streamed_forward(built.model, sample_inputs("llama"), check_abort=ctx.check_abort)
     assert store.reloads == 0
-    assert all(isinstance(p, OffloadedTensor) for p in built.model.parameters())
+    assert all(isinstance(p, StoreTensor) for p in built.model.parameters())

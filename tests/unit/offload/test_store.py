@@ -18,10 +18,10 @@ from service.checkpoint import open_checkpoint
 from service.checkpoint.base import FileRegion
 from service.config import Settings
 from service.errors import DiskFull, OffloadQuotaExceeded, PathOutsideRoot
+from service.offload.paths import job_store_dir
 from service.offload.store import (
     OffloadStore,
     OffloadStoreError,
-    job_store_dir,
     open_job_store,
 )
 from service.offload.usage import offload_usage

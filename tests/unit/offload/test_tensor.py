@@ -1,4 +1,4 @@
-"""OffloadedTensor: a tensor to module code, read from disk on each use, quantized or not."""
+"""StoreTensor: a tensor to module code, read from disk on each use, quantized or not."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from service.offload.quant import dequantize, packed_nbytes, quantize
 from service.offload.store import OffloadStore
-from service.offload.tensor import OffloadedTensor
+from service.offload.tensor import StoreTensor
 
 
 @pytest.fixture
@@ -24,8 +24,8 @@ def test_linear_over_offloaded_weights_equals_in_memory(store: OffloadStore) -> 
     weight, bias, x = torch.randn(8, 4), torch.randn(8), torch.randn(3, 4)
     store.put_tensor("w", weight)
     store.put_tensor("b", bias)
-    w = OffloadedTensor.from_store(store, "w", torch.float32)
-    b = OffloadedTensor.from_store(store, "b", torch.float32)
+    w = StoreTensor.from_store(store, "w", torch.float32)
+    b = StoreTensor.from_store(store, "b", torch.float32)
     assert torch.equal(F.linear(x, w, b), F.linear(x, weight, bias))
     assert (w.reloads, w.bytes_read, b.reloads) == (1, 8 * 4 * 4, 1)
     assert (store.reloads, store.bytes_read) == (2, 128 + 32)
@@ -34,7 +34,7 @@ def test_linear_over_offloaded_weights_equals_in_memory(store: OffloadStore) -> 
 def test_each_use_reloads_and_nothing_stays_resident(store: OffloadStore) -> None:
     weight = torch.randn(16, 16)
     store.put_tensor("w", weight)
-    w = OffloadedTensor.from_store(store, "w", torch.float32)
+    w = StoreTensor.from_store(store, "w", torch.float32)
     for _ in range(3):
         w @ torch.eye(16)
     assert w.reloads == 3
@@ -47,7 +47,7 @@ def test_module_code_sees_a_normal_tensor(store: OffloadStore) -> None:
     embedding = nn.Embedding(10, 4)
     table = embedding.weight.detach().clone()
     store.put_tensor("e", table)
-    embedding._parameters["weight"] = OffloadedTensor.from_store(store, "e", torch.float32)  # type: ignore[assignment]
+    embedding._parameters["weight"] = StoreTensor.from_store(store, "e", torch.float32)  # type: ignore[assignment]
     ids = torch.tensor([[1, 7, 3]])
     assert torch.equal(embedding(ids), F.embedding(ids, table))
     w = embedding.weight
@@ -58,13 +58,13 @@ def test_module_code_sees_a_normal_tensor(store: OffloadStore) -> None:
         False,
     )
     state = embedding.state_dict()["weight"]
-    assert isinstance(state, OffloadedTensor) and state.key == "e"
+    assert isinstance(state, StoreTensor) and state.key == "e"
 
 
 def test_dtype_is_cast_on_load_not_on_disk(store: OffloadStore) -> None:
     half = torch.randn(4, 4).to(torch.bfloat16)
     store.put_tensor("h", half)
-    as_f32 = OffloadedTensor.from_store(store, "h", torch.float32)
+    as_f32 = StoreTensor.from_store(store, "h", torch.float32)
     assert torch.equal(as_f32 + 0, half.float())
     assert store.entry("h").dtype == "bfloat16"
 
@@ -78,7 +78,7 @@ def test_quantized_weight_stays_packed_on_disk(
     entry = store.entry("q")
     assert entry.encoding == encoding
     assert entry.length == packed_nbytes((8, 64), encoding) < weight.nbytes
-    q = OffloadedTensor.from_store(store, "q", torch.float32)
+    q = StoreTensor.from_store(store, "q", torch.float32)
     out = q @ torch.eye(64)
     assert out.shape == weight.shape
     assert float((out - weight).abs().max()) < max_err * float(weight.abs().max())
@@ -100,12 +100,12 @@ def test_q8_0_bytes_are_ggml_blocks_scale_then_int8() -> None:
 def test_an_offloaded_tensor_cannot_be_pickled(store: OffloadStore) -> None:
     store.put_tensor("w", torch.ones(2))
     with pytest.raises(TypeError, match="handle"):
-        pickle.dumps(OffloadedTensor.from_store(store, "w", torch.float32))
+        pickle.dumps(StoreTensor.from_store(store, "w", torch.float32))
 
 
 def test_writing_into_an_offloaded_tensor_is_refused_not_lost(store: OffloadStore) -> None:
     store.put_tensor("w", torch.ones(4))
-    w = OffloadedTensor.from_store(store, "w", torch.float32)
+    w = StoreTensor.from_store(store, "w", torch.float32)
     with pytest.raises(TypeError, match="read-only"):
         w.mul_(2)
     with pytest.raises(TypeError, match="read-only"):
