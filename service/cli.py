@@ -35,6 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from service.api.schemas import job_json
     from service.config import Settings
     from service.errors import ConfigurationError
     from service.jobs.worker import run_worker
@@ -43,7 +44,7 @@ def _worker(args: argparse.Namespace) -> int:
     settings = Settings()
     configure_logging(settings)
     try:
-        run_worker(settings, health_file=args.health_file)
+        run_worker(settings, health_file=args.health_file, render=job_json)
     except ConfigurationError as exc:
         print(f"modelprep worker: {exc.message}", file=sys.stderr)
         return 2

@@ -14,10 +14,8 @@ torch or the service's pipeline, so the client stays light.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -28,6 +26,8 @@ import httpx
 from httpx_sse import SSEError, connect_sse
 
 from service.errors import ApiError, ArtifactCorrupt, ClientError, ServiceUnreachable
+from service.fsutil import sha256_file
+from service.retry import Backoff
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 CHUNK = 1 << 20
@@ -156,21 +156,20 @@ class ModelprepClient:
     ) -> Iterator[JobEvent]:
         """The job's events until its terminal one, reconnecting with ``Last-Event-ID`` when
         the connection drops (service restart, proxy timeout)."""
-        failures = 0
+        backoff = _backoff(max_reconnects)
         while True:
             got_any = False
             try:
                 for event in self.events(job_id, last_event_id):
-                    got_any, failures = True, 0
+                    got_any = True
+                    backoff.succeeded()
                     last_event_id = event.version
                     yield event
                     if event.terminal:
                         return
             except ServiceUnreachable:
-                failures += 1
-                if failures > max_reconnects:
+                if not backoff.failed():
                     raise
-                time.sleep(min(0.25 * 2**failures, 5.0))
                 continue
             if not got_any and self.job(job_id)["status"] in TERMINAL:
                 return  # resumed after the final event: nothing left to say
@@ -201,7 +200,7 @@ class ModelprepClient:
             target = _confined(out_dir, artifact["path"])
             paths.append(target)
             if target.is_file() and target.stat().st_size == artifact["size"] and (
-                _sha256_of(target) == artifact["sha256"]
+                sha256_file(target) == artifact["sha256"]
             ):
                 if on_progress is not None:
                     on_progress(artifact["path"], artifact["size"], artifact["size"])
@@ -219,7 +218,7 @@ class ModelprepClient:
         size: int = artifact["size"]
         part = target.with_name(target.name + ".part")
         target.parent.mkdir(parents=True, exist_ok=True)
-        failures = 0
+        backoff = _backoff(retries)
         while True:
             offset = part.stat().st_size if part.exists() else 0
             if offset > size:
@@ -230,11 +229,9 @@ class ModelprepClient:
                     self._fetch_range(artifact, part, offset, on_progress)
                 break
             except ServiceUnreachable:
-                failures += 1
-                if failures > retries:
+                if not backoff.failed():
                     raise
-                time.sleep(min(0.25 * 2**failures, 5.0))
-        digest = _sha256_of(part)
+        digest = sha256_file(part)
         if part.stat().st_size != size or digest != artifact["sha256"]:
             part.unlink()
             raise ArtifactCorrupt(
@@ -272,17 +269,14 @@ class ModelprepClient:
             raise ServiceUnreachable(f"download of {artifact['path']}: {exc}") from exc
 
 
+def _backoff(retries: int) -> Backoff:
+    """The client's pauses between attempts: 0.5 s, doubling, at most 5 s."""
+    return Backoff(retries, base_seconds=0.5, cap_seconds=5.0)
+
+
 def _confined(out_dir: Path, relative: str) -> Path:
     """``out_dir / relative``, refusing paths that would leave ``out_dir``."""
     pure = PurePosixPath(relative)
     if pure.is_absolute() or ".." in pure.parts or not pure.parts:
         raise ClientError(f"refusing artifact path {relative!r}")
     return out_dir.joinpath(*pure.parts)
-
-
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

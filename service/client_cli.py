@@ -177,6 +177,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         body["verify"] = False
     if args.hf_token_file:
         body["hf_token"] = Path(args.hf_token_file).read_text().strip()
+    if args.callback:
+        body["callback"] = {"url": args.callback}
     with _client(args) as client:
         job = client.submit(body)
         print(job["id"])
@@ -307,6 +309,8 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--max-memory", help="CPU budget for the weights, e.g. 1GiB")
     p.add_argument("--no-verify", action="store_true", help="skip numerical verification")
     p.add_argument("--hf-token-file", help="file holding a hub token for this job")
+    p.add_argument("--callback", metavar="URL",
+                   help="POST the job's JSON there, signed, when it ends (README: callbacks)")
     p.add_argument("--wait", action="store_true", help="follow the job until it ends")
     p.set_defaults(func=cmd_submit, client_command=True)
 

@@ -90,6 +90,38 @@ class Settings(BaseSettings):
         "non-global (loopback, link-local, private) is refused.",
     )
 
+    # completion callbacks (service/jobs/callbacks.py)
+    callback_secret: SecretStr | None = Field(
+        default=None,
+        description="HMAC-SHA256 key that signs callbacks in open mode (no API keys); at "
+        "least 16 characters. Without it, open mode refuses jobs with a callback.",
+    )
+    callback_secrets: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description='JSON {"tenant": "secret"}: the key that signs each tenant\'s callbacks; a '
+        "tenant without one cannot ask for a callback (one tenant never holds another's key).",
+    )
+    callback_max_attempts: int = Field(
+        default=12, ge=1, description="Attempts to deliver a callback before it is failed."
+    )
+    callback_backoff_seconds: float = Field(
+        default=2.0, gt=0, description="Delay before the second attempt; doubles per attempt."
+    )
+    callback_backoff_max_seconds: float = Field(
+        default=900.0, gt=0, description="Longest delay between two attempts (Retry-After too)."
+    )
+    callback_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="Time a receiver has to connect and answer one POST."
+    )
+    callback_poll_seconds: float = Field(
+        default=1.0, gt=0, description="How often each API process and worker looks for due "
+        "callbacks: the delay between a job's end and its first attempt.",
+    )
+    callback_concurrency: int = Field(
+        default=4, ge=1, description="Callbacks one process delivers at once (a slow receiver "
+        "does not hold up the others).",
+    )
+
     # model building and offload
     trust_remote_code: bool = False
     offload_quota_bytes: int | None = Field(
@@ -176,6 +208,21 @@ class Settings(BaseSettings):
                 "heartbeat_timeout_seconds must be at least 3 x heartbeat_interval_seconds"
             )
         return self
+
+    @field_validator("callback_secret")
+    @classmethod
+    def _strong_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("callback_secret must be at least 16 characters")
+        return value
+
+    @field_validator("callback_secrets")
+    @classmethod
+    def _strong_secrets(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        weak = sorted(t for t, secret in value.items() if len(secret.get_secret_value()) < 16)
+        if weak:
+            raise ValueError(f"callback_secrets of {', '.join(weak)}: at least 16 characters")
+        return value
 
     @field_validator("egress_allowlist")
     @classmethod

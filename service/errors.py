@@ -48,6 +48,38 @@ class UnsupportedExport(InvalidRequest):
     title = "Unsupported export"
 
 
+class CallbackNotConfigured(InvalidRequest):
+    """A job asks for a completion callback but the service holds no key to sign it for the
+    caller (``MODELPREP_CALLBACK_SECRETS`` for a tenant, ``MODELPREP_CALLBACK_SECRET`` in open
+    mode): an unsigned callback could not be told from a forged one."""
+
+    code = "callback_not_configured"
+    title = "Callbacks not configured"
+
+
+class UnsupportedTokenizer(UnsupportedExport):
+    """The checkpoint's tokenizer cannot be written faithfully (e.g. a BPE pre-tokenizer llama.cpp
+    does not know): the artifact would tokenize differently from the source model."""
+
+    code = "unsupported_tokenizer"
+    title = "Unsupported tokenizer"
+
+
+class MissingTokenizer(UnsupportedExport):
+    """The export needs the checkpoint's tokenizer (llama.cpp runs the model to check or to
+    quantize it) and the checkpoint has none."""
+
+    code = "missing_tokenizer"
+    title = "Missing tokenizer"
+
+
+class ImatrixNotValid(InvalidRequest):
+    """The file given as a GGUF export's ``imatrix.uri`` is not an importance matrix."""
+
+    code = "imatrix_invalid"
+    title = "Invalid importance matrix"
+
+
 class NotFound(LookupError, ServiceError):
     code = "not_found"
     title = "Not found"
@@ -291,6 +323,14 @@ class WeightsMismatch(CheckpointError):
 
     code = "weights_mismatch"
     title = "Checkpoint does not match the model"
+
+
+class ConfigMismatch(WeightsMismatch):
+    """config.json promises layers or dimensions the weights do not have (4000 layers on a
+    30-layer checkpoint): refused before the model is built, naming the key and the tensor."""
+
+    code = "config_mismatch"
+    title = "config.json and the weights disagree"
 
 
 # --- access control and tenants ------------------------------------------------------------------

@@ -15,10 +15,12 @@ from service.api.auth import KEY_REQUIRED, Keyring
 from service.api.errors import install_error_handlers
 from service.api.metrics import service_registry
 from service.api.routes import artifacts, events, health, jobs, metrics, offload, ui
+from service.api.schemas import job_json
 from service.api.telemetry import RequestTelemetry, request_latency_histogram
 from service.api.watch import JobWatch
 from service.config import Settings
 from service.fsutil import ensure_writable_dir
+from service.jobs.callbacks import CallbackDeliverer
 from service.jobs.executors import executor_for
 from service.jobs.service import JobService
 from service.jobs.store import JobStore
@@ -49,11 +51,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     store = JobStore.from_url(settings.sqlalchemy_url)
     executor = executor_for(settings, store)
     job_service = JobService(settings=settings, store=store, executor=executor)
+    # Every API process delivers completion callbacks (workers too): whoever looks first.
+    deliverer = CallbackDeliverer(settings, store, render=job_json)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store.create_schema()
         executor.start()
+        deliverer.start()
         # What start-up built (imported modules, the app, its schemas) lives as long as the
         # process: keep it out of the collector's full passes, which otherwise walk some 250k
         # objects and stop every thread for 0.2-0.3 s, about once a minute under load.
@@ -66,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             retention.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await retention
+            deliverer.stop()
             executor.stop()
             store.dispose()
 

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from service.errors import (
     ArtifactGone,
@@ -24,6 +25,7 @@ from service.errors import (
     SourceError,
     SourceNotAllowed,
     SourceNotFound,
+    ToolMissing,
     Unauthorized,
 )
 
@@ -46,6 +48,7 @@ HTTP_STATUS: dict[type[ServiceError], int] = {
     SourceNotFound: 422,
     EgressRefused: 422,
     CheckpointError: 422,
+    ToolMissing: 503,  # a deployment fault (llama.cpp not built here), not the request's
 }
 """The HTTP status of each domain error; a class not listed takes its nearest listed base's
 (the method resolution order decides), an error with none is a 500."""
@@ -94,6 +97,22 @@ def _jsonable_errors(errors: Any) -> list[dict[str, Any]]:
     return out
 
 
+def allowed_methods(request: Request) -> str:
+    """The ``Allow`` header of a 405: every method the OpenAPI document gives the path (and
+    HEAD wherever GET is served, as Starlette answers it).
+
+    Starlette names only the first matching route's methods (``/v1/jobs`` would say ``POST``
+    though ``GET`` is served too); RFC 9110 wants all the resource supports, and the document
+    (built once by FastAPI, then cached) is the contract clients read them from."""
+    methods: set[str] = set()
+    for template, operations in request.app.openapi()["paths"].items():
+        if compile_path(template)[0].match(request.url.path):
+            methods |= {method.upper() for method in operations}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
@@ -124,9 +143,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = allowed_methods(request)
         return problem(
             exc.status_code, code, str(exc.detail), str(exc.detail), request.url.path,
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
         )
 
     @app.exception_handler(Exception)

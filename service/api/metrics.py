@@ -5,9 +5,11 @@ registry would need shared files): they report to the job store, and
 :class:`JobStoreCollector` turns the store into metrics when ``/metrics`` is scraped. HTTP
 latency is an ordinary histogram of the API process (``service.api.telemetry``).
 
-What is read per scrape: every job row, page by page (finished jobs never change, so their
-contribution is computed once and cached by id), and the offload directories on disk
-(``service.offload.usage``). That is a few milliseconds per thousand jobs.
+What is read per scrape, in one snapshot: jobs counted by status and phase (a GROUP BY), the
+totals that ended jobs added up to (``job_totals``, see :mod:`service.jobs.totals`: a few
+hundred rows) and the rows of running jobs; then the offload directories on disk
+(``service.offload.usage``). Nothing is kept between scrapes, so neither the scrape's time
+nor the API's memory grows with the number of jobs in the store (bench/metrics_scale.py).
 
 Counters derived from jobs (bytes, cache hits) include running jobs' latest reports; a job
 re-queued after a service restart starts its counters again, which Prometheus sees as a reset.
@@ -15,11 +17,8 @@ re-queued after a service restart starts its counters again, which Prometheus se
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -32,75 +31,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from service.config import Settings
-from service.jobs.model import Job, JobStatus
-from service.jobs.store import JobStore
+from service.jobs import totals
+from service.jobs.model import CallbackState, JobStatus
+from service.jobs.store import JobStore, utcnow
+from service.jobs.totals import BYTE_COUNTERS, TotalKey
 from service.offload.usage import offload_usage
-
-PHASE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
-                 3600.0, 7200.0, 21600.0, 86400.0)
-BYTE_COUNTERS = {
-    "bytes_read": "Bytes read from checkpoints by jobs.",
-    "bytes_written": "Bytes written to artifacts by jobs.",
-    "bytes_downloaded": "Bytes downloaded from sources by jobs (cache misses).",
-    "artifact_bytes_freed": "Bytes of finished jobs' files removed (DELETE, retention).",
-}
-
-
-@dataclass(frozen=True)
-class JobFigures:
-    """What one job contributes to the metrics; computed once for a finished job."""
-
-    phase_seconds: tuple[tuple[str, float], ...]
-    run_seconds: float | None
-    wait_seconds: float | None
-    byte_counts: tuple[tuple[str, int], ...]
-    cache_hit: bool | None
-
-    @classmethod
-    def of(cls, job: Job) -> JobFigures:
-        phases = job.details.get("phases")
-        timeline = [
-            (str(p["phase"]), float(p["seconds"]))
-            for p in (phases if isinstance(phases, list) else [])
-            if isinstance(p, dict) and isinstance(p.get("seconds"), int | float)
-        ]
-        hit = job.metrics.get("cache_hit")
-        return cls(
-            phase_seconds=tuple(timeline),
-            run_seconds=_seconds(job.started_at, job.finished_at),
-            wait_seconds=_seconds(job.created_at, job.started_at),
-            byte_counts=tuple(
-                (key, int(job.metrics[key]))
-                for key in BYTE_COUNTERS
-                if isinstance(job.metrics.get(key), int | float)
-            ),
-            cache_hit=hit if isinstance(hit, bool) else None,
-        )
-
-
-def _seconds(start: datetime | None, end: datetime | None) -> float | None:
-    return (end - start).total_seconds() if start and end else None
-
-
-class _Histogram:
-    """Cumulative bucket counts for a HistogramMetricFamily."""
-
-    def __init__(self, buckets: Iterable[float]) -> None:
-        self.bounds = list(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        index = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
-        self.counts[index] += 1
-        self.total += value
-
-    def buckets(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
-            running += count
-            out.append((bound, float(running)))
-        return out
 
 
 class JobStoreCollector(Collector):
@@ -109,92 +44,84 @@ class JobStoreCollector(Collector):
     def __init__(self, store: JobStore, settings: Settings) -> None:
         self.store = store
         self.settings = settings
-        self._finished: dict[str, tuple[int, JobFigures]] = {}
-        self._lock = threading.Lock()  # two scrapes at once share the cache safely
 
     def describe(self) -> Iterable[Metric]:
         return []  # collected lazily: registering must not query the store
 
-    def _jobs(self) -> Iterator[Job]:
-        before: tuple[datetime, str] | None = None
-        while True:
-            page = self.store.page(limit=500, before=before)
-            yield from page
-            if len(page) < 500:
-                return
-            before = (page[-1].created_at, page[-1].id)
-
     def collect(self) -> Iterable[Metric]:
-        by_state: Counter[tuple[str, str]] = Counter()
-        phases: dict[str, _Histogram] = {}
-        runs: dict[str, _Histogram] = {}
-        wait = _Histogram(PHASE_BUCKETS)
-        byte_totals: Counter[str] = Counter()
-        hits: Counter[bool] = Counter()
-        with self._lock:
-            for job in self._jobs():
-                by_state[(job.status.value, job.phase.value)] += 1
-                cached = self._finished.get(job.id)
-                # A finished job changes once more when its files are removed.
-                figures = cached[1] if cached and cached[0] == job.version else None
-                if figures is None:
-                    figures = JobFigures.of(job)
-                    if job.status.terminal:
-                        self._finished[job.id] = (job.version, figures)
-                for key, value in figures.byte_counts:
-                    byte_totals[key] += value
-                if figures.cache_hit is not None:
-                    hits[figures.cache_hit] += 1
-                if figures.wait_seconds is not None:
-                    wait.observe(figures.wait_seconds)
-                if not job.status.terminal:
-                    continue  # durations only of finished jobs: histograms never go back
-                for phase, seconds in figures.phase_seconds:
-                    phases.setdefault(phase, _Histogram(PHASE_BUCKETS)).observe(seconds)
-                if figures.run_seconds is not None:
-                    runs.setdefault(job.status.value, _Histogram(PHASE_BUCKETS)).observe(
-                        figures.run_seconds
-                    )
-
+        by_state, sums = self.store.statistics()
         jobs = GaugeMetricFamily(
             "modelprep_jobs", "Jobs in the store by status and phase.", labels=["status", "phase"]
         )
         for (status, phase), count in sorted(by_state.items()):
             jobs.add_metric([status, phase], count)
         yield jobs
-        counts = Counter({s: 0 for s in JobStatus})
+        counts = Counter({s.value: 0 for s in JobStatus})
         for (status, _), count in by_state.items():
-            counts[JobStatus(status)] += count
+            counts[status] += count
         yield GaugeMetricFamily(
-            "modelprep_queue_depth", "Jobs waiting to run.", value=counts[JobStatus.QUEUED]
+            "modelprep_queue_depth", "Jobs waiting to run.", value=counts[JobStatus.QUEUED.value]
         )
         yield GaugeMetricFamily(
-            "modelprep_jobs_running", "Jobs running now.", value=counts[JobStatus.RUNNING]
+            "modelprep_jobs_running", "Jobs running now.", value=counts[JobStatus.RUNNING.value]
         )
         yield _histogram_family(
             "modelprep_job_phase_duration_seconds",
-            "Time finished jobs spent in each pipeline phase.", "phase", phases,
+            "Time finished jobs spent in each pipeline phase.", "phase", sums, "phase_seconds",
         )
         yield _histogram_family(
             "modelprep_job_run_duration_seconds",
-            "Time from start to end of finished jobs, by outcome.", "status", runs,
+            "Time from start to end of finished jobs, by outcome.", "status", sums, "run_seconds",
         )
         queue_wait = HistogramMetricFamily(
             "modelprep_job_queue_wait_seconds", "Time jobs waited in the queue before starting."
         )
-        queue_wait.add_metric([], wait.buckets(), wait.total)
+        buckets, total = totals.histogram(sums, "wait_seconds").get("", totals.EMPTY_HISTOGRAM)
+        queue_wait.add_metric([], buckets, total)
         yield queue_wait
         for key, help_text in BYTE_COUNTERS.items():
-            yield CounterMetricFamily(f"modelprep_job_{key}", help_text, value=byte_totals[key])
+            yield CounterMetricFamily(
+                f"modelprep_job_{key}", help_text, value=sums.get((key, "", ""), 0.0)
+            )
         yield CounterMetricFamily(
             "modelprep_download_cache_hits", "Sources served from the download cache.",
-            value=hits[True],
+            value=sums.get(("cache_hits", "", ""), 0.0),
         )
         yield CounterMetricFamily(
             "modelprep_download_cache_misses", "Sources that had to be downloaded.",
-            value=hits[False],
+            value=sums.get(("cache_misses", "", ""), 0.0),
         )
+        yield GaugeMetricFamily(
+            "modelprep_artifact_bytes",
+            "Bytes of the artifacts of succeeded jobs whose files are still there.",
+            value=sum(v for (name, _, _), v in sums.items() if name == totals.ARTIFACT_BYTES),
+        )
+        yield from self._callbacks(sums)
         yield from self._offload()
+
+    def _callbacks(self, sums: dict[TotalKey, float]) -> Iterator[Metric]:
+        attempts = sums.get(("callback_attempts", "", ""), 0.0)
+        yield CounterMetricFamily(
+            "modelprep_callback_attempts", "Completion callback POSTs whose outcome was "
+            "recorded.", value=attempts,
+        )
+        ended = CounterMetricFamily(
+            "modelprep_callbacks", "Completion callbacks that ended, by outcome.",
+            labels=["outcome"],
+        )
+        for outcome in (CallbackState.DELIVERED, CallbackState.FAILED):
+            ended.add_metric([outcome.value], sums.get(("callbacks", outcome.value, ""), 0.0))
+        yield ended
+        pending, lag = self.store.callback_backlog(utcnow())
+        yield GaugeMetricFamily(
+            "modelprep_callbacks_pending",
+            "Completion callbacks of ended jobs not yet delivered nor failed.", value=pending,
+        )
+        yield GaugeMetricFamily(
+            "modelprep_callback_lag_seconds",
+            "How long the most overdue callback attempt has been due (0: none overdue); grows "
+            "when no deliverer runs or all are busy.", value=lag,
+        )
 
     def _offload(self) -> Iterator[Metric]:
         usage: dict[str, Any] = offload_usage(self.settings)
@@ -213,11 +140,11 @@ class JobStoreCollector(Collector):
 
 
 def _histogram_family(
-    name: str, help_text: str, label: str, histograms: dict[str, _Histogram]
+    name: str, help_text: str, label: str, sums: dict[TotalKey, float], key: str
 ) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, help_text, labels=[label])
-    for value, histogram in sorted(histograms.items()):
-        family.add_metric([value], histogram.buckets(), histogram.total)
+    for value, (buckets, total) in totals.histogram(sums, key).items():
+        family.add_metric([value], buckets, total)
     return family
 
 

@@ -33,6 +33,23 @@ class ArtifactOut(BaseModel):
     url: str
 
 
+class CallbackOut(BaseModel):
+    """The job's completion callback and its delivery so far."""
+
+    url: str
+    state: str = Field(
+        description="waiting (job not ended), pending (being delivered or waiting for a "
+        "retry), delivered (2xx received), failed (attempts used up, or egress refused)."
+    )
+    attempts: int = Field(description="Attempts started so far.")
+    next_attempt_at: datetime | None = Field(
+        description="When the next attempt is due (pending only)."
+    )
+    last_status_code: int | None = Field(description="HTTP status of the last answer.")
+    last_error: str | None = Field(description="Why the last attempt failed.")
+    delivered_at: datetime | None
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -54,6 +71,14 @@ class JobOut(BaseModel):
     )
     source: dict[str, Any] | None = None
     model: dict[str, Any] | None = None
+    callback: CallbackOut | None = Field(
+        default=None, description="Present when the job was submitted with a callback."
+    )
+    reused_from: str | None = Field(
+        default=None,
+        description="The job whose artifacts this one shares (same resolved source and recipe) "
+        "instead of computing them; null when it computed them.",
+    )
 
     @classmethod
     def from_job(cls, job: Job, base_path: str = "/v1/jobs") -> JobOut:
@@ -82,8 +107,27 @@ class JobOut(BaseModel):
             cancel_requested=job.cancel_requested,
             request=job.spec,
             tenant=job.tenant,
+            callback=CallbackOut(
+                url=job.callback.url,
+                state=job.callback.state.value,
+                attempts=job.callback.attempts,
+                next_attempt_at=job.callback.next_attempt_at,
+                last_status_code=job.callback.last_status_code,
+                last_error=job.callback.last_error,
+                delivered_at=job.callback.delivered_at,
+            ) if job.callback is not None else None,
+            reused_from=job.reused_from,
             **job.details,
         )
+
+    def json_bytes(self) -> bytes:
+        """The document exactly as ``GET /v1/jobs/{id}`` serializes it (a callback's body)."""
+        return self.model_dump_json().encode()
+
+
+def job_json(job: Job) -> bytes:
+    """The job's JSON document as the API gives it: the body of its completion callback."""
+    return JobOut.from_job(job).json_bytes()
 
 
 class JobPage(BaseModel):
@@ -102,6 +146,14 @@ class Problem(BaseModel):
     detail: str
     instance: str | None = None
     errors: list[dict[str, Any]] | None = None
+
+
+def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for answers in problem+json with these statuses."""
+    return {
+        status: {"model": Problem, "content": {"application/problem+json": {}}}
+        for status in statuses
+    }
 
 
 class Health(BaseModel):

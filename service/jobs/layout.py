@@ -14,6 +14,7 @@ from pathlib import Path
 
 from service.config import Settings
 from service.errors import ArtifactNotFound, PathOutsideRoot
+from service.offload.paths import job_store_dir
 
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -42,7 +43,8 @@ class JobLayout:
 
     @property
     def offload(self) -> Path:
-        return self.root / "offload"
+        """The job's offload store, as :mod:`service.offload.paths` places it."""
+        return job_store_dir(self.root.parent, self.root.name)
 
     @property
     def artifacts(self) -> Path:
@@ -66,12 +68,14 @@ class JobLayout:
         shutil.rmtree(self.artifacts, ignore_errors=True)
 
     def disk_bytes(self) -> int:
-        """Bytes of every file under the job's directory (what removing it frees)."""
+        """Bytes that removing the job's directory frees: a file another job still links
+        (artifacts shared by result reuse) frees nothing until its last link goes."""
         total = 0
         for path in self.root.rglob("*"):
             try:
                 if path.is_file() and not path.is_symlink():
-                    total += path.stat().st_size
+                    st = path.stat()
+                    total += st.st_size if st.st_nlink == 1 else 0
             except OSError:
                 continue  # removed meanwhile
         return total

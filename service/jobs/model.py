@@ -10,7 +10,10 @@ from typing import Any
 
 from service.stage import Phase
 
-__all__ = ["Artifact", "Job", "JobError", "JobStatus", "Phase", "Progress"]
+__all__ = [
+    "Artifact", "CallbackDelivery", "CallbackState", "Job", "JobError", "JobStatus", "Phase",
+    "Progress",
+]
 
 
 class JobStatus(StrEnum):
@@ -47,6 +50,34 @@ class Artifact:
     sha256: str
 
 
+class CallbackState(StrEnum):
+    """Where a job's completion callback stands (see service/jobs/callbacks.py)."""
+
+    WAITING = "waiting"
+    """The job has not ended yet."""
+    PENDING = "pending"
+    """The job ended; the callback is being delivered or waits for its next attempt."""
+    DELIVERED = "delivered"
+    """The receiver answered 2xx."""
+    FAILED = "failed"
+    """Given up: attempts used up, or refused by the egress policy."""
+
+
+@dataclass(frozen=True)
+class CallbackDelivery:
+    """A job's completion callback: where it goes and how its delivery went so far."""
+
+    url: str
+    state: CallbackState
+    attempts: int = 0
+    """Attempts started (a POST in flight counts)."""
+    next_attempt_at: datetime | None = None
+    """When the next attempt is due (pending only)."""
+    last_status_code: int | None = None
+    last_error: str | None = None
+    delivered_at: datetime | None = None
+
+
 @dataclass(frozen=True)
 class Job:
     id: str
@@ -68,6 +99,12 @@ class Job:
     """Who runs (or last ran) the job: ``host:pid`` of the pool or worker that claimed it."""
     version: int = 0
     """Grows with every stored change of the job."""
+    callback: CallbackDelivery | None = None
+    reserved_bytes: int = 0
+    """What the job is expected to write, held against its tenant's artifact-bytes limit while
+    it is queued or running (see :class:`service.jobs.store.Admission`)."""
+    reused_from: str | None = None
+    """The job whose artifacts this one shares instead of computing them (result reuse)."""
 
     def replace(self, **changes: Any) -> Job:
         return dataclasses.replace(self, **changes)

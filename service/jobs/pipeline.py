@@ -13,7 +13,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import Checkpoint
@@ -25,7 +25,14 @@ from service.fsutil import atomic_write_json, fsync_tree, sha256_file
 from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact
 from service.jobs.spec import JobSpec
-from service.sources import check_source, fetch_source
+from service.sources import (
+    ResolvedSource,
+    SourceIdentity,
+    SourceRequest,
+    check_source,
+    fetch_source,
+    identify_source,
+)
 from service.stage import JobContext, Phase
 
 if TYPE_CHECKING:
@@ -51,24 +58,67 @@ def export_dirs(specs: list[ExportSpec]) -> list[str]:
 
 
 def check_spec(
-    spec: JobSpec, settings: Settings, config: dict[str, Any] | None, *, config_known: bool
+    spec: JobSpec,
+    settings: Settings,
+    config: dict[str, Any] | None,
+    *,
+    config_known: bool,
+    source_dir: Path | None = None,
 ) -> None:
     """Everything knowable before running: source allowed, each export possible.
 
     ``config_known`` is False when the checkpoint is not local yet (hub, HTTP): exporters then
     check their spec in the job, once the config is there, rather than refusing a config that
-    is merely not downloaded."""
+    is merely not downloaded. ``source_dir``, a local checkpoint's directory, lets an exporter
+    also judge its files (a tokenizer, say)."""
     check_source(spec.source_request(), settings)
-    if not config_known:
-        return
     exporters = registry()
     for export in spec.export_specs():
-        exporters[export.format].check(export, config)
+        exporters[export.format].check_request(export, settings)
+    if not config_known:
+        return
+    for export in spec.export_specs():
+        if source_dir is not None:
+            exporters[export.format].check_files(export, config, source_dir, settings)
+        else:
+            exporters[export.format].check(export, config)
 
 
-def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Artifact]:
-    """Run every phase of the job; returns the published artifacts."""
-    checkpoint_dir, source_info = _download(spec, ctx)
+class ReuseGate(Protocol):
+    """Result reuse, as the pipeline sees it (:mod:`service.jobs.reuse` implements it on the
+    job store)."""
+
+    def settle(
+        self, identity: SourceIdentity, spec: JobSpec, ctx: JobContext
+    ) -> list[Artifact] | None:
+        """The published artifacts of an identical job this one shares, or None: compute."""
+        ...
+
+
+def run_pipeline(
+    spec: JobSpec, ctx: JobContext, layout: JobLayout, reuse: ReuseGate | None = None
+) -> list[Artifact]:
+    """Run every phase of the job; returns the published artifacts.
+
+    With ``reuse``, the source's identity is resolved first (before the download when it can
+    be: hub commit, declared sha256, local content hash; after it otherwise), and a job whose
+    result already exists or is being computed shares it instead of running the phases."""
+    ctx.set_phase(Phase.DOWNLOAD, unit="bytes")
+    request = spec.source_request()
+    identity = None
+    if reuse is not None:
+        identity = identify_source(request, ctx.settings, ctx)
+        if identity is not None:
+            request = identity.request  # a hub branch pinned to the commit it resolved to
+            shared = reuse.settle(identity, spec, ctx)
+            if shared is not None:
+                return shared
+    checkpoint_dir, source_info, resolved = _download(request, ctx)
+    if reuse is not None and identity is None:
+        identity = identify_source(request, ctx.settings, ctx, fetched=resolved)
+        shared = reuse.settle(identity, spec, ctx) if identity is not None else None
+        if shared is not None:
+            return shared
     ctx.set_phase(Phase.READ, unit="tensors")
     with open_checkpoint(checkpoint_dir) as checkpoint:
         summaries, digests, model_info = _export_checkpoint(checkpoint, spec, ctx, layout)
@@ -94,10 +144,12 @@ def run_pipeline(spec: JobSpec, ctx: JobContext, layout: JobLayout) -> list[Arti
     return artifacts
 
 
-def _download(spec: JobSpec, ctx: JobContext) -> tuple[Path, dict[str, Any]]:
-    """DOWNLOAD: the checkpoint as a local directory, and the manifest's ``source`` section."""
-    ctx.set_phase(Phase.DOWNLOAD, unit="bytes")
-    resolved = fetch_source(spec.source_request(), ctx.settings, ctx)
+def _download(
+    request: SourceRequest, ctx: JobContext
+) -> tuple[Path, dict[str, Any], ResolvedSource]:
+    """DOWNLOAD (entered by the caller): the checkpoint as a local directory, the manifest's
+    ``source`` section, and what the fetcher resolved."""
+    resolved = fetch_source(request, ctx.settings, ctx)
     source_info: dict[str, Any] = {
         **ctx.details.get("source", {}),  # what the fetcher published (files, format, ...)
         "uri": resolved.uri,
@@ -107,7 +159,7 @@ def _download(spec: JobSpec, ctx: JobContext) -> tuple[Path, dict[str, Any]]:
         source_info["revision"] = resolved.revision
     ctx.set_detail("source", source_info)
     ctx.check_abort()
-    return resolved.path, source_info
+    return resolved.path, source_info, resolved
 
 
 def _export_checkpoint(

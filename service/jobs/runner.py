@@ -8,7 +8,6 @@ the process boundary; no torch object ever does.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import resource
@@ -24,6 +23,7 @@ from service.errors import JobCancelled, ServiceError
 from service.jobs.layout import JobLayout
 from service.jobs.model import JobError, JobStatus, Progress
 from service.jobs.store import JobStore
+from service.libc import set_parent_death_signal
 from service.stage import InMemoryContext
 
 log = logging.getLogger(__name__)
@@ -71,16 +71,9 @@ def _die_with_parent() -> None:
     will hand to the next attempt."""
     release_forkserver()
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
+    set_parent_death_signal(signal.SIGKILL)  # without prctl (not Linux) the executor's checks do
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
@@ -108,13 +101,16 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
         from service.jobs.spec import JobSpec
 
         spec = JobSpec.model_validate({**job.spec, **secrets})
-        artifacts = run_pipeline(spec, ctx, layout)
+        from service.jobs.reuse import StoreReuse
+
+        artifacts = run_pipeline(spec, ctx, layout, StoreReuse(store, layout, settings))
         ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
         ctx.metrics["peak_rss_bytes"] = peak_rss_bytes()
         ctx.close_phase()
         store.finish(
             job_id, JobStatus.SUCCEEDED, artifacts=artifacts, metrics=ctx.metrics,
             details=ctx.details, progress=Progress(ctx.done, ctx.total, ctx.unit),
+            tenant_max_artifact_bytes=settings.tenant_max_artifact_bytes,
         )
         failed = False
         log.info("succeeded", extra={"job_id": job_id})

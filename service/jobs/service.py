@@ -9,8 +9,12 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
+
+from service.checkpoint.consistency import check_config_matches_weights, safetensors_shapes
 from service.config import Settings
-from service.errors import ArtifactGone, ArtifactNotFound, Conflict, TenantLimitExceeded
+from service.errors import ArtifactGone, ArtifactNotFound, Conflict
+from service.jobs.callbacks import check_callback, waiting_callback
 from service.jobs.executors.base import Executor
 from service.jobs.layout import JobLayout
 from service.jobs.model import Job, JobStatus, Phase
@@ -30,10 +34,11 @@ class JobService:
     def submit(self, spec: JobSpec, tenant: str | None = None) -> Job:
         """Validate what can be known now (422 rather than a failed job), check the tenant's
         limits (429), then queue."""
-        known, config = self._local_config(spec)
-        check_spec(spec, self.settings, config, config_known=known)
-        if tenant is not None:
-            self._check_tenant_limits(tenant)
+        known, config, root = self._local_config(spec)
+        check_spec(spec, self.settings, config, config_known=known, source_dir=root)
+        if known and config is not None:
+            self._check_local_weights(spec, config)
+        check_callback(spec, self.settings, tenant)
         job = Job(
             id=uuid.uuid4().hex,
             status=JobStatus.QUEUED,
@@ -41,54 +46,86 @@ class JobService:
             spec=spec.stored(),
             created_at=utcnow(),
             tenant=tenant,
+            callback=waiting_callback(spec),
+            reserved_bytes=self._reservation(spec) if tenant is not None else 0,
         )
         secrets = {"hf_token": spec.hf_token.get_secret_value()} if spec.hf_token else {}
         return self.executor.submit(job, secrets)
 
-    def _check_tenant_limits(self, tenant: str) -> None:
-        """TenantLimitExceeded when ``tenant`` keeps its limit of artifact bytes.
-
-        The job-count limits (queued, active) are exact: the store checks them inside the
-        insert's transaction (:class:`service.jobs.store.Admission`)."""
-        settings = self.settings
-        if settings.tenant_max_artifact_bytes is not None:
-            used = self.artifact_bytes(tenant)
-            if used >= settings.tenant_max_artifact_bytes:
-                raise TenantLimitExceeded(
-                    f"tenant {tenant} keeps {used} artifact bytes (limit "
-                    f"{settings.tenant_max_artifact_bytes}); free space before submitting",
-                    retry_after=3600,
-                )
-
-    def artifact_bytes(self, tenant: str | None = None) -> int:
-        """Bytes of the artifacts of succeeded jobs (of ``tenant``, or of everyone)."""
-        total = 0
-        before: tuple[datetime, str] | None = None
-        while True:
-            page = self.store.page(
-                status=JobStatus.SUCCEEDED, tenant=tenant, limit=500, before=before
-            )
-            total += sum(a.size for job in page for a in job.artifacts)
-            if len(page) < 500:
-                return total
-            before = (page[-1].created_at, page[-1].id)
-
-    def _local_config(self, spec: JobSpec) -> tuple[bool, dict[str, Any] | None]:
-        """(known, config.json) of the source: known only for file:// sources, whose config an
-        exporter can judge at once (None when absent or unusable, as the job will see it)."""
+    def _reservation(self, spec: JobSpec) -> int:
+        """The artifact bytes a job is expected to write, held against its tenant's limit
+        while it waits and runs: the size of a local source's files once per export (each
+        format writes the weights once; quantized GGUF writes less, so this errs on the safe
+        side). Nothing for a remote source, whose size is known only once downloaded: its real
+        size is checked when it ends (``JobStore.finish``)."""
+        if self.settings.tenant_max_artifact_bytes is None:
+            return 0
         fetcher = fetcher_for(spec.source)
         if not isinstance(fetcher, LocalFetcher):
-            return False, None
+            return 0
         path = fetcher.path(spec.source_request(), self.settings)
-        config_path = path / "config.json" if path.is_dir() else path.parent / "config.json"
         try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
+            size = sum(p.stat().st_size for p in files)
+        except OSError:
+            return 0  # the job will say what is wrong with the source
+        return size * len(spec.exports)
+
+    def artifact_bytes(self, tenant: str | None = None) -> int:
+        """Bytes of the artifacts of succeeded jobs still on disk (of ``tenant``, or of
+        everyone): one read of the store's totals, however many jobs there are."""
+        return self.store.artifact_bytes(tenant)
+
+    def _local_config(self, spec: JobSpec) -> tuple[bool, dict[str, Any] | None, Path | None]:
+        """(known, config.json, directory) of the source: known only for file:// sources, whose
+        config and files an exporter can judge at once (config None when absent or unusable, as
+        the job will see it)."""
+        fetcher = fetcher_for(spec.source)
+        if not isinstance(fetcher, LocalFetcher):
+            return False, None, None
+        path = fetcher.path(spec.source_request(), self.settings)
+        root = path if path.is_dir() else path.parent
+        try:
+            config = json.loads((root / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError):  # deeply nested JSON recurses
-            return True, None
-        return True, config if isinstance(config, dict) else None
+            return True, None, root
+        return True, config if isinstance(config, dict) else None, root
+
+    def _check_local_weights(self, spec: JobSpec, config: dict[str, Any]) -> None:
+        """A local safetensors checkpoint whose config.json disagrees with its headers is
+        refused now (422) rather than as a failed job: the headers are a few kilobytes."""
+        fetcher = fetcher_for(spec.source)
+        assert isinstance(fetcher, LocalFetcher)
+        path = fetcher.path(spec.source_request(), self.settings)
+        shapes = safetensors_shapes(path if path.is_dir() else path.parent)
+        if shapes is not None:
+            check_config_matches_weights(config, shapes)
 
     def get(self, job_id: str, tenant: str | None = None) -> Job:
         return self.store.get(job_id, tenant)
+
+    async def get_on_loop(self, job_id: str, tenant: str | None = None) -> Job:
+        """:meth:`get` for a caller on an event loop, which must never stall on the database.
+
+        Inline when the store's reads never wait (SQLite): a point read costs less than a hop
+        to a worker thread, which on a busy machine also costs two thread wake-ups and GIL
+        hand-overs per request (bench/api_latency.py). In a worker thread otherwise: a network
+        database may stall, and the event loop must not stall with it."""
+        if self.store.reads_never_wait:
+            return self.get(job_id, tenant)
+        return await anyio.to_thread.run_sync(self.get, job_id, tenant)
+
+    def readiness(self) -> dict[str, str]:
+        """Whether this process can serve jobs: each check's name and ``ok`` or what is wrong.
+        Never raises: a readiness probe reports a broken database, it does not crash on it."""
+        checks: dict[str, str] = {}
+        try:
+            self.store.ping()
+            checks["database"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - readiness reports any failure, never raises
+            checks["database"] = f"error: {type(exc).__name__}"
+        checks["data_dir"] = "ok" if self.settings.data_dir.is_dir() else "missing"
+        return checks
 
     def page(
         self,

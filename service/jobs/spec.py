@@ -7,7 +7,9 @@ The exports list is a discriminated union over the formats registered in
 from __future__ import annotations
 
 from typing import Annotated, Any, Union
+from urllib.parse import urlsplit
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from service.exporters import registry
@@ -24,6 +26,40 @@ def _export_union() -> Any:
 
 
 AnyExportSpec = _export_union()
+
+
+class CallbackSpec(BaseModel):
+    """Where to POST the job's JSON when it ends (see service/jobs/callbacks.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(
+        min_length=1, max_length=2048,
+        description="http(s) URL that receives the job JSON, signed (X-Modelprep-Signature), "
+        "once the job ends; it must answer 2xx. Subject to the egress policy.",
+        examples=["https://platform.example.com/hooks/modelprep"],
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as exc:
+            raise ValueError(f"not a valid URL: {exc}") from exc
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.username is not None or parts.password is not None:
+            # The URL is stored and shown in the job JSON: no credentials in it.
+            raise ValueError("must not contain credentials (user:password@)")
+        if parts.fragment:
+            raise ValueError("must not contain a #fragment")
+        try:
+            httpx.URL(value)  # what delivery will send to: refuse now what it could not parse
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"not a valid URL: {exc}") from exc
+        return value
 
 
 class JobSpec(BaseModel):
@@ -44,10 +80,22 @@ class JobSpec(BaseModel):
         default=None, description="CPU budget for the model's weights, e.g. 1GiB", examples=["1GiB"]
     )
     verify: bool = True
+    reuse: bool = Field(
+        default=True,
+        description="Share the artifacts of a succeeded job with the same resolved source and "
+        "recipe instead of computing them (the job then says reused_from); false computes "
+        "anew (the new result is still offered to later jobs).",
+    )
     timeout: float | None = Field(
         default=None, gt=0, le=366 * 86400,
         description="Seconds the job may run before it is killed (error job_timeout); at most "
         "the service's MODELPREP_JOB_TIMEOUT.",
+    )
+
+    callback: CallbackSpec | None = Field(
+        default=None,
+        description="POST the job JSON here when the job ends (succeeded, failed, cancelled, "
+        "timed out), signed with HMAC-SHA256; retried with backoff.",
     )
 
     @field_validator("max_memory")

@@ -51,6 +51,7 @@ from procrastinate.manager import JobManager
 from service.config import Settings
 from service.errors import JobNotFound, WorkerStopped
 from service.fsutil import ensure_writable_dir
+from service.jobs.callbacks import CallbackDeliverer, RenderJob
 from service.jobs.executors.distributed import TASK_NAME, JobQueue, libpq_url
 from service.jobs.executors.process import (
     settle_exited,
@@ -273,8 +274,11 @@ def worker_app(settings: Settings) -> procrastinate.App:
     return app
 
 
-async def serve(settings: Settings, health_file: Path | None = None) -> None:
-    """Run one worker until SIGTERM/SIGINT."""
+async def serve(
+    settings: Settings, health_file: Path | None = None, render: RenderJob | None = None
+) -> None:
+    """Run one worker until SIGTERM/SIGINT; with ``render`` (the API's job JSON), it also
+    delivers completion callbacks, on a thread of its own (never in a job slot)."""
     ensure_writable_dir(settings.data_dir, "MODELPREP_DATA_DIR")
     ensure_writable_dir(settings.jobs_dir, "MODELPREP_DATA_DIR")
     store = JobStore.from_url(settings.sqlalchemy_url)
@@ -286,6 +290,9 @@ async def serve(settings: Settings, health_file: Path | None = None) -> None:
         health_file=health_file,
     )
     await asyncio.to_thread(warm_up)  # before taking jobs: their heartbeats must not wait
+    deliverer = CallbackDeliverer(settings, store, render) if render is not None else None
+    if deliverer is not None:
+        deliverer.start()
     app = worker_app(settings)
     async with app.open_async():
         side_tasks = [
@@ -313,10 +320,14 @@ async def serve(settings: Settings, health_file: Path | None = None) -> None:
             for task in side_tasks:
                 task.cancel()
             await asyncio.gather(*side_tasks, return_exceptions=True)
+            if deliverer is not None:
+                await asyncio.to_thread(deliverer.stop)
             await asyncio.to_thread(store.dispose)
             log.info("worker stopped", extra={"worker": runtime.name})
 
 
-def run_worker(settings: Settings, health_file: Path | None = None) -> None:
+def run_worker(
+    settings: Settings, health_file: Path | None = None, render: RenderJob | None = None
+) -> None:
     """Blocking entry point of ``modelprep worker``."""
-    asyncio.run(serve(settings, health_file))
+    asyncio.run(serve(settings, health_file, render))

@@ -170,6 +170,15 @@ def test_exit_codes_say_what_happened(
     assert "Traceback" not in result.stderr
 
 
+def test_submit_passes_a_callback_which_this_service_cannot_sign_for_the_tenant(
+    service: ServiceProcess, root: Path
+) -> None:
+    result = modelprep("submit", str(root / "llama"), "-e", "safetensors",
+                       "--callback", "https://hooks.example.com/modelprep", url=service.url)
+    assert result.returncode == 2, result.stderr
+    assert "MODELPREP_CALLBACK_SECRETS" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_an_unreachable_service_exits_4() -> None:
     result = modelprep("status", "0" * 32, url=f"http://127.0.0.1:{free_port()}")
     assert result.returncode == 4 and "Traceback" not in result.stderr

@@ -288,3 +288,29 @@ def test_a_job_past_its_timeout_is_killed_on_its_worker_and_fails_job_timeout(
             time.sleep(0.1)
         assert _gone(start["pid"])
         assert not (c.data_dir / "jobs" / job_id / "artifacts").exists()
+
+
+def test_identical_jobs_on_two_workers_compute_once_and_share_the_artifacts(
+    tmp_path: Path, root: Path
+) -> None:
+    """Result reuse across workers: the settling lock lives in PostgreSQL. Four identical jobs
+    submitted together run on both workers; exactly one runs the export phase, the others
+    share its files (hard links in the shared data directory)."""
+    with cluster(tmp_path, root) as c:
+        ids = [c.submit(f"file://{root / 'llama'}") for _ in range(4)]
+        jobs = [c.api.wait_for(job_id, timeout=240) for job_id in ids]
+        assert all(j["status"] == "succeeded" for j in jobs), [j["error"] for j in jobs]
+        ran = [j for j in jobs if any(p["phase"] == "export" for p in j["phases"])]
+        assert len(ran) == 1, [(j["id"], j.get("reuse")) for j in jobs]
+        for job in jobs:
+            if job is ran[0]:
+                assert job["reused_from"] is None
+                continue
+            # from the job that computed, or from one that already shares its files
+            assert job["reused_from"] in set(ids) - {job["id"]}
+            for artifact in job["artifacts"]:
+                assert os.path.samefile(
+                    c.data_dir / "jobs" / job["id"] / "artifacts" / artifact["path"],
+                    c.data_dir / "jobs" / ran[0]["id"] / "artifacts" / artifact["path"],
+                )
+        assert len({int(str(c.row(j)["worker"]).rsplit(":", 1)[1]) for j in ids}) == 2

@@ -96,7 +96,8 @@ def test_two_concurrent_jobs_of_one_repo_download_it_once(
 ) -> None:
     repo = repo_id()
     local_hub.create_repo(repo, files_of(checkpoints["v1"]))
-    body = {"source": f"hf://{repo}", "exports": [{"format": "safetensors"}]}
+    # reuse off: both jobs download (through the cache) rather than one sharing the other's
+    body = {"source": f"hf://{repo}", "exports": [{"format": "safetensors"}], "reuse": False}
     with service.client() as client:
         ids = [client.post("/v1/jobs", json=body).json()["id"] for _ in range(2)]
     jobs = [service.wait_for(i, timeout=180) for i in ids]
@@ -212,7 +213,8 @@ def test_deleting_a_finished_job_removes_its_files_and_its_artifact_urls_answer_
 ) -> None:
     weights = (checkpoints["v1"] / "model.safetensors").read_bytes()
     url = http_server.add(f"/{uuid.uuid4().hex}/model.safetensors", Route(body=weights))
-    job = run(service, {"source": url, "exports": [{"format": "safetensors"}]})
+    # reuse off: its own files, not links shared with an earlier job of the same bytes
+    job = run(service, {"source": url, "exports": [{"format": "safetensors"}], "reuse": False})
     assert job["status"] == "succeeded", job["error"]
     artifact_url = job["artifacts"][0]["url"]
     with service.client() as client:

@@ -57,6 +57,7 @@ def test_error_codes_are_unique() -> None:
         (errors.Forbidden, 403),
         (errors.PathOutsideRoot, 403),
         (errors.VerificationFailed, 500),
+        (errors.ToolMissing, 503),
         (errors.ServiceError, 500),
     ],
     ids=lambda v: getattr(v, "__name__", str(v)),

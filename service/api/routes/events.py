@@ -19,7 +19,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from service.api.auth import PrincipalDep
 from service.api.deps import JobsDep, WatchDep
-from service.api.routes.jobs import PROBLEMS, fetch_job
+from service.api.routes.jobs import PROBLEMS
 from service.api.schemas import JobEvent
 from service.api.watch import JobWatch
 from service.jobs.model import Job
@@ -64,6 +64,6 @@ async def job_events(
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> EventSourceResponse:
     """Stream the job's state changes until it ends; another tenant's job answers 404."""
-    job = await fetch_job(jobs, job_id, principal.scope)
+    job = await jobs.get_on_loop(job_id, principal.scope)
     seen = int(last_event_id) if last_event_id and last_event_id.isdigit() else -1
     return EventSourceResponse(_stream(watch, job, seen), ping=PING_SECONDS)

@@ -2,53 +2,37 @@
 
 from __future__ import annotations
 
-import base64
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
-from starlette.concurrency import run_in_threadpool
 
 from service.api.auth import PrincipalDep
 from service.api.deps import JobsDep
-from service.api.schemas import JobCreate, JobOut, JobPage, Problem
-from service.errors import InvalidRequest
-from service.jobs.model import Job, JobStatus
-from service.jobs.service import JobService
+from service.api.schemas import JobCreate, JobOut, JobPage, problems
+from service.jobs.model import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-PROBLEMS: dict[int | str, dict[str, object]] = {
-    code: {"model": Problem, "content": {"application/problem+json": {}}}
-    for code in (400, 401, 404, 409, 422, 429)
-}
+PROBLEMS = problems(400, 401, 404, 409, 422, 429)
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+CURSOR_PATTERN = r"^[0-9]{1,17}\.[0-9A-Za-z_-]{1,36}$"
+"""``<microseconds since 1970 of the last job's created_at>.<its id>``: every string the
+pattern allows is a cursor the route can use (17 digits stay below year 9999), so the schema
+and the route agree on what a cursor is."""
 
 
 def _encode_cursor(created_at: datetime, job_id: str) -> str:
-    return base64.urlsafe_b64encode(f"{created_at.isoformat()}|{job_id}".encode()).decode()
+    return f"{(created_at - _EPOCH) // timedelta(microseconds=1)}.{job_id}"
 
 
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
-    try:
-        created, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
-        return datetime.fromisoformat(created), job_id
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest("invalid cursor") from exc
+    micros, job_id = cursor.split(".", 1)  # the pattern has been checked
+    return _EPOCH + timedelta(microseconds=int(micros)), job_id
 
 
-async def fetch_job(jobs: JobService, job_id: str, tenant: str | None) -> Job:
-    """``jobs.get`` for a route on the event loop.
-
-    Inline when the store's reads never wait (SQLite): a point read costs less than a hop to the
-    thread pool, which on a busy machine also costs two thread wake-ups and GIL hand-overs per
-    request (bench/api_latency.py). In the thread pool otherwise: a network database may stall,
-    and the event loop must not stall with it."""
-    if jobs.store.reads_never_wait:
-        return jobs.get(job_id, tenant)
-    return await run_in_threadpool(jobs.get, job_id, tenant)
-
-
-@router.post("", status_code=status.HTTP_202_ACCEPTED, responses=PROBLEMS)
+@router.post("", status_code=status.HTTP_202_ACCEPTED, responses={**PROBLEMS, **problems(503)})
 def submit_job(
     body: JobCreate, jobs: JobsDep, principal: PrincipalDep, response: Response
 ) -> JobOut:
@@ -63,7 +47,10 @@ def list_jobs(
     principal: PrincipalDep,
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: str | None = None,
+    cursor: Annotated[
+        str | None,
+        Query(pattern=CURSOR_PATTERN, description="``next_cursor`` of the previous page"),
+    ] = None,
 ) -> JobPage:
     before = _decode_cursor(cursor) if cursor else None
     page = jobs.page(status, limit, before, tenant=principal.scope)
@@ -75,7 +62,7 @@ def list_jobs(
 
 @router.get("/{job_id}", responses=PROBLEMS)
 async def get_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut:
-    return JobOut.from_job(await fetch_job(jobs, job_id, principal.scope))
+    return JobOut.from_job(await jobs.get_on_loop(job_id, principal.scope))
 
 
 @router.delete(

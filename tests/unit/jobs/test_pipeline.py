@@ -99,10 +99,10 @@ def test_exports_are_judged_at_submission_only_when_the_config_is_at_hand(
     check_spec(hub, settings, None, config_known=False)  # not downloaded yet: judged in the job
     with pytest.raises(UnsupportedExport):
         check_spec(hub, settings, None, config_known=True)  # known to have no config.json
-    bert = {"model_type": "bert", "architectures": ["BertModel"]}
+    whisper = {"model_type": "whisper", "architectures": ["WhisperForConditionalGeneration"]}
     gguf = JobSpec.model_validate({"source": "hf://org/tiny", "exports": [{"format": "gguf"}]})
     with pytest.raises(UnsupportedExport):
-        check_spec(gguf, settings, bert, config_known=True)
+        check_spec(gguf, settings, whisper, config_known=True)
 
 
 def test_a_checkpoint_without_config_is_exported_and_says_why_it_was_not_verified(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import uuid
 from collections.abc import Iterator
@@ -14,7 +15,9 @@ from service.api.errors import http_status
 from service.config import Settings
 from service.errors import QueueFull, TenantLimitExceeded
 from service.jobs.executors.local import LocalExecutor
+from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact, Job, JobStatus, Phase
+from service.jobs.runner import run_job
 from service.jobs.service import JobService
 from service.jobs.spec import JobSpec
 from service.jobs.store import Admission, JobStore, utcnow
@@ -77,17 +80,52 @@ def test_active_limit_counts_running_and_queued_jobs(
         jobs.submit(spec(llama_safetensors_dir), tenant="a")
 
 
-def test_artifact_bytes_limit_counts_succeeded_jobs_artifacts(
+def checkpoint_bytes(checkpoint: Path) -> int:
+    return sum(p.stat().st_size for p in checkpoint.iterdir() if p.is_file())
+
+
+def test_artifact_bytes_limit_counts_live_artifacts_and_queued_jobs_reservations(
     store: JobStore, base: Settings, llama_safetensors_dir: Path
 ) -> None:
-    jobs = service_with(store, base, tenant_max_artifact_bytes=1000)
+    """A queued job of a local source reserves the source's size per export; the tenant's
+    live artifacts and its reservations together must stay within the limit."""
+    size = checkpoint_bytes(llama_safetensors_dir)
+    jobs = service_with(store, base, tenant_max_artifact_bytes=600 + 2 * size)
     add_job(store, "a", JobStatus.SUCCEEDED, size=600)
     add_job(store, "b", JobStatus.SUCCEEDED, size=5000)
-    jobs.submit(spec(llama_safetensors_dir), tenant="a")  # 600 < 1000
-    add_job(store, "a", JobStatus.SUCCEEDED, size=400)
-    assert jobs.artifact_bytes("a") == 1000 and jobs.artifact_bytes() == 6000
-    with pytest.raises(TenantLimitExceeded, match="1000 artifact bytes"):
+    first = jobs.submit(spec(llama_safetensors_dir), tenant="a")
+    assert first.reserved_bytes == size and store.get(first.id).reserved_bytes == size
+    jobs.submit(spec(llama_safetensors_dir), tenant="a")  # exactly at the limit
+    assert jobs.artifact_bytes("a") == 600 and jobs.artifact_bytes() == 5600
+    with pytest.raises(TenantLimitExceeded, match=f"holds {600 + 2 * size} artifact bytes"):
         jobs.submit(spec(llama_safetensors_dir), tenant="a")
+    jobs.submit(spec(llama_safetensors_dir), tenant="b")  # another tenant is not affected
+    store.finish(first.id, JobStatus.CANCELLED, from_statuses=(JobStatus.QUEUED,))
+    jobs.submit(spec(llama_safetensors_dir), tenant="a")  # an ended job reserves nothing
+
+
+def test_a_job_whose_artifacts_do_not_fit_fails_typed_and_keeps_no_files(
+    store: JobStore, base: Settings, llama_safetensors_dir: Path
+) -> None:
+    """Reservations are estimates: what a job really wrote is checked when it ends. Here the
+    tenant's room is taken by another job after this one was admitted; the job (a real job
+    process) fails with tenant_limit_exceeded, its artifacts are removed, nothing is counted."""
+    limit = checkpoint_bytes(llama_safetensors_dir) + 10
+    jobs = service_with(store, base, tenant_max_artifact_bytes=limit)
+    job = jobs.submit(spec(llama_safetensors_dir), tenant="a")
+    add_job(store, "a", JobStatus.SUCCEEDED, size=limit - 5)
+    assert store.claim(job.id, "test") is not None
+    child = multiprocessing.get_context("spawn").Process(
+        target=run_job, args=(job.id, jobs.settings, {})
+    )
+    child.start()
+    child.join(timeout=300)
+    assert child.exitcode == 0
+    ended = store.get(job.id)
+    assert ended.status is JobStatus.FAILED and ended.error is not None
+    assert ended.error.type == "tenant_limit_exceeded" and "do not fit" in ended.error.message
+    assert ended.artifacts == () and not JobLayout.for_job(jobs.settings, job.id).artifacts.exists()
+    assert store.artifact_bytes("a") == limit - 5
 
 
 def test_artifact_limit_accepts_human_sizes(tmp_path: Path) -> None:
@@ -106,18 +144,20 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobSto
         yield store
 
 
-@pytest.mark.parametrize("limit", ["tenant_max_active", "tenant_max_queued", "max_queued"])
+@pytest.mark.parametrize("limit", ["tenant_max_active", "tenant_max_queued", "max_queued",
+                                   "tenant_max_artifact_bytes"])
 def test_concurrent_submits_never_overshoot_a_limit(any_store: JobStore, limit: str) -> None:
     """Twelve submits released at once by a barrier, on their own connections: exactly the
-    limit's worth get in, the rest are refused, and no error other than the limit's occurs."""
-    limits = Admission(**{limit: 3})
-    add_job(any_store, "a", JobStatus.SUCCEEDED)  # finished jobs count for no limit
+    limit's worth get in, the rest are refused, and no error other than the limit's occurs.
+    (Each job reserves 100 artifact bytes; the byte limit is 300 plus a 50-byte live one.)"""
+    limits = Admission(**{limit: 350 if limit == "tenant_max_artifact_bytes" else 3})
+    add_job(any_store, "a", JobStatus.SUCCEEDED, size=50)  # live bytes; counts for no job limit
     barrier = threading.Barrier(12)
     outcomes: list[str] = []
 
     def submit() -> None:
         job = Job(id=uuid.uuid4().hex, status=JobStatus.QUEUED, phase=Phase.QUEUED, spec={},
-                  created_at=utcnow(), tenant="a")
+                  created_at=utcnow(), tenant="a", reserved_bytes=100)
         barrier.wait()
         try:
             any_store.create(job, limits)
@@ -132,3 +172,35 @@ def test_concurrent_submits_never_overshoot_a_limit(any_store: JobStore, limit: 
         thread.join(timeout=60)
     assert sorted(outcomes) == ["admitted"] * 3 + ["refused"] * 9
     assert any_store.count(JobStatus.QUEUED, "a") == 3
+
+
+def test_concurrent_ends_never_overshoot_the_artifact_bytes_limit(any_store: JobStore) -> None:
+    """Eight running jobs of one tenant end at once, each with 100 bytes of artifacts, under a
+    limit of 350: exactly three succeed, the others are refused, and 300 bytes are live."""
+    ids = []
+    for _ in range(8):
+        job = Job(id=uuid.uuid4().hex, status=JobStatus.QUEUED, phase=Phase.QUEUED, spec={},
+                  created_at=utcnow(), tenant="a")
+        any_store.create(job)
+        assert any_store.claim(job.id, "w") is not None
+        ids.append(job.id)
+    barrier = threading.Barrier(len(ids))
+    outcomes: list[str] = []
+
+    def finish(job_id: str) -> None:
+        barrier.wait()
+        try:
+            any_store.finish(job_id, JobStatus.SUCCEEDED, tenant_max_artifact_bytes=350,
+                             artifacts=[Artifact("m.safetensors", 100, "0" * 64)])
+            outcomes.append("succeeded")
+        except TenantLimitExceeded:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=finish, args=(job_id,)) for job_id in ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outcomes) == ["refused"] * 5 + ["succeeded"] * 3
+    assert any_store.artifact_bytes("a") == 300
+    assert any_store.count(JobStatus.RUNNING, "a") == 5  # refused: still running, untouched
