@@ -12,7 +12,10 @@ are the job's alone; the consumer check then runs here, on the job's artifacts:
 * nnef         tract (in the job's child): argmax agreed with PyTorch at every decode step, and
                that decode == transformers' argmax loop on the same prompt
 
-``--quick`` drops the layout rows (the base models only).
+* onnx         onnxruntime: the job's own decode check, and a fresh session's greedy decode ==
+               transformers' argmax loop
+
+``--quick`` drops the layout rows (the base models only); ``--models a,b`` keeps those models.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ EXPORTS: dict[str, dict[str, Any]] = {
     "gguf": {"format": "gguf", "type": "f16"},
     "safetensors": {"format": "safetensors"},
     "nnef": {"format": "nnef"},
+    "onnx": {"format": "onnx"},
 }
 
 
@@ -50,10 +54,13 @@ def rows(quick: bool) -> list[tuple[str, str | None, str]]:
         ("minilm", None, "safetensors"),
         ("minilm", None, "nnef"),
         ("smollm2", None, "nnef"),
+        ("smollm2", None, "onnx"),
+        ("qwen2", None, "onnx"),
+        ("minilm", None, "onnx"),
     ]
     if not quick:
         for variant in COVERING_VARIANTS:
-            for export in ("safetensors", "gguf", "nnef"):
+            for export in ("safetensors", "gguf", "nnef", "onnx"):
                 out.append(("smollm2", variant.label() + "-L4", export))
     return out
 
@@ -111,6 +118,26 @@ def consumer_check(model: str, export: str, artifacts: Path, source: Path, work:
         verify = summary["verify"]
         assert verify["passed"], verify
         return f"transformers reload: max rel err {verify.get('max_rel_error', 0):.2g}"
+    if export == "onnx":
+        verify = summary["verify"]
+        assert verify["max_abs_err"] <= verify["tolerance"], verify
+        if model == "minilm":
+            return f"onnxruntime: max abs err {verify['max_abs_err']:.2g} <= {verify['tolerance']:.2g}"
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from tests.unit.exporters.test_onnx import _decode_in_ort
+
+        prompt, steps = [11, 400, 1234, 77], 4
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(steps):
+                ids = torch.cat([ids, lm(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert _decode_in_ort(artifacts / "onnx" / "model.onnx", prompt, steps) == ids[
+            0, len(prompt) :
+        ].tolist()
+        return f"onnxruntime: {steps} greedy tokens == transformers"
     verify = summary["verify"]
     assert verify["max_abs_err"] <= verify["tolerance"], verify
     if model == "minilm":
@@ -160,6 +187,7 @@ def measure(model: str, label: str | None, export: str, base: Path) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", help="only these models (comma-separated)")
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "LAYOUT", "EXPORT", "OUT"))
     parser.add_argument("--check", nargs=5, metavar=("MODEL", "EXPORT", "ARTS", "SRC", "WORK"))
     args = parser.parse_args()
@@ -176,6 +204,8 @@ def main() -> None:
     print(" | ".join("---" for _ in cols))
     with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
         for model, label, export in rows(args.quick):
+            if args.models and model not in args.models.split(","):
+                continue
             row = measure(model, label, export, Path(tmp))
             print(" | ".join(str(row[c]) for c in cols), flush=True)
 

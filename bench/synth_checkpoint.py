@@ -29,9 +29,9 @@ from service.config import Settings
 from service.exporters.safetensors_writer import (
     INDEX_FILE,
     plan_shards,
-    write_json_atomic,
     write_shard,
 )
+from service.fsutil import atomic_write_json
 from service.stage import InMemoryContext
 
 
@@ -117,8 +117,8 @@ def write_checkpoint(
         write_shard(reader, shard, out_dir, ctx)
     if len(plan.shards) > 1:
         index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
-        write_json_atomic(out_dir / INDEX_FILE, index)
-    write_json_atomic(out_dir / "config.json", config)
+        atomic_write_json(out_dir / INDEX_FILE, index)
+    atomic_write_json(out_dir / "config.json", config)
     largest = max(i.nbytes for i in reader.tensor_infos())
     return {
         "dir": str(out_dir),

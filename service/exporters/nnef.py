@@ -31,6 +31,7 @@ import logging
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -53,6 +54,11 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 
 ARCHIVE_NAME = "model.nnef.tgz"
+
+ARCHIVE_PROPERTIES: dict[str, str] = {"export_cmd": "modelprep"}
+"""Properties that replace torch-to-nnef's own in the archive: it records ``" ".join(sys.argv)``
+as ``export_cmd``, which in the service is the worker's command line with host paths; an
+artifact handed to users must not carry them (as ``_name_or_path`` is scrubbed too)."""
 T2N_LOG_LEVEL = logging.WARNING
 
 # Verification tolerances (atol, rtol of max|reference|) by weight kind. q4_0 is compared with
@@ -62,6 +68,33 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "float16": (2e-2, 2e-2),
     "q4_0": (1e-2, 1e-2),
 }
+
+
+CAUSAL_LM_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
+"""Causal LMs whose torch-to-nnef LLM export decodes in tract like PyTorch, in the tests (tiny
+ones of each, and real SmolLM2, Qwen2.5 and Gemma 3)."""
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
+"""Encoders whose traced export runs in tract like PyTorch, in the tests (real all-MiniLM)."""
+
+
+def check_architecture(config: dict[str, Any]) -> None:
+    """Refuse at submission a model type the NNEF export is not tested on, listing those it is.
+
+    Remote-code models (``auto_map``) are judged by ``trust_remote_code`` when the job builds
+    them, not here."""
+    if "auto_map" in config:
+        return
+    model_type = str(config.get("model_type") or "")
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    supported = CAUSAL_LM_TYPES if causal else ENCODER_TYPES
+    if model_type not in supported:
+        kind = "causal LM" if causal else "model"
+        raise UnsupportedExport(
+            f"NNEF export does not support the {kind} type {model_type or 'unknown'!r} "
+            f"(supported: causal LMs {', '.join(sorted(CAUSAL_LM_TYPES))}; encoders "
+            f"{', '.join(sorted(ENCODER_TYPES))})"
+        )
 
 
 def installed_tract_version() -> str:
@@ -107,6 +140,7 @@ class NNEFExporter(Exporter):
         nspec = _nnef_spec(spec)
         if config is None:
             raise UnsupportedExport("NNEF export builds the model graph and needs a config.json")
+        check_architecture(config)
         installed = installed_tract_version()
         if nspec.tract_version is not None and nspec.tract_version != installed:
             raise UnsupportedExport(
@@ -247,7 +281,7 @@ def _export_causal_lm(
     from torch_to_nnef_llm.config import ExportDirStruct
     from torch_to_nnef_llm.exporter import LLMExporter
 
-    from service.exporters.nnef_verify import ensure_tract_fits, greedy_reference, verify_causal_lm
+    from service.exporters.nnef_verify import greedy_reference, verify_causal_lm
 
     vocab = int(built.config.vocab_size)
     # 16 example tokens: torch-to-nnef traces with 1 token and 2 past ones.
@@ -264,6 +298,7 @@ def _export_causal_lm(
             compression_registry=DEFAULT_COMPRESSION_REGISTRY,
         )
         target.dump_identity_properties = False
+        target.specific_properties = ARCHIVE_PROPERTIES
         # prepare() compresses; the reference must see the weights tract will get, and must run
         # before export_model(), which leaves the module's tensors wrapped for tracing.
         exporter.prepare(
@@ -274,7 +309,9 @@ def _export_causal_lm(
         )
         ctx.check_abort()
         if spec.verify:
-            expected = greedy_reference(exporter.hf_model_causal, prompt, spec.decode_steps)
+            expected = greedy_reference(
+                exporter.hf_model_causal, prompt, spec.decode_steps, record_layers=True
+            )
         ctx.check_abort()
         exporter.export_model(
             stage,
@@ -300,15 +337,14 @@ def _export_causal_lm(
     }
     if expected is None:
         return io, None
-    ctx.set_phase(Phase.VERIFY, total=spec.decode_steps + 1, unit="steps")
-    archive = out_dir / ARCHIVE_NAME
-    ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory)
-    atol, rtol = _tolerance(spec, built.dtype)
-    report = verify_causal_lm(
-        archive, io, expected, atol, rtol, work=stage / "verify", check_abort=ctx.check_abort
-    )
-    ctx.advance(spec.decode_steps + 1)
-    return io, report
+    reference = expected
+
+    def run(archive: Path, atol: float, rtol: float, work: Path) -> ParityReport:
+        return verify_causal_lm(
+            archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort
+        )
+
+    return io, _verify_archive(spec, built, out_dir, stage, ctx, spec.decode_steps + 1, run)
 
 
 def _export_encoder(
@@ -327,7 +363,7 @@ def _export_encoder(
     from torch_to_nnef.inference_target.tract import TractNNEF
 
     from service.exporters.nnef_offload import TensorOutputs
-    from service.exporters.nnef_verify import ensure_tract_fits, verify_encoder
+    from service.exporters.nnef_verify import verify_encoder
 
     wrapper = TensorOutputs(built.module)
     seq = spec.sequence_length
@@ -355,7 +391,7 @@ def _export_encoder(
             dynamic_axes=dynamic_axes,
             specific_tract_binary_path=launcher,
             dump_identity_properties=False,
-        )
+        ).with_specific_properties(ARCHIVE_PROPERTIES)
         export_model_to_nnef(
             model=wrapper,
             args=args,
@@ -378,16 +414,35 @@ def _export_encoder(
     io = _io_spec(out_dir, "encoder", dynamic_axes, spec)
     if not spec.verify:
         return io, None
-    ctx.set_phase(Phase.VERIFY, total=1, unit="steps")
+
+    def run(archive: Path, atol: float, rtol: float, work: Path) -> ParityReport:
+        return verify_encoder(
+            archive, example_in, expected, atol, rtol, work=work, check_abort=ctx.check_abort
+        )
+
+    return io, _verify_archive(spec, built, out_dir, stage, ctx, 1, run)
+
+
+def _verify_archive(
+    spec: NNEFSpec,
+    built: OffloadedModel,
+    out_dir: Path,
+    stage: Path,
+    ctx: JobContext,
+    steps: int,
+    run: Callable[[Path, float, float, Path], ParityReport],
+) -> ParityReport:
+    """The VERIFY phase both export paths end in: refuse an archive tract cannot hold, then
+    ``run`` the path's own comparison within the tolerance of the exported dtype."""
+    from service.exporters.nnef_verify import ensure_tract_fits
+
+    ctx.set_phase(Phase.VERIFY, total=steps, unit="steps")
     archive = out_dir / ARCHIVE_NAME
     ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory)
     atol, rtol = _tolerance(spec, built.dtype)
-    report = verify_encoder(
-        archive, example_in, expected, atol, rtol, work=stage / "verify",
-        check_abort=ctx.check_abort,
-    )  # fmt: skip
-    ctx.advance(1)
-    return io, report
+    report = run(archive, atol, rtol, stage / "verify")
+    ctx.advance(steps)
+    return report
 
 
 def _collect(archive: Path, tests: Path, out_dir: Path) -> None:

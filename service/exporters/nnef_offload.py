@@ -104,6 +104,11 @@ def offloaded_model(
     # torch-to-nnef writes _name_or_path into the archive properties: keep host paths out.
     config: Any = module.config
     config._name_or_path = checkpoint.root.name
+    if dtype is None and kind == "encoder":
+        # torch-to-nnef's traced path (not the LLM exporter) breaks on a float16 encoder: real
+        # all-MiniLM in float16 fails in aten.layer_norm on a float32 activation holding
+        # garbage. Encoders are small; they export (and run in tract) in float32.
+        dtype = torch.float32
     dtype = dtype or export_dtype(checkpoint)
     weight_bytes = attach_offloaded_weights(
         module, checkpoint.reader, offload_dir, dtype, store=store, hook=hook

@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import VerificationFailed, VerificationTooLarge
+from service.errors import VerificationFailed
 from service.exporters import tract_cli
-from service.exporters.child_process import run_child
-from service.units import parse_size
+from service.exporters.child_process import compare_outputs, ensure_fits, run_child
 
 
 @dataclass(frozen=True)
@@ -83,22 +82,6 @@ TRACT_BASE_BYTES = 256 * 2**20
 """tract's own footprint beyond the weights (runtime, activations of a short prompt)."""
 
 
-def _check(
-    found: list[np.ndarray], expected: list[np.ndarray], atol: float, rtol: float
-) -> tuple[float, float, float]:
-    err = 0.0
-    ref = 0.0
-    for f, e in zip(found, expected, strict=True):
-        if f.shape != e.shape:
-            raise VerificationFailed(f"tract output shape {f.shape} != PyTorch {e.shape}")
-        if not np.all(np.isfinite(f)):
-            raise VerificationFailed("tract produced non-finite values")
-        diff = np.abs(f.astype(np.float64) - e.astype(np.float64))
-        err = max(err, float(diff.max(initial=0.0)))
-        ref = max(ref, float(np.abs(e).max(initial=0.0)))
-    return err, ref, atol + rtol * ref
-
-
 @dataclass(frozen=True)
 class GreedyReference:
     """PyTorch's greedy decode: the token fed at each step and the logits it produced."""
@@ -108,47 +91,76 @@ class GreedyReference:
     """Greedy tokens, one per step (the last one is produced, not fed)."""
     logits: list[np.ndarray]
     """Logits of the last position at each step: the prompt, then each fed token."""
+    layer_names: list[str] = field(default_factory=list)
+    """The decoder layers' module names (``model.layers.0``...), when recorded."""
+    layers: np.ndarray | None = None
+    """Last position of each layer's output at each step, ``[steps, layers, hidden]``."""
 
 
-def greedy_reference(model: Any, prompt: Sequence[int], decode_steps: int) -> GreedyReference:
-    """Greedy decode with the KV cache in PyTorch (``model`` is a transformers causal LM)."""
+def decoder_layers(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of each layer of the model's layer stack: its longest ``ModuleList``."""
+    from torch import nn
+
+    stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not stacks:
+        return []
+    name, stack = max(stacks, key=lambda item: len(item[1]))
+    return [(f"{name}.{i}", layer) for i, layer in enumerate(stack)]
+
+
+def greedy_reference(
+    model: Any, prompt: Sequence[int], decode_steps: int, *, record_layers: bool = False
+) -> GreedyReference:
+    """Greedy decode with the KV cache in PyTorch (``model`` is a transformers causal LM).
+
+    With ``record_layers`` each layer's output (last position) is kept too, through forward
+    hooks: a few KiB per layer and step, what a failed check compares to say where it starts."""
     import torch
 
     tokens: list[int] = []
     logits: list[np.ndarray] = []
+    layers = decoder_layers(model) if record_layers else []
+    step_layers: list[np.ndarray | None] = [None] * len(layers)
+    recorded: list[np.ndarray] = []
+
+    def keep(index: int) -> Any:
+        def hook(_module: Any, _args: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            last = hidden.reshape(-1, hidden.shape[-1])[-1].float().as_subclass(torch.Tensor)
+            step_layers[index] = last.numpy().copy()
+
+        return hook
+
+    handles = [layer.register_forward_hook(keep(i)) for i, (_, layer) in enumerate(layers)]
     ids = torch.tensor([list(prompt)], dtype=torch.int64)
     past = None
-    with torch.no_grad():
-        for _ in range(decode_steps + 1):
-            out = model(input_ids=ids, past_key_values=past, use_cache=True)
-            last = out.logits[0, -1].float().as_subclass(torch.Tensor)
-            logits.append(last.numpy().copy())
-            tokens.append(int(torch.argmax(last)))
-            past = out.past_key_values
-            ids = torch.tensor([[tokens[-1]]], dtype=torch.int64)
-    return GreedyReference([int(t) for t in prompt], tokens, logits)
-
-
-def tract_memory_limit(setting: str | None) -> int:
-    """Bytes tract may take: the setting, else 90% of what the machine has available now."""
-    if setting is not None:
-        return parse_size(setting)
-    import psutil
-
-    return int(psutil.virtual_memory().available * 0.9)
+    try:
+        with torch.no_grad():
+            for _ in range(decode_steps + 1):
+                out = model(input_ids=ids, past_key_values=past, use_cache=True)
+                last = out.logits[0, -1].float().as_subclass(torch.Tensor)
+                logits.append(last.numpy().copy())
+                tokens.append(int(torch.argmax(last)))
+                past = out.past_key_values
+                ids = torch.tensor([[tokens[-1]]], dtype=torch.int64)
+                if layers and all(x is not None for x in step_layers):
+                    recorded.append(np.stack([x for x in step_layers if x is not None]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    complete = bool(layers) and len(recorded) == decode_steps + 1
+    return GreedyReference(
+        [int(t) for t in prompt], tokens, logits,
+        layer_names=[n for n, _ in layers] if complete else [],
+        layers=np.stack(recorded) if complete else None,
+    )  # fmt: skip
 
 
 def ensure_tract_fits(weight_bytes: int, setting: str | None) -> None:
     """Refuse up front a verification tract cannot hold: it loads every weight of the archive
-    into RAM (no offload, no mmap), so its need grows with the model, unlike the export's."""
-    limit = tract_memory_limit(setting)
+    into RAM (no offload, no mmap)."""
     need = int(weight_bytes * 1.1) + TRACT_BASE_BYTES
-    if need > limit:
-        raise VerificationTooLarge(
-            f"tract needs about {need / 2**30:.1f} GiB of RAM to run this archive (it holds "
-            f"every weight), more than the {limit / 2**30:.1f} GiB this worker allows "
-            "(MODELPREP_TRACT_MAX_MEMORY); export with \"verify\": false, or on a bigger worker"
-        )
+    ensure_fits("tract", need, setting, "MODELPREP_TRACT_MAX_MEMORY")
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,7 @@ def run_tract(
     request: dict[str, np.ndarray],
     work: Path,
     check_abort: Callable[[], None] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> TractRun:
     """Run ``tract_cli.py ARCHIVE COMMAND`` in a child process and read its outputs.
 
@@ -174,6 +187,7 @@ def run_tract(
         sys.executable, "-P", str(Path(tract_cli.__file__).resolve()), str(archive),
         "--nnef-tract-core", "--nnef-tract-extra", "--nnef-tract-transformers", "-O", command,
         "--input-from-bundle", str(request_path), "--save-outputs-npz", str(outputs_path),
+        *extra_args,
     ]  # fmt: skip
     peak = run_child(argv, work, "tract", check_abort, env={"RUST_LOG": "error"})
     with np.load(outputs_path) as bundle:
@@ -196,7 +210,33 @@ def verify_causal_lm(
     tract is fed PyTorch's tokens (teacher forcing), so one diverging argmax on near-equal logits
     does not derail the comparison; the report says whether tract's argmax agreed at each step.
     """
-    request = {
+    request = _decode_request(io, expected)
+    run = run_tract(archive, "decode", request, work, check_abort)
+    found = list(run.outputs["logits"])
+    agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
+
+    def where() -> str:
+        return first_diverging_layer(
+            archive, io, expected, atol, rtol, work=work / "layers", check_abort=check_abort
+        )
+
+    try:
+        err, ref, tol = compare_outputs("tract", found, expected.logits, atol, rtol)
+    except VerificationFailed as exc:
+        raise VerificationFailed(f"{exc}; {where()}") from exc
+    report = ParityReport(
+        err, ref, tol, len(found), expected.tokens, agreed, tract_peak_rss_bytes=run.peak_rss_bytes
+    )
+    if err > tol:
+        raise VerificationFailed(
+            f"tract logits differ from PyTorch by {err:.3g} (tolerance {tol:.3g}) over "
+            f"{len(found)} decode steps; {where()}"
+        )
+    return report
+
+
+def _decode_request(io: IOSpec, expected: GreedyReference) -> dict[str, np.ndarray]:
+    return {
         "prompt": np.asarray([expected.prompt], dtype=np.int64),
         "tokens": np.asarray(expected.tokens, dtype=np.int64),
         "cache_shapes": np.asarray(
@@ -205,19 +245,56 @@ def verify_causal_lm(
         ).reshape(len(io.inputs) - 1, -1),
         "cache_dtypes": np.asarray([t.dtype for t in io.inputs[1:]]),
     }
-    run = run_tract(archive, "decode", request, work, check_abort)
-    found = list(run.outputs["logits"])
-    agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
-    err, ref, tol = _check(found, expected.logits, atol, rtol)
-    report = ParityReport(
-        err, ref, tol, len(found), expected.tokens, agreed, tract_peak_rss_bytes=run.peak_rss_bytes
-    )
-    if err > tol:
-        raise VerificationFailed(
-            f"tract logits differ from PyTorch by {err:.3g} (tolerance {tol:.3g}) over "
-            f"{len(found)} decode steps"
+
+
+def first_diverging_layer(
+    archive: Path,
+    io: IOSpec,
+    expected: GreedyReference,
+    atol: float,
+    rtol: float,
+    *,
+    work: Path,
+    check_abort: Callable[[], None] | None = None,
+) -> str:
+    """Where tract first leaves PyTorch, as a sentence for the failure message.
+
+    tract replays the decode once more with every layer's output made a graph output
+    (``tract_cli decode --layer-outputs``); each is compared, step by step and layer by layer,
+    with PyTorch's (recorded by :func:`greedy_reference`) within the check's own tolerance,
+    scaled to that layer's magnitude. Only run once a check has failed: it unpacks the archive.
+    """
+    if expected.layers is None:
+        return "the layer outputs were not recorded, so the first diverging layer is unknown"
+    try:
+        run = run_tract(
+            archive, "decode", _decode_request(io, expected), work, check_abort,
+            extra_args=("--layer-outputs", str(work)),
+        )  # fmt: skip
+    except VerificationFailed as exc:
+        return f"tract could not give the layer outputs ({exc})"
+    found = run.outputs.get("layers")
+    if found is None or found.shape != expected.layers.shape:
+        shape = None if found is None else found.shape
+        return (
+            f"the archive's layer outputs {shape} do not line up with PyTorch's "
+            f"{expected.layers.shape}, so the first diverging layer is unknown"
         )
-    return report
+    for step in range(found.shape[0]):
+        for index, name in enumerate(expected.layer_names):
+            want = expected.layers[step, index].astype(np.float64)
+            diff = float(np.abs(found[step, index].astype(np.float64) - want).max(initial=0.0))
+            tol = atol + rtol * float(np.abs(want).max(initial=0.0))
+            if not diff <= tol:  # NaN diverges too
+                when = "on the prompt" if step == 0 else f"at decode step {step}"
+                return (
+                    f"first diverges at {name} {when} (max abs diff {diff:.3g}, "
+                    f"tolerance {tol:.3g})"
+                )
+    return (
+        f"every layer's output agrees ({len(expected.layer_names)} layers): the divergence is "
+        "after the last layer (final norm or output head)"
+    )
 
 
 def verify_encoder(
@@ -235,7 +312,7 @@ def verify_encoder(
     found = [run.outputs[f"output_{i}"] for i in range(len(run.outputs))]
     if len(found) != len(expected):
         raise VerificationFailed(f"tract gave {len(found)} outputs, PyTorch {len(expected)}")
-    err, ref, tol = _check(found, expected, atol, rtol)
+    err, ref, tol = compare_outputs("tract", found, expected, atol, rtol)
     report = ParityReport(err, ref, tol, len(found), tract_peak_rss_bytes=run.peak_rss_bytes)
     if err > tol:
         raise VerificationFailed(

@@ -45,6 +45,8 @@ import math
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -54,6 +56,7 @@ from pydantic import Field
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
 from service.stage import Phase
+from service.tensors import dtype_name
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -171,7 +174,6 @@ def export_onnx(
 
     from service.exporters import nnef_offload as off
     from service.exporters.onnx_verify import ensure_ort_fits
-    from service.heap import HeapTrimmer
     from service.offload.build import build_on_meta
 
     checkpoint = inputs.checkpoint
@@ -182,59 +184,93 @@ def export_onnx(
     work = ctx.work_dir / f"onnx-{uuid.uuid4().hex[:8]}"
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx.set_phase(Phase.EXPORT, total=None, unit="bytes")
-    trim = HeapTrimmer()
     timings: dict[str, float] = {}
+    dtype = getattr(torch, spec.dtype) if spec.dtype else off.export_dtype(checkpoint)
+    on_read = _read_hook(ctx)
+    try:
+        with _page_cache_kept(checkpoint.reader):
+            skeleton = inputs.skeleton
+            if skeleton is None:
+                skeleton = build_on_meta(checkpoint, ctx.settings).model
+            weights = off.offloaded_model(
+                skeleton, checkpoint, offload_dir=work / "offload", store=inputs.store,
+                hook=on_read, dtype=dtype,
+            )  # fmt: skip
+            if spec.verify:
+                # Fail before exporting, not after: onnxruntime will need every weight in RAM.
+                ensure_ort_fits(weights.weight_bytes, ctx.settings.ort_max_memory)
+            timings["capture"] = time.monotonic()
+            graph = capture_graph(skeleton, task, dtype)
+            ctx.check_abort()
+            attach_weights(graph.model, weights.module)
+            timings["write"] = time.monotonic()
+            _save(graph.model, out_dir)
+            ctx.check_abort()
+            report = None
+            timings["verify"] = time.monotonic()
+            if spec.verify:
+                report = _verify(spec, task, weights.module, dtype, out_dir, work, ctx)
+            timings["end"] = time.monotonic()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    from service.exporters.nnef import copy_aux_files
+
+    files = [MODEL_NAME, DATA_NAME, *copy_aux_files(checkpoint, out_dir)]
+    summary = _summary(task, dtype, graph, weights.weight_bytes, out_dir, started, timings)
+    summary["verify"] = report.summary() if report is not None else None
+    return ExportResult(files=files, summary=summary)
+
+
+def _read_hook(ctx: JobContext) -> Callable[[int], None]:
+    """Called after each weight is read: progress, cancellation, and the freed heap handed
+    back (the previous tensor was written and freed by now)."""
+    from service.heap import HeapTrimmer
+
+    trim = HeapTrimmer()
 
     def on_read(nbytes: int) -> None:
         ctx.check_abort()
         ctx.advance(nbytes)
         ctx.add_metric("onnx_bytes_read", nbytes)
-        trim(nbytes)  # the previous tensor was written and freed by now: hand its pages back
+        trim(nbytes)
 
-    dtype = getattr(torch, spec.dtype) if spec.dtype else off.export_dtype(checkpoint)
-    # Writing and verifying read every weight twice: keep those reads in the page cache.
-    reader: Any = checkpoint.reader
+    return on_read
+
+
+@contextmanager
+def _page_cache_kept(reader: Any) -> Iterator[None]:
+    """Writing and verifying read every weight twice: keep those reads in the page cache
+    (a reader that drops pages after each read stops doing so for the duration)."""
     drop_page_cache = getattr(reader, "drop_page_cache", None)
     if isinstance(drop_page_cache, bool):
         reader.drop_page_cache = False
     try:
-        skeleton = inputs.skeleton
-        if skeleton is None:
-            skeleton = build_on_meta(checkpoint, ctx.settings).model
-        weights = off.offloaded_model(
-            skeleton, checkpoint, offload_dir=work / "offload", store=inputs.store, hook=on_read,
-            dtype=dtype,
-        )  # fmt: skip
-        if spec.verify:
-            # Fail before exporting, not after: onnxruntime will need every weight in RAM.
-            ensure_ort_fits(weights.weight_bytes, ctx.settings.ort_max_memory)
-        timings["capture"] = time.monotonic()
-        graph = capture_graph(skeleton, task, dtype)
-        ctx.check_abort()
-        attach_weights(graph.model, weights.module)
-        timings["write"] = time.monotonic()
-        _save(graph.model, out_dir)
-        ctx.check_abort()
-        report = None
-        timings["verify"] = time.monotonic()
-        if spec.verify:
-            report = _verify(spec, task, weights.module, dtype, out_dir, work, ctx)
-        timings["end"] = time.monotonic()
+        yield
     finally:
-        shutil.rmtree(work, ignore_errors=True)
         if isinstance(drop_page_cache, bool):
             reader.drop_page_cache = drop_page_cache
 
-    from service.exporters.nnef import copy_aux_files
 
-    files = [MODEL_NAME, DATA_NAME, *copy_aux_files(checkpoint, out_dir)]
-    summary: dict[str, Any] = {
+def _summary(
+    task: str,
+    dtype: Any,
+    graph: CapturedGraph,
+    weight_bytes: int,
+    out_dir: Path,
+    started: float,
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    """The export's entry in manifest.json (its ``verify`` added by the caller)."""
+    import torch
+
+    return {
         "task": task,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "opset": graph.opset,
         "inputs": graph.inputs,
         "outputs": graph.outputs,
-        "weight_bytes": weights.weight_bytes,
+        "weight_bytes": weight_bytes,
         "data_bytes": (out_dir / DATA_NAME).stat().st_size,
         "torch_version": str(torch.__version__),
         "onnxruntime_version": version("onnxruntime"),
@@ -243,9 +279,7 @@ def export_onnx(
             phase: round(timings[after] - timings[phase], 2)
             for phase, after in (("capture", "write"), ("write", "verify"), ("verify", "end"))
         },
-        "verify": report.summary() if report is not None else None,
     }
-    return ExportResult(files=files, summary=summary)
 
 
 class CapturedGraph:
@@ -445,7 +479,7 @@ def _verify(
 ) -> ParityReport:
     from service.exporters import onnx_verify as ver
 
-    atol, rtol = TOLERANCES.get(str(dtype).removeprefix("torch."), TOLERANCES["float16"])
+    atol, rtol = TOLERANCES.get(dtype_name(dtype), TOLERANCES["float16"])
     atol, rtol = spec.atol or atol, rtol if spec.rtol is None else spec.rtol
     ver.ensure_ort_fits((out_dir / DATA_NAME).stat().st_size, ctx.settings.ort_max_memory)
     if task == "text-generation-with-past":

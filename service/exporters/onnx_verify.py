@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.errors import VerificationFailed, VerificationTooLarge
+from service.errors import VerificationFailed
 from service.exporters import ort_cli
-from service.exporters.child_process import run_child
+from service.exporters.child_process import compare_outputs, ensure_fits, run_child
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,18 +56,9 @@ class ParityReport:
 
 
 def ensure_ort_fits(weight_bytes: int, setting: str | None) -> None:
-    """Refuse up front a verification onnxruntime cannot hold: it reads every weight into RAM,
-    so its need grows with the model, unlike the export's."""
-    from service.exporters.nnef_verify import tract_memory_limit
-
-    limit = tract_memory_limit(setting)
+    """Refuse up front a verification onnxruntime cannot hold: it reads every weight into RAM."""
     need = int(weight_bytes * ORT_WEIGHT_FACTOR) + ORT_BASE_BYTES
-    if need > limit:
-        raise VerificationTooLarge(
-            f"onnxruntime needs about {need / 2**30:.1f} GiB of RAM to run this model (it "
-            f"holds every weight), more than the {limit / 2**30:.1f} GiB this worker allows "
-            '(MODELPREP_ORT_MAX_MEMORY); export with "verify": false, or on a bigger worker'
-        )
+    ensure_fits("onnxruntime", need, setting, "MODELPREP_ORT_MAX_MEMORY")
 
 
 @dataclass(frozen=True)
@@ -99,22 +90,6 @@ def run_ort(
     return OrtRun(outputs, peak)
 
 
-def _compare(
-    found: list[np.ndarray], expected: list[np.ndarray], atol: float, rtol: float
-) -> tuple[float, float, float]:
-    err = 0.0
-    ref = 0.0
-    for f, e in zip(found, expected, strict=True):
-        if f.shape != e.shape:
-            raise VerificationFailed(f"onnxruntime output shape {f.shape} != PyTorch {e.shape}")
-        if not np.all(np.isfinite(f)):
-            raise VerificationFailed("onnxruntime produced non-finite values")
-        diff = np.abs(f.astype(np.float64) - e.astype(np.float64))
-        err = max(err, float(diff.max(initial=0.0)))
-        ref = max(ref, float(np.abs(e).max(initial=0.0)))
-    return err, ref, atol + rtol * ref
-
-
 def verify_causal_lm(
     model_path: Path,
     module: nn.Module,
@@ -141,7 +116,7 @@ def verify_causal_lm(
     }
     run = run_ort(model_path, "decode", request, work, check_abort)
     found = list(run.outputs["logits"])
-    err, ref, tol = _compare(found, expected.logits, atol, rtol)
+    err, ref, tol = compare_outputs("onnxruntime", found, expected.logits, atol, rtol)
     agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
     report = ParityReport(
         err, ref, tol, len(found), expected.tokens, agreed, ort_peak_rss_bytes=run.peak_rss_bytes
@@ -195,7 +170,7 @@ def verify_encoder(
         check_abort()
     run = run_ort(model_path, "run", {k: v.numpy() for k, v in feeds.items()}, work, check_abort)
     found = [np.asarray(run.outputs["last_hidden_state"], dtype=np.float32)]
-    err, ref, tol = _compare(found, expected, atol, rtol)
+    err, ref, tol = compare_outputs("onnxruntime", found, expected, atol, rtol)
     report = ParityReport(err, ref, tol, len(found), ort_peak_rss_bytes=run.peak_rss_bytes)
     if err > tol:
         raise VerificationFailed(

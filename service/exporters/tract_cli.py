@@ -14,10 +14,14 @@ One command of its own serves :mod:`service.exporters.nnef_verify`, which runs t
 process (tract holds the whole archive in RAM; the job process must not)::
 
     tract MODEL.nnef.tgz decode --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
+          [--layer-outputs WORK_DIR]
 
 ``REQUEST.npz`` holds ``prompt`` [1,S], ``tokens`` [n] and ``cache_shapes`` [k,4] (past axis 0,
 dtypes ``cache_dtypes``); it replays a greedy decode feeding back tract's own KV cache and saves
-the last-position logits of every step as ``logits`` [n,vocab].
+the last-position logits of every step as ``logits`` [n,vocab]. With ``--layer-outputs`` the
+archive is unpacked into WORK_DIR, every layer's output is made a graph output, and their last
+positions are saved too (``layers`` [n,layers,hidden], ``names``): what a failed check needs to
+say which layer diverges first.
 
 Run it as ``python service/exporters/tract_cli.py`` (it imports nothing of the service, so the
 call costs the tract import only); :func:`write_launcher` writes an executable wrapper for code
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import stat
 import sys
 from collections.abc import Sequence
@@ -92,21 +97,102 @@ def fact_dtype(fact: Any, fallback: str) -> str:
     return _TRACT_DTYPES.get(str(fact).rsplit(",", 1)[-1].strip(), fallback)
 
 
-def run_decode(runnable: Any, request: dict[str, np.ndarray]) -> np.ndarray:
+def run_decode(
+    runnable: Any, request: dict[str, np.ndarray], extra_outputs: int = 0
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Teacher-forced greedy decode: the prompt with empty caches, then each given token with
-    tract's own caches fed back; the last position's logits at every step."""
+    tract's own caches fed back; the last position's logits at every step, and the last
+    position of each of the graph's ``extra_outputs`` trailing outputs (the layer outputs
+    :func:`expose_layer_outputs` added) as ``[steps, extra, width]``."""
     caches = []
     dtypes = [str(d) for d in request["cache_dtypes"]]
     for i, (shape, dtype) in enumerate(zip(request["cache_shapes"], dtypes, strict=True), 1):
         caches.append(np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype)))
     step_ids = np.ascontiguousarray(request["prompt"], dtype=np.int64)
     found = []
+    layers = []
     for token in request["tokens"]:
         outputs = [t.to_numpy() for t in runnable.run([step_ids, *caches])]
         found.append(outputs[0].reshape(-1, outputs[0].shape[-1])[-1])
+        if extra_outputs:
+            extra, outputs = outputs[-extra_outputs:], outputs[:-extra_outputs]
+            layers.append(np.stack([_last_position(x) for x in extra]))
         caches = outputs[1:]
         step_ids = np.asarray([[int(token)]], dtype=np.int64)
-    return np.stack(found)
+    return np.stack(found), (np.stack(layers) if extra_outputs else None)
+
+
+def _last_position(x: np.ndarray) -> np.ndarray:
+    last: np.ndarray = x.reshape(-1, x.shape[-1])[-1].astype(np.float32)
+    return last
+
+
+# --- layer outputs, to say where a mismatch starts ----------------------------------------------
+
+_GRAPH_HEADER = re.compile(r"^graph (\w+)\((.*?)\) -> \((.*?)\)$", re.MULTILINE)
+_STATEMENT = re.compile(r"^\s+(\w+) = (\w+)\(([^,)]*)", re.MULTILINE)
+_LAYER_VAR = re.compile(r"^(\w*?[A-Za-z0-9])_{2,3}(\d+)_")
+
+
+def layer_outputs(graph: str) -> list[str]:
+    """The variable holding each layer's output in a torch-to-nnef ``graph.nnef``, in order.
+
+    torch-to-nnef names a value after the module that computed it with the layer index set
+    apart by underscores (``model_model__2_hiddenStatesAdd2`` in ``model.model.layers.2``,
+    ``model__encoder___2__output__...`` in ``encoder.layer.2``). A layer's output is the last
+    value its layer computes (the residual add, or a post-norm), unless the graph's own output
+    is computed straight from it (BERT's last layer norm is named ``last_hidden_state``).
+    """
+    header = _GRAPH_HEADER.search(graph)
+    if header is None:
+        return []
+    graph_outputs = {o.strip() for o in header.group(3).split(",")}
+    statements = _STATEMENT.findall(graph[header.end() :])
+    shapes: set[str] = set()  # values computed from a shape (tract_core_shape_of), not data
+    stacks: dict[str, dict[int, str]] = {}
+    for name, op, first in statements:
+        if op == "tract_core_shape_of" or first.strip() in shapes:
+            shapes.add(name)
+            continue
+        match = _LAYER_VAR.match(name)
+        if match:
+            stacks.setdefault(match.group(1), {})[int(match.group(2))] = name  # the last wins
+    if not stacks:
+        return []
+    layers = max(stacks.values(), key=len)
+    if sorted(layers) != list(range(len(layers))):
+        return []
+    names = [layers[i] for i in range(len(layers))]
+    for name, _op, first in statements:
+        if name in graph_outputs and first.strip() == names[-1]:
+            names[-1] = name
+    return names
+
+
+def expose_layer_outputs(graph: str, names: Sequence[str]) -> str:
+    """``graph`` with ``names`` appended to the graph's outputs (tract then computes them)."""
+    header = _GRAPH_HEADER.search(graph)
+    if header is None:
+        raise ValueError("no graph declaration in graph.nnef")
+    outputs = [o.strip() for o in header.group(3).split(",")]
+    added = [n for n in names if n not in outputs]
+    line = f"graph {header.group(1)}({header.group(2)}) -> ({', '.join(outputs + added)})"
+    return graph[: header.start()] + line + graph[header.end() :]
+
+
+def load_with_layer_outputs(archive: Path, work: Path) -> tuple[Any, list[str]]:
+    """tract's runnable of ``archive`` with every layer's output as an extra trailing output,
+    and those variables' names. The archive is unpacked into ``work`` (the graph is text)."""
+    import tarfile
+
+    unpacked = work / "layers.nnef"
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    graph_path = unpacked / "graph.nnef"
+    graph = graph_path.read_text()
+    names = layer_outputs(graph)
+    graph_path.write_text(expose_layer_outputs(graph, names))
+    return load_runnable(unpacked), names
 
 
 def compare(found: np.ndarray, expected: np.ndarray, tol: Tolerance) -> str | None:
@@ -142,6 +228,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--save-outputs-npz", type=Path)
     parser.add_argument("--allow-float-casts", action="store_true")
     parser.add_argument("--approx", default="exact", choices=sorted(TOLERANCES))
+    parser.add_argument(
+        "--layer-outputs", type=Path, help="decode: also save each layer's output (work dir)"
+    )
     return parser.parse_intermixed_args(list(argv))
 
 
@@ -158,15 +247,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         print("ERROR unsupported invocation (only --version, run and decode)", file=sys.stderr)
         return 2
-    runnable = load_runnable(Path(args.model))
     with np.load(args.input_from_bundle) as bundle:
         inputs = {k: bundle[k] for k in bundle.files}
     if args.command == "decode":
         if args.save_outputs_npz is None:
             print("ERROR decode needs --save-outputs-npz", file=sys.stderr)
             return 2
-        np.savez(args.save_outputs_npz, logits=run_decode(runnable, inputs))
+        if args.layer_outputs is not None:
+            runnable, names = load_with_layer_outputs(Path(args.model), args.layer_outputs)
+            logits, layers = run_decode(runnable, inputs, extra_outputs=len(names))
+            saved: dict[str, Any] = {"logits": logits, "names": np.asarray(names)}
+            if layers is not None:
+                saved["layers"] = layers
+            np.savez(args.save_outputs_npz, **saved)
+        else:
+            logits, _ = run_decode(load_runnable(Path(args.model)), inputs)
+            np.savez(args.save_outputs_npz, logits=logits)
         return 0
+    runnable = load_runnable(Path(args.model))
     outputs = run_bundle(runnable, inputs)
     if args.save_outputs_npz is not None:
         named: dict[str, Any] = {f"output_{i}": o for i, o in enumerate(outputs)}

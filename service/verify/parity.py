@@ -26,7 +26,8 @@ from service.offload.build import build_on_meta
 from service.offload.dispatch import dispatch_model
 from service.offload.store import OffloadStore
 from service.offload.streaming import streamed_forward
-from service.stage import JobContext
+from service.stage import JobContext, SideContext
+from service.tensors import dtype_name
 
 SEQ_LEN = 8
 SEED = 0
@@ -49,7 +50,7 @@ _verify_runs = itertools.count()
 
 def tolerance_for(dtype: torch.dtype | str) -> float:
     """The accepted relative error for outputs of an export in ``dtype`` (or q8_0/q4_0)."""
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     try:
         return TOLERANCES[name]
     except KeyError:
@@ -91,7 +92,7 @@ def streamed_outputs(
             built,
             checkpoint.reader,
             store,
-            _QuietContext(ctx),
+            SideContext(ctx, ctx.work_dir),
             max_memory=max_memory or settings.default_max_memory,
         )
         ctx.check_abort()
@@ -192,7 +193,7 @@ def verify_safetensors_export(
         **result,
         "input_shape": list(input_ids.shape),
         "seed": SEED,
-        "dtype": dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "seconds": round(time.perf_counter() - started, 3),
         "export_run": figures,
     }
@@ -213,33 +214,3 @@ def _describe(result: dict[str, Any]) -> str:
 
 def _scratch(ctx: JobContext, label: str) -> Path:
     return ctx.work_dir / "verify" / f"{label}-{next(_verify_runs)}"
-
-
-class _QuietContext:
-    """Forwards cancellation, swallows phase/progress/detail: a verification's internal
-    dispatches must not overwrite the job's own OFFLOAD figures."""
-
-    def __init__(self, ctx: JobContext) -> None:
-        self._ctx = ctx
-        self.job_id = ctx.job_id
-        self.settings = ctx.settings
-        self.work_dir = ctx.work_dir
-        self.details: dict[str, Any] = {}
-
-    def set_phase(self, phase: Any, total: int | None = None, unit: str = "bytes") -> None:
-        pass
-
-    def advance(self, n: int) -> None:
-        pass
-
-    def check_abort(self) -> None:
-        self._ctx.check_abort()
-
-    def add_metric(self, key: str, value: float) -> None:
-        pass
-
-    def set_metric(self, key: str, value: Any) -> None:
-        pass
-
-    def set_detail(self, section: str, value: Any) -> None:
-        pass

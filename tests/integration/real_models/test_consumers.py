@@ -1,7 +1,7 @@
 """Real models through the job pipeline, each artifact checked by the program that consumes it.
 
 GGUF is checked by llama.cpp itself (``llama-tokenize``, ``llama-completion``) on the f16
-export: the ids of a fixed probe set equal the Hugging Face tokenizer's, the greedy continuation
+export of SmolLM2 (Llama), Qwen2.5 and Gemma 3 (more families: test_gguf_architectures.py): the ids of a fixed probe set equal the Hugging Face tokenizer's, the greedy continuation
 equals transformers' on the source checkpoint. The helpers here (tract's decode against
 transformers' argmax loop...) are shared with ``bench/real_models.py``, which runs every model x
 layout x export. A missing llama.cpp tool raises ``ToolMissing``: the test fails, never skips.
@@ -19,14 +19,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.config import Settings
-from service.errors import UnsupportedExport
+from service.errors import VerificationFailed
 from service.exporters.nnef import prompt_ids
+from service.exporters.nnef_verify import IOSpec, verify_causal_lm
 from service.jobs.layout import JobLayout
-from service.jobs.pipeline import check_spec, run_pipeline
+from service.jobs.pipeline import run_pipeline
 from service.jobs.spec import JobSpec
 from service.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
 from tests.fixtures.real_models import REAL_MODELS, real_model
+from tests.unit.exporters.test_nnef import _reference, scale_weight
 
 PROBES = {
     "ascii": "The quick brown fox jumps over the lazy dog. It was 3:45pm, 12% done.",
@@ -102,7 +104,7 @@ def assert_same_continuation(llama_text: str, hf_text: str) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["smollm2", "qwen2"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen2", "gemma3"])
 def test_gguf_f16_of_a_real_model_runs_in_llama_cpp_like_transformers(
     name: str, tmp_path: Path
 ) -> None:
@@ -115,16 +117,6 @@ def test_gguf_f16_of_a_real_model_runs_in_llama_cpp_like_transformers(
         assert llama_tokenize(gguf_file, text, tmp_path) == expected, label
     _, hf_text = hf_greedy(source, PROMPT, NEW_TOKENS)
     assert_same_continuation(llama_greedy(gguf_file, PROMPT, NEW_TOKENS), hf_text)
-
-
-def test_gguf_of_gemma3_is_refused_at_submission_naming_what_is_supported(tmp_path: Path) -> None:
-    """The GGUF exporter does not claim Gemma 3: refused before any work, typed, with the list."""
-    source = real_model("gemma3")
-    config = json.loads((source / "config.json").read_text())
-    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [{"format": "gguf"}]})
-    settings = Settings(data_dir=tmp_path, local_roots=[source.parent])
-    with pytest.raises(UnsupportedExport, match="Gemma3ForCausalLM.*supported: LlamaForCausalLM"):
-        check_spec(spec, settings, config, config_known=True)
 
 
 @pytest.mark.parametrize("name", ["minilm"])
@@ -155,7 +147,18 @@ def test_nnef_of_real_smollm2_decodes_in_tract_like_transformers(tmp_path: Path)
         "smollm2",
         Variant(tie="output", config_keys="v4", dtype="float16", layout="safetensors-sharded", layers=4),
     )
-    _, manifest = run_job(tmp_path, source, [{"format": "nnef", "decode_steps": 4}])
+    artifacts, manifest = run_job(tmp_path, source, [{"format": "nnef", "decode_steps": 4}])
     (nnef,) = manifest["exports"]
     assert nnef["verify"]["max_abs_err"] <= nnef["verify"]["tolerance"], nnef["verify"]
     assert_tract_decoded_like_transformers(source, nnef["verify"])
+
+    # The same archive with one weight of layer 2 broken fails the check, which says where.
+    archive = artifacts / "nnef" / "model.nnef.tgz"
+    io_spec = IOSpec.from_json(json.loads((archive.parent / "io.json").read_text()))
+    expected = _reference(source, tmp_path / "offload", steps=2)
+    bad = tmp_path / "layer2.nnef.tgz"
+    scale_weight(archive, bad, "model.model.layers.2.mlp.down_proj.weight.dat")
+    atol, rtol = nnef["verify"]["tolerance"], 0.0
+    with pytest.raises(VerificationFailed, match=r"first diverges at model\.layers\.2 on the "
+                       r"prompt \(max abs diff [0-9.e+]+, tolerance"):  # fmt: skip
+        verify_causal_lm(bad, io_spec, expected, atol, rtol, work=tmp_path / "verify")

@@ -11,6 +11,7 @@ import io
 import json
 import socket
 import subprocess
+import sys
 import tarfile
 import tempfile
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import torch
 from pydantic import ValidationError
 
 from service.adapters.torch_to_nnef import weights_only_unpickling
+from service.api.errors import http_status
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import (
@@ -35,7 +37,7 @@ from service.errors import (
     VerificationTooLarge,
 )
 from service.exporters.base import ExportInputs, ExportResult, registry
-from service.exporters.nnef import NNEFExporter, NNEFSpec, prompt_ids
+from service.exporters.nnef import ENCODER_TYPES, NNEFExporter, NNEFSpec, prompt_ids
 from service.exporters.nnef_offload import offloaded_model
 from service.exporters.nnef_verify import IOSpec, greedy_reference, verify_causal_lm
 from service.exporters.tract_cli import write_launcher
@@ -99,8 +101,26 @@ def _reference(ckpt_dir: Path, tmp: Path, steps: int = 3) -> Any:
     tmp.mkdir(parents=True, exist_ok=True)
     with open_checkpoint(ckpt_dir) as ckpt:
         built = offloaded_model(build_on_meta(ckpt, Settings()).model, ckpt, offload_dir=tmp)
+        vocab = int(built.config.vocab_size)
         with weights_only_unpickling():
-            return greedy_reference(built.module, prompt_ids(4, 128), steps)
+            return greedy_reference(built.module, prompt_ids(4, vocab), steps, record_layers=True)
+
+
+def scale_weight(archive: Path, dest: Path, member: str, factor: float = -50.0) -> None:
+    """Copy ``archive`` with the NNEF tensor file ``member`` multiplied by ``factor`` (float16 or
+    float32: the header's bits-per-item is at byte 44, the data after 128 bytes)."""
+    with tarfile.open(archive) as src:
+        payloads = {m.name: f.read() for m in src.getmembers() if (f := src.extractfile(m))}
+    raw = bytearray(payloads[member])
+    dtype = {16: np.float16, 32: np.float32}[int.from_bytes(raw[44:48], "little")]
+    data = np.frombuffer(bytes(raw[128:]), dtype=dtype)
+    raw[128:] = (data * dtype(factor)).astype(dtype).tobytes()
+    payloads[member] = bytes(raw)
+    with tarfile.open(dest, "w:gz", compresslevel=0) as out:
+        for name, payload in payloads.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            out.addfile(info, io.BytesIO(payload))
 
 
 def _io(out: Path) -> IOSpec:
@@ -215,6 +235,19 @@ def test_export_makes_no_network_call_and_leaves_no_temp_dirs(llama_export: Expo
     assert list(llama_export.ctx.work_dir.iterdir()) == []
 
 
+def _graph_text(archive: Path) -> str:
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("graph.nnef")
+        assert member is not None
+        return member.read().decode()
+
+
+def test_archive_properties_carry_no_host_command_line(llama_export: Exported) -> None:
+    graph = _graph_text(llama_export.out / "model.nnef.tgz")
+    assert "export_cmd" in graph and '"modelprep"' in graph
+    assert sys.argv[0] not in graph and str(llama_export.ctx.work_dir.parent) not in graph
+
+
 def test_tampered_archive_fails_verification(
     llama_export: Exported, tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
@@ -228,6 +261,30 @@ def test_tampered_archive_fails_verification(
     _tamper(archive, bad)
     with pytest.raises(VerificationFailed, match="tract logits differ"):
         verify_causal_lm(bad, io_spec, expected, atol=1e-3, rtol=1e-3, work=tmp_path / "v")
+
+
+def test_a_weight_broken_in_one_layer_fails_naming_that_layer(
+    llama_export: Exported, tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    expected = _reference(tiny_checkpoint("llama", "safetensors"), tmp_path / "off")
+    assert expected.layer_names == ["model.layers.0", "model.layers.1"]
+    bad = tmp_path / "layer1.nnef.tgz"
+    scale_weight(
+        llama_export.out / "model.nnef.tgz", bad, "model.model.layers.1.mlp.down_proj.weight.dat"
+    )
+    with pytest.raises(VerificationFailed, match=r"tract logits differ .*; first diverges at "
+                       r"model\.layers\.1 on the prompt \(max abs diff"):  # fmt: skip
+        verify_causal_lm(bad, _io(llama_export.out), expected, 1e-3, 1e-3, work=tmp_path / "v")
+
+
+def test_a_head_broken_after_every_layer_says_the_layers_agree(
+    llama_export: Exported, tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    expected = _reference(tiny_checkpoint("llama", "safetensors"), tmp_path / "off")
+    bad = tmp_path / "head.nnef.tgz"
+    scale_weight(llama_export.out / "model.nnef.tgz", bad, "model.lm_head.weight.dat")
+    with pytest.raises(VerificationFailed, match=r"every layer's output agrees \(2 layers\)"):
+        verify_causal_lm(bad, _io(llama_export.out), expected, 1e-3, 1e-3, work=tmp_path / "v")
 
 
 def test_archive_compared_with_a_different_model_fails_verification(
@@ -378,6 +435,8 @@ def test_bert_encoder_archive_matches_pytorch(
     assert [t.name for t in io_spec.outputs] == ["last_hidden_state", "pooler_output"]
     assert io_spec.inputs[0].shape == [1, "S"]
     assert exported.connects == []
+    graph = _graph_text(exported.out / "model.nnef.tgz")
+    assert '"modelprep"' in graph and sys.argv[0] not in graph
 
 
 # --- tract CLI shim, spec and registration ----------------------------------------------------
@@ -432,8 +491,57 @@ def test_check_refuses_missing_config_and_another_tract_version() -> None:
     with pytest.raises(UnsupportedExport):
         exporter.check(NNEFSpec(), None)
     with pytest.raises(UnsupportedExport, match="tract 0.1.0 requested"):
-        exporter.check(NNEFSpec(tract_version="0.1.0"), {"model_type": "llama"})
-    exporter.check(NNEFSpec(), {"model_type": "llama"})
+        exporter.check(NNEFSpec(tract_version="0.1.0"), LLAMA_CONFIG)
+    exporter.check(NNEFSpec(), LLAMA_CONFIG)
+
+
+LLAMA_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "causal LM type 'gpt2'"),
+        ({"model_type": "t5", "architectures": ["T5Model"]}, "model type 't5'"),
+        ({"model_type": "llama"}, "model type 'llama'"),  # no causal head named: not an encoder
+    ],
+)
+def test_an_architecture_nnef_is_not_tested_on_is_refused_with_the_list(
+    config: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(UnsupportedExport, match=match) as info:
+        NNEFExporter().check(NNEFSpec(), config)
+    assert "supported: causal LMs gemma3_text, llama, mistral, qwen2, qwen3" in str(info.value)
+    assert http_status(info.value) == 422
+
+
+@pytest.mark.parametrize(
+    "model_type", ["mistral", "qwen2", "qwen3", "gemma3_text", "roberta", "xlm-roberta"]
+)
+def test_every_supported_family_exports_and_runs_in_tract(model_type: str, tmp_path: Path) -> None:
+    """Each family the exporter accepts (besides Llama and BERT above), tiny and random."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    encoder = model_type in ENCODER_TYPES
+    shape = {"vocab_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "max_position_embeddings": 64}  # fmt: skip
+    if encoder:
+        config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, **shape)
+    else:
+        config = AutoConfig.for_model(
+            model_type, hidden_size=64, intermediate_size=128, num_key_value_heads=2,
+            head_dim=16, **shape,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config)
+    model.save_pretrained(tmp_path / "ckpt")
+    NNEFExporter().check(NNEFSpec(), json.loads((tmp_path / "ckpt" / "config.json").read_text()))
+    exported = _export(tmp_path / "ckpt", tmp_path / "job", NNEFSpec(decode_steps=2))
+    verify = exported.result.summary["verify"]
+    assert exported.result.summary["kind"] == ("encoder" if encoder else "causal_lm")
+    assert verify["max_abs_err"] <= verify["tolerance"], verify
+    if not encoder:
+        assert all(verify["argmax_agreed"]), verify
 
 
 def test_exporter_is_registered_under_nnef() -> None:
