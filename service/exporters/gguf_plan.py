@@ -1,19 +1,27 @@
 """What a GGUF file will hold, decided from metadata alone, before any weight is read.
 
-Follows llama.cpp's ``convert_hf_to_gguf.py`` for the Llama family: which Hugging Face
-architectures map to which GGUF architecture, the tensor names (``gguf.get_tensor_name_map``),
-the q/k row permutation of ``LlamaModel.permute`` (llama.cpp's rope works on interleaved pairs,
-transformers' on halves), the hyperparameter keys, and which tensors stay float32. Because every
-shape and type is known here, the writer can lay out the whole file before streaming any data.
+llama.cpp's own converter decides: ``service.adapters.llama_cpp_convert`` runs upstream's class for
+the checkpoint's architecture (``ModelBase.from_model_architecture``) on lazy tensors fed by the
+service's reader, so every architecture and pre-tokenizer the pinned llama.cpp converts is
+written, with its tensor names, transforms (q/k permutation, stacked experts, norm offsets),
+storage types and hyperparameter/tokenizer keys. This module turns that answer into the writer's
+:class:`GGUFPlan`: a tensor upstream copies unchanged is streamed from the checkpoint in row
+blocks (``source``); a tensor upstream transforms is evaluated once, whole (``compute``).
 
-``gguf`` is imported inside functions: the API process imports this module (through the exporter
-registry) only to validate specs.
+Measured on SmolLM2-135M (f16, same machine): hand-written Llama table vs upstream's classes gave
+byte-identical tensor data; upstream also gives Gemma 1-3, Mixtral, Qwen2-MoE, Phi-3, BERT and ~250
+more, and ~90 pre-tokenizer hashes, for a planning cost of about a second.
+
+Heavy imports (``gguf``, torch, the converter) happen inside functions: the API process imports
+this module (through the exporter registry) to validate specs, and answers "which architectures"
+from the converter's source text alone.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from service.errors import UnsupportedExport
@@ -22,58 +30,9 @@ if TYPE_CHECKING:
     import numpy as np
     from gguf import GGUFWriter
 
-    from service.checkpoint.base import TensorInfo
+    from service.checkpoint.base import WeightReader
 
 OutType = Literal["f32", "f16", "bf16", "q8_0", "q4_0"]
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """One supported family: how its config maps onto a GGUF architecture."""
-
-    gguf_arch: str
-    """A ``gguf.MODEL_ARCH`` member name (``LLAMA``, ``QWEN2``)."""
-    hf_architectures: tuple[str, ...]
-    model_types: tuple[str, ...]
-    permute_qk: bool
-    """llama.cpp's LLAMA arch uses normal (interleaved) rope: q/k rows are permuted on export."""
-    vocab_order: tuple[str, ...]
-    """Tokenizer encodings tried in llama.cpp's order: ``spm``, ``llama_hf``, ``gpt2``."""
-
-
-SUPPORTED: tuple[ArchSpec, ...] = (
-    ArchSpec(
-        "LLAMA",
-        ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
-        ("llama", "mistral"),
-        permute_qk=True,
-        vocab_order=("spm", "llama_hf", "gpt2"),
-    ),
-    ArchSpec(
-        "QWEN2",
-        ("Qwen2ForCausalLM",),
-        ("qwen2",),
-        permute_qk=False,
-        vocab_order=("spm", "gpt2"),
-    ),
-    ArchSpec(
-        "QWEN3",
-        ("Qwen3ForCausalLM",),
-        ("qwen3",),
-        permute_qk=False,
-        vocab_order=("spm", "gpt2"),
-    ),
-)
-
-_REQUIRED_HPARAMS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "vocab_size",
-)
-_ROPE_TYPES = {None, "default", "linear", "llama3", "yarn"}
-"""Rope scalings written the way llama.cpp expects; others (dynamic, longrope) are refused."""
 
 FILE_TYPES: dict[str, str] = {
     "f32": "ALL_F32",
@@ -83,54 +42,33 @@ FILE_TYPES: dict[str, str] = {
     "q4_0": "MOSTLY_Q4_0",
 }
 
-
-def supported_architectures() -> list[str]:
-    return [name for arch in SUPPORTED for name in arch.hf_architectures]
-
-
-def resolve_architecture(config: dict[str, Any]) -> ArchSpec:
-    """The family of ``config`` or :class:`UnsupportedExport` naming what is supported."""
-    names = config.get("architectures") or []
-    model_type = config.get("model_type")
-    for arch in SUPPORTED:
-        if any(name in arch.hf_architectures for name in names) or (
-            not names and model_type in arch.model_types
-        ):
-            _check_hparams(config, arch)
-            return arch
-    shown = ", ".join(names) if names else f"model_type {model_type!r}"
-    raise UnsupportedExport(
-        f"GGUF export does not support {shown}; supported: {', '.join(supported_architectures())}"
-    )
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+"""Files any of llama.cpp's vocabulary writers reads; a checkpoint with none has no tokenizer."""
 
 
-def _check_hparams(config: dict[str, Any], arch: ArchSpec) -> None:
-    missing = [key for key in _REQUIRED_HPARAMS if not isinstance(config.get(key), int)]
-    if missing:
-        raise UnsupportedExport(f"config.json lacks {', '.join(missing)} needed for GGUF")
-    if config.get("num_local_experts") or config.get("num_experts"):
-        raise UnsupportedExport("GGUF export does not support mixture-of-experts models")
-    rope_type = rope_parameters(config).get("rope_type")
-    if rope_type not in _ROPE_TYPES:
-        raise UnsupportedExport(f"GGUF export does not support rope scaling {rope_type!r}")
-    heads = config["num_attention_heads"]
-    if arch.permute_qk and (config["hidden_size"] % heads or head_dim(config) % 2):
-        raise UnsupportedExport("attention heads do not divide the hidden size evenly")
+def has_tokenizer(root: Path) -> bool:
+    return any((root / name).is_file() for name in TOKENIZER_FILES)
 
 
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """transformers >= 5 keeps rope settings in ``rope_parameters``; older configs split them."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    if "rope_type" not in params and "type" in params:
-        params["rope_type"] = params["type"]
-    if "rope_theta" not in params and config.get("rope_theta") is not None:
-        params["rope_theta"] = config["rope_theta"]
-    return params
+def supported_architectures(bin_dir: Path | None = None) -> list[str]:
+    """Hugging Face architecture names llama.cpp's pinned converter writes."""
+    from service.adapters.llama_cpp_convert import supported_architectures as upstream
+
+    return sorted(upstream(bin_dir))
 
 
-def head_dim(config: dict[str, Any]) -> int:
-    value = config.get("head_dim")
-    return int(value) if value else int(config["hidden_size"]) // int(config["num_attention_heads"])
+def resolve_architecture(config: dict[str, Any], bin_dir: Path | None = None) -> str:
+    """The architecture of ``config`` or :class:`UnsupportedExport` naming what is supported."""
+    from service.adapters.llama_cpp_convert import hf_architecture
+
+    arch = hf_architecture(config)
+    supported = supported_architectures(bin_dir)
+    if arch not in supported:
+        raise UnsupportedExport(
+            f"GGUF export does not support {arch}; supported (llama.cpp's converter): "
+            + ", ".join(supported)
+        )
+    return arch
 
 
 # --- tensors -----------------------------------------------------------------------------------
@@ -143,18 +81,21 @@ class TensorPlan:
     name: str
     """GGUF name (``blk.0.attn_q.weight``)."""
     source: str | None
-    """Checkpoint tensor name, or None for a tensor computed from the config (``rope_freqs``)."""
+    """Checkpoint tensor copied unchanged, or None for a tensor computed (``compute``, ``values``)."""
     shape: tuple[int, ...]
     """Row-major (torch) order; the file stores it reversed, as ggml does."""
     ggml_type: int
     """A ``gguf.GGMLQuantizationType`` value."""
     nbytes: int
     permute_heads: int | None = None
-    """Heads of ``LlamaModel.permute`` applied to the rows, or None."""
+    """Heads of ``LlamaModel.permute`` applied to the rows, or None (plans from llama.cpp's
+    converter carry the permutation inside ``compute``)."""
     values: tuple[float, ...] | None = None
-    """The data of a computed tensor."""
+    """The data of a small computed tensor."""
     source_itemsize: int = 4
     """Bytes per element in the checkpoint, to ask the reader for block-sized chunks."""
+    compute: Callable[[], np.ndarray] | None = field(default=None, compare=False, repr=False)
+    """Float32 values of a tensor llama.cpp's converter transforms; callable once per plan."""
 
     @property
     def type_name(self) -> str:
@@ -165,173 +106,147 @@ class TensorPlan:
 
 @dataclass(frozen=True)
 class GGUFPlan:
-    arch: ArchSpec
+    arch_name: str
+    """GGUF ``general.architecture`` (``llama``, ``gemma3``, ``bert``...)."""
+    hf_architecture: str
+    converter_class: str
+    """The llama.cpp converter class that planned it (``LlamaModel``)."""
     out_type: OutType
     file_type: int
     tensors: tuple[TensorPlan, ...]
     skipped: tuple[str, ...] = ()
     """Checkpoint tensors deliberately not written (tied aliases, rotary caches)."""
-
-    @property
-    def arch_name(self) -> str:
-        from gguf import MODEL_ARCH, MODEL_ARCH_NAMES
-
-        return MODEL_ARCH_NAMES[MODEL_ARCH[self.arch.gguf_arch]]
+    metadata: tuple[tuple[str, Any], ...] = ()
+    """KV pairs (key, ``gguf.GGUFValue``) as llama.cpp's converter writes them."""
+    pre_tokenizer_hash: str | None = None
+    pre_tokenizer_fallback: str | None = None
+    no_vocab_reason: str | None = None
 
     @property
     def data_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def without_qk_permutation(self) -> GGUFPlan:
-        """The same layout with q/k rows left in transformers' order (a negative control)."""
-        return replace(self, tensors=tuple(replace(t, permute_heads=None) for t in self.tensors))
+    @property
+    def computed(self) -> bool:
+        """Whether a tensor is evaluated from upstream's graph (one shot: verify plans again)."""
+        return any(t.compute is not None for t in self.tensors)
+
+    def value(self, key: str) -> Any:
+        """A metadata value (``tokenizer.ggml.model``...), or None."""
+        for k, v in self.metadata:
+            if k == key:
+                return v.value
+        return None
 
 
-_SKIP_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
-
-
-def plan_tensors(
+def plan_gguf(
+    root: Path,
     config: dict[str, Any],
-    infos: list[TensorInfo],
-    aliases: dict[str, str],
+    reader: WeightReader,
     out_type: OutType,
+    *,
+    bin_dir: Path | None = None,
+    metadata: bool = True,
+    vocab: bool = True,
+    pre_tokenizer_fallback: str | None = None,
 ) -> GGUFPlan:
-    """Map every checkpoint tensor to its GGUF name, storage type and size."""
+    """Ask llama.cpp's converter what it writes for this checkpoint under ``out_type``.
+
+    q4_0 (not a converter type) is planned as q8_0, then every tensor llama.cpp quantizes becomes
+    Q4_0 except the output projection (``token_embd`` when tied), kept at Q8_0 as llama-quantize
+    keeps it at a higher precision. A tied alias is written only as the token embedding (llama.cpp
+    falls back to ``token_embd`` for a missing ``output.weight``).
+    """
     import gguf
 
-    arch = resolve_architecture(config)
-    n_blocks = int(config["num_hidden_layers"])
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_arch], n_blocks)
-    n_head = int(config["num_attention_heads"])
-    n_head_kv = int(config.get("num_key_value_heads") or n_head)
+    from service.adapters.llama_cpp_convert import plan_conversion
 
-    by_name = {info.name: info for info in infos}
-    # A tied alias is written only when it is the token embedding (llama.cpp needs token_embd
-    # and falls back to it for a missing output.weight); every other alias is skipped.
-    candidates = [(info.name, info) for info in infos if info.name not in aliases]
-    candidates += [(a, by_name[c]) for a, c in sorted(aliases.items()) if c in by_name]
-    mapped: list[tuple[str, str, tuple[int, ...], int | None]] = []
-    skipped: list[str] = []
-    for name, info in candidates:
-        new_name = None
-        if not name.endswith(_SKIP_SUFFIXES):
-            new_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-            if new_name is None:
-                raise UnsupportedExport(
-                    f"GGUF export cannot map tensor {name!r} of {arch.gguf_arch}"
-                )
-        if new_name is None or (name in aliases and new_name != "token_embd.weight"):
-            skipped.append(name)
+    resolve_architecture(config, bin_dir)
+    conversion = plan_conversion(
+        root,
+        config,
+        reader,
+        "q8_0" if out_type == "q4_0" else out_type,
+        bin_dir=bin_dir,
+        metadata=metadata,
+        vocab=vocab,
+        pre_tokenizer_fallback=pre_tokenizer_fallback,
+    )
+    aliases = reader.aliases()
+    itemsize = {info.name: info.dtype.itemsize for info in reader.tensor_infos()}
+    canonical = {t.name: aliases.get(t.source, t.source) for t in conversion.tensors if t.source}
+    skipped = list(conversion.unused)
+    kept = []
+    for t in conversion.tensors:
+        if t.source in aliases and t.name != "token_embd.weight":
+            skipped.append(t.source)
             continue
-        heads = None
-        if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            heads = n_head
-        elif arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            heads = n_head_kv
-        if heads is not None and info.shape[0] % (2 * heads):
-            raise UnsupportedExport(f"{name} rows are not a multiple of 2 x {heads} heads")
-        mapped.append((new_name, info.name, tuple(info.shape), heads))
-
-    sources = {m[0]: m[1] for m in mapped}
-    if "output.weight" in sources and sources["output.weight"] == sources.get("token_embd.weight"):
-        # Tied, with the head stored as the canonical copy: llama.cpp reuses token_embd.
-        skipped.append(next(m[1] for m in mapped if m[0] == "output.weight"))
-        mapped = [m for m in mapped if m[0] != "output.weight"]
-    names = [m[0] for m in mapped]
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise UnsupportedExport(f"several checkpoint tensors map to GGUF {twice[:3]}")
-    if missing := {"token_embd.weight", "output_norm.weight"} - set(names):
-        raise UnsupportedExport(f"the checkpoint has no tensor for GGUF {sorted(missing)}")
-    has_output = "output.weight" in names
-    tensors = [
-        replace(
-            _tensor(new_name, src, shape, out_type, has_output, heads),
-            source_itemsize=by_name[src].dtype.itemsize,
-        )
-        for new_name, src, shape, heads in mapped
-    ]
-    if (factors := llama3_rope_factors(config)) is not None:
-        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        if (
+            t.name == "output.weight"
+            and t.source
+            and canonical[t.name] == canonical.get("token_embd.weight")
+        ):
+            skipped.append(t.source)  # tied, stored under the head's name: llama.cpp reuses it
+            continue
+        kept.append(t)
+    if not any(t.name == "token_embd.weight" for t in kept):
+        raise UnsupportedExport("the checkpoint has no tensor for GGUF token_embd.weight")
+    has_output = any(t.name == "output.weight" for t in kept)
+    Q = gguf.GGMLQuantizationType
+    tensors = []
+    for t in kept:
+        qtype = t.ggml_type
+        if out_type == "q4_0" and qtype == Q.Q8_0:
+            is_output = t.name == "output.weight" or (
+                t.name == "token_embd.weight" and not has_output
+            )
+            qtype = int(Q.Q8_0 if is_output else Q.Q4_0)
+        block, type_size = gguf.GGML_QUANT_SIZES[Q(qtype)]
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        nbytes = numel // block * type_size
+        if qtype == t.ggml_type and nbytes != t.nbytes:
+            raise UnsupportedExport(f"{t.name}: {t.nbytes} bytes planned upstream, {nbytes} here")
+        source = aliases.get(t.source, t.source) if t.source else None
         tensors.append(
             TensorPlan(
-                name,
-                None,
-                (len(factors),),
-                int(gguf.GGMLQuantizationType.F32),
-                4 * len(factors),
-                values=factors,
+                t.name,
+                source,
+                t.shape,
+                int(qtype),
+                nbytes,
+                source_itemsize=itemsize.get(source, 4) if source else 4,
+                compute=t.compute,
             )
         )
+    kv = tuple(conversion.metadata)
     file_type = int(gguf.LlamaFileType[FILE_TYPES[out_type]])
-    return GGUFPlan(arch, out_type, file_type, tuple(tensors), tuple(skipped))
-
-
-def _tensor(
-    name: str,
-    source: str,
-    shape: tuple[int, ...],
-    out_type: OutType,
-    has_output: bool,
-    heads: int | None,
-) -> TensorPlan:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    qtype = choose_type(name, shape, out_type, has_output)
-    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    numel = math.prod(shape)
-    return TensorPlan(name, source, shape, qtype, numel // block * type_size, heads)
-
-
-def choose_type(name: str, shape: tuple[int, ...], out_type: OutType, has_output: bool) -> int:
-    """The storage type llama.cpp would use for this tensor under ``out_type``.
-
-    As ``ModelBase.prepare_tensors``: 1-D tensors, norms and non-weights stay F32; a quantized
-    type whose block does not divide the row falls back to F16. Under q4_0 the output
-    projection (``token_embd`` when tied) is kept at Q8_0, as llama-quantize keeps it at a
-    higher precision (it uses Q6_K, which ``gguf.quants`` cannot produce).
-    """
-    from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as Q
-
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
-        return int(Q.F32)
-    qtype = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[out_type]
-    is_output = name == "output.weight" or (name == "token_embd.weight" and not has_output)
-    if qtype is Q.Q4_0 and is_output:
-        qtype = Q.Q8_0
-    if shape[-1] % GGML_QUANT_SIZES[qtype][0]:
-        qtype = Q.F16
-    return int(qtype)
-
-
-def llama3_rope_factors(config: dict[str, Any]) -> tuple[float, ...] | None:
-    """The ``rope_freqs`` tensor of ``LlamaModel.generate_extra_tensors`` for llama3 rope."""
-    params = rope_parameters(config)
-    if str(params.get("rope_type", "")).lower() != "llama3":
-        return None
-    base = float(params.get("rope_theta", 10000.0))
-    dim = head_dim(config)
-    factor = float(params.get("factor", 8.0))
-    low = float(params.get("low_freq_factor", 1.0))
-    high = float(params.get("high_freq_factor", 4.0))
-    old_ctx = float(
-        params.get("original_max_position_embeddings")
-        or config.get("original_max_position_embeddings")
-        or 8192
+    if out_type == "q4_0":
+        kv = tuple(
+            (k, replace(v, value=file_type) if k == "general.file_type" else v) for k, v in kv
+        )
+    return GGUFPlan(
+        arch_name=conversion.arch_name,
+        hf_architecture=conversion.hf_architecture,
+        converter_class=conversion.model_class,
+        out_type=out_type,
+        file_type=file_type,
+        tensors=tuple(tensors),
+        skipped=tuple(skipped),
+        metadata=kv,
+        pre_tokenizer_hash=conversion.pre_tokenizer_hash,
+        pre_tokenizer_fallback=conversion.pre_tokenizer_fallback,
+        no_vocab_reason=conversion.no_vocab_reason,
     )
-    factors: list[float] = []
-    for i in range(0, dim, 2):
-        freq = 1.0 / (base ** (i / dim))
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_ctx / high:
-            factors.append(1.0)
-        elif wavelen > old_ctx / low:
-            factors.append(factor)
-        else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return tuple(factors)
+
+
+def add_metadata(writer: GGUFWriter, plan: GGUFPlan) -> None:
+    """Every KV pair of the plan, in llama.cpp's order (the writer already holds the arch)."""
+    present = set(writer.kv_data[0])
+    for key, value in plan.metadata:
+        if key not in present:
+            writer.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
 
 
 # --- q/k permutation ---------------------------------------------------------------------------
@@ -355,49 +270,3 @@ def unpermute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weights.shape)
     )
-
-
-# --- hyperparameters ---------------------------------------------------------------------------
-
-
-def add_hyperparameters(
-    writer: GGUFWriter, plan: GGUFPlan, config: dict[str, Any], name: str
-) -> None:
-    """The KV pairs of ``TextModel.set_gguf_parameters`` (+ ``LlamaModel``'s) for ``config``."""
-    import gguf
-
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name)
-    writer.add_block_count(int(config["num_hidden_layers"]))
-    if (n_ctx := config.get("max_position_embeddings")) is not None:
-        writer.add_context_length(int(n_ctx))
-    writer.add_embedding_length(int(config["hidden_size"]))
-    writer.add_feed_forward_length(int(config["intermediate_size"]))
-    writer.add_head_count(int(config["num_attention_heads"]))
-    if (n_kv := config.get("num_key_value_heads")) is not None:
-        writer.add_head_count_kv(int(n_kv))
-
-    rope = rope_parameters(config)
-    rope_type = rope.get("rope_type")
-    factor = rope.get("factor")
-    if rope_type == "linear" and factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(factor))
-    elif rope_type == "yarn" and factor is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(float(factor))
-        orig = rope.get("original_max_position_embeddings")
-        if orig is not None:
-            writer.add_rope_scaling_orig_ctx_len(int(orig))
-    if (theta := rope.get("rope_theta")) is not None:
-        writer.add_rope_freq_base(float(theta))
-    if (eps := config.get("rms_norm_eps")) is not None:
-        writer.add_layer_norm_rms_eps(float(eps))
-    if (dim := config.get("head_dim")) is not None:
-        writer.add_key_length(int(dim))
-        writer.add_value_length(int(dim))
-    writer.add_file_type(plan.file_type)
-    if plan.arch.gguf_arch == "LLAMA":
-        writer.add_vocab_size(int(config["vocab_size"]))
-        writer.add_rope_dimension_count(head_dim(config))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

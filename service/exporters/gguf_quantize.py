@@ -13,16 +13,22 @@ than the writer's row block.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from service.errors import ExportFailed
+from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
 from service.exporters.child_process import run_child
 from service.llama_cpp import llama_cpp_tool
+from service.stage import JobContext, SideContext
+
+if TYPE_CHECKING:
+    from service.exporters.gguf import GGUFImatrix
 
 QUANTIZER_TYPES: dict[str, str] = {
     "q2_k": "Q2_K",
@@ -121,6 +127,49 @@ def compute_imatrix(
     return out
 
 
+def fetch_imatrix(spec: GGUFImatrix, ctx: JobContext) -> tuple[Path, dict[str, Any]]:
+    """The imatrix file of ``spec.uri``, fetched like a model source and checked to be one
+    (llama-imatrix's GGUF: ``general.type`` = ``imatrix``); returns it and its manifest entry."""
+    from service.exporters.gguf_directory import read_directory
+    from service.sources import fetch_source
+
+    work_dir = ctx.work_dir / "imatrix-source"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    # its own scratch directory; the job's phase, progress and source details describe the model
+    side = SideContext(ctx, work_dir, metric_prefix="imatrix_")
+    resolved = fetch_source(spec.source_request(), ctx.settings, side)
+    path = resolved.path
+    if path.is_dir():
+        found = sorted(p for p in path.iterdir() if p.suffix == ".gguf")
+        if len(found) != 1:
+            raise ImatrixNotValid(f"{spec.uri} holds {len(found)} .gguf files, not one imatrix")
+        path = found[0]
+    try:
+        kind = read_directory(path).metadata.get("general.type")
+    except (OSError, ValueError, VerificationFailed) as exc:
+        raise ImatrixNotValid(f"{spec.uri} is not a GGUF file: {exc}") from None
+    if kind != "imatrix":
+        raise ImatrixNotValid(
+            f"{spec.uri} is a GGUF of general.type {kind!r}, not an importance matrix "
+            "(llama-imatrix writes general.type = imatrix)"
+        )
+    entry: dict[str, Any] = {
+        "uri": side.details.get("source", {}).get("uri", spec.uri),
+        "sha256": sha256_of(path),
+        "bytes": path.stat().st_size,
+        "cache_hit": resolved.cache_hit,
+    }
+    return path, entry
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def quantize(
     source: Path,
     dest: Path,
@@ -153,6 +202,42 @@ def quantize(
         return QuantizeRun(digest=sha256_file(dest), peak_rss=peak)
     except BaseException:
         dest.unlink(missing_ok=True)
+        raise
+
+
+def split_gguf(
+    source: Path,
+    dest: Path,
+    max_bytes: int,
+    work: Path,
+    check_abort: Callable[[], None],
+    bin_dir: Path | None = None,
+) -> dict[str, str]:
+    """``source`` as llama.cpp's split files named after ``dest`` (``<stem>-00001-of-0000N.gguf``
+    beside it), by ``llama-gguf-split --split``; returns {file name: sha256}, first to last.
+
+    llama-gguf-split counts in megabytes (10^6 bytes): ``max_bytes`` is rounded down to one,
+    at least 1M. On any failure no split file is left."""
+    tool = llama_cpp_tool("llama-gguf-split", bin_dir)
+    prefix = dest.with_suffix("")
+    size = f"{max(1, max_bytes // 10**6)}M"
+    argv = [str(tool), "--split", "--split-max-size", size, str(source), str(prefix)]
+
+    def written() -> list[Path]:
+        return sorted(dest.parent.glob(f"{glob.escape(prefix.name)}-*-of-*.gguf"))
+
+    try:
+        run_child(
+            argv, work, "llama-gguf-split", check_abort,
+            log=work / "split.log", timeout=TOOL_TIMEOUT, error=ExportFailed,
+        )  # fmt: skip
+        files = written()
+        if not files:
+            raise ExportFailed("llama-gguf-split wrote no split file")
+        return {f.name: sha256_file(f) for f in files}
+    except BaseException:
+        for f in written():
+            f.unlink(missing_ok=True)
         raise
 
 

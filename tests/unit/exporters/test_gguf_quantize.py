@@ -25,7 +25,7 @@ from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.gguf import GGUFExporter, GGUFSpec
 from service.exporters.gguf_directory import read_directory
 from service.exporters.gguf_llama_check import PPL_RATIO_BOUND, PROBES, _estimate, check_perplexity
-from service.exporters.gguf_quantize import QUANTIZER_TYPES, quantize
+from service.exporters.gguf_quantize import QUANTIZER_TYPES, compute_imatrix, quantize, sha256_of
 from service.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
 from tests.unit.exporters.test_gguf import CORPUS, _randomize, _write_bpe_tokenizer
@@ -76,7 +76,7 @@ def _export(
 def test_q4_k_m_is_llama_quantize_output_on_our_f16_byte_for_byte(
     wide_llama: Path, tmp_path: Path
 ) -> None:
-    result, ctx = _export(wide_llama, tmp_path / "q", GGUFSpec(type="q4_k_m", verify=False))
+    result, ctx = _export(wide_llama, tmp_path / "q", GGUFSpec(type="q4_k_m", verify=False, pre_tokenizer_fallback="default"))
     path = tmp_path / "q" / "model-Q4_K_M.gguf"
     assert result.files == ["model-Q4_K_M.gguf"]
     assert result.digests[path.name] == hashlib.sha256(path.read_bytes()).hexdigest()
@@ -91,7 +91,7 @@ def test_q4_k_m_is_llama_quantize_output_on_our_f16_byte_for_byte(
     assert sorted(p.name for p in (tmp_path / "q").iterdir()) == [path.name]
 
     # Running llama-quantize by hand on our f16 export gives the very same bytes.
-    f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16", verify=False))
+    f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16", verify=False, pre_tokenizer_fallback="default"))
     by_hand = tmp_path / "by-hand.gguf"
     subprocess.run(
         [str(llama_cpp_tool("llama-quantize")), str(tmp_path / "f" / f16.files[0]),
@@ -113,7 +113,7 @@ def test_q4_k_m_is_llama_quantize_output_on_our_f16_byte_for_byte(
 def test_each_quantizer_type_writes_its_own_tensor_type(
     wide_llama: Path, tmp_path: Path, type_: str
 ) -> None:
-    result, _ = _export(wide_llama, tmp_path / "out", GGUFSpec(type=type_, verify=False))  # type: ignore[arg-type]
+    result, _ = _export(wide_llama, tmp_path / "out", GGUFSpec(type=type_, verify=False, pre_tokenizer_fallback="default"))  # type: ignore[arg-type]
     main = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q5_K_S": "Q5_K", "Q6_K": "Q6_K"}.get(type_, type_)
     assert main in result.summary["tensor_types"], result.summary["tensor_types"]
     assert read_directory(tmp_path / "out" / f"model-{type_}.gguf").tensors
@@ -122,22 +122,45 @@ def test_each_quantizer_type_writes_its_own_tensor_type(
 def test_imatrix_from_calibration_text_changes_the_quantization(
     wide_llama: Path, tmp_path: Path
 ) -> None:
-    plain, _ = _export(wide_llama, tmp_path / "plain", GGUFSpec(type="IQ4_XS", verify=False))
+    plain, _ = _export(wide_llama, tmp_path / "plain", GGUFSpec(type="IQ4_XS", verify=False, pre_tokenizer_fallback="default"))
     spec = GGUFSpec.model_validate(
         {
             "format": "gguf",
             "type": "iq4_xs",
             "imatrix": {"calibration": CALIBRATION},
             "verify": False,
+            "pre_tokenizer_fallback": "default",
         }
     )
     weighted, _ = _export(wide_llama, tmp_path / "weighted", spec)
     assert weighted.summary["imatrix"] is True
     assert weighted.digests["model-IQ4_XS.gguf"] != plain.digests["model-IQ4_XS.gguf"]
 
+    # An importance matrix given as a source (a file:// URI inside the allowed roots) is the one
+    # llama-quantize uses: the job's file is llama-quantize's by hand with that matrix, byte for
+    # byte (llama-imatrix itself is not bit-reproducible from run to run).
+    f16, _ = _export(wide_llama, tmp_path / "f16", GGUFSpec(type="f16", verify=False,
+                     pre_tokenizer_fallback="default"))  # fmt: skip
+    f16_file = tmp_path / "f16" / f16.files[0]
+    imatrix = compute_imatrix(f16_file, CALIBRATION, tmp_path / "f16", lambda: None)
+    given = GGUFSpec.model_validate(
+        {"format": "gguf", "type": "IQ4_XS", "verify": False, "pre_tokenizer_fallback": "default",
+         "imatrix": {"uri": f"file://{imatrix}"}}
+    )  # fmt: skip
+    ctx = InMemoryContext(
+        Settings(data_dir=tmp_path / "var", local_roots=[tmp_path]), tmp_path / "work"
+    )
+    from_file, _ = _export(wide_llama, tmp_path / "given", given, ctx)
+    assert from_file.summary["imatrix_source"]["sha256"] == sha256_of(imatrix)
+    by_hand = tmp_path / "by-hand.gguf"
+    quantize(f16_file, by_hand, "IQ4_XS", tmp_path, lambda: None, lambda n: None, 1,
+             imatrix=imatrix)  # fmt: skip
+    assert from_file.digests["model-IQ4_XS.gguf"] == sha256_of(by_hand)
+    assert from_file.digests["model-IQ4_XS.gguf"] != plain.digests["model-IQ4_XS.gguf"]
+
 
 def test_cancel_kills_the_quantizer_and_leaves_no_file(wide_llama: Path, tmp_path: Path) -> None:
-    f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16", verify=False))
+    f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16", verify=False, pre_tokenizer_fallback="default"))
     dest = tmp_path / "q.gguf"
 
     def cancelled() -> None:
@@ -235,10 +258,11 @@ def test_quantized_file_is_tokenized_and_scored_by_llama_cpp(
 def test_a_tokenizer_llama_cpp_reads_differently_fails_the_job_and_leaves_no_file(
     wide_llama: Path, tmp_path: Path
 ) -> None:
-    """The tiny byte-level BPE has a pre-tokenizer hash llama.cpp does not know: the file says
-    ``pre="default"``, which splits digits and punctuation unlike the checkpoint's tokenizer."""
+    """The tiny byte-level BPE has a pre-tokenizer hash llama.cpp does not know; the job accepts
+    the fallback, so the file says ``pre="default"``, which splits digits and punctuation unlike
+    the checkpoint's tokenizer: llama.cpp's own check in the job catches it."""
     with pytest.raises(VerificationFailed, match="llama.cpp tokenizes"):
-        _export(wide_llama, tmp_path / "out", GGUFSpec(type="Q6_K"))
+        _export(wide_llama, tmp_path / "out", GGUFSpec(type="Q6_K", pre_tokenizer_fallback="default"))
     assert list((tmp_path / "out").iterdir()) == []
 
 

@@ -1,0 +1,425 @@
+"""llama.cpp's own HF -> GGUF converter classes, used as a library fed by the service's readers.
+
+Why: ``convert_hf_to_gguf``'s ``conversion`` package knows ~250 architectures (tensor names, q/k
+permutations, expert stacking, norm offsets, hyperparameter keys) and ~90 BPE pre-tokenizer
+hashes. Re-deriving those tables by hand is how a converter falls behind, so the GGUF exporter
+asks upstream's class for the model (``ModelBase.from_model_architecture``) what it would write,
+and writes it itself (bounded memory, progress, cancel, sha256 while writing).
+
+What is used of upstream's internals (checked on :data:`CHECKED_VERSIONS`, pinned by
+``service.llama_cpp.LLAMA_CPP_PYTHON_VERSION``; ``tests/unit/adapters/test_llama_cpp_convert.py``
+names each assumption):
+
+* ``conversion/__init__.py``'s ``TEXT_MODEL_MAP`` literal (read with ``ast``: the API process
+  answers "which architectures" without importing torch) and ``get_model_class``;
+* ``ModelBase.__init__(dir_model, ftype, fname_out, ...)`` calling ``self.index_tensors()``, which a
+  subclass overrides to hand out lazy tensors read by *our* reader instead of its file loading;
+* ``prepare_tensors()`` calling ``self.modify_tensors(data, name, bid)`` and putting every output in
+  ``self.gguf_writer.tensors[0]`` as ``TensorInfo(shape, dtype, nbytes, tensor)``;
+* ``prepare_metadata(vocab_only=False)`` filling ``self.gguf_writer.kv_data[0]`` (set_gguf_parameters
+  and set_vocab);
+* ``get_vocab_base_pre(tokenizer)`` calling ``tokenizer.encode(chktxt)`` once, hashing ``str()`` of the
+  ids with sha256 and raising ``NotImplementedError`` for an unknown hash;
+* ``LazyTorchTensor(meta=..., args=..., func=...)`` and ``LazyTorchTensor.to_eager``, whose evaluation
+  caches data in the graph (so a tensor's graph is evaluated once, then dropped).
+
+The converter needs the gguf-py of the same llama.cpp, which is newer than PyPI's ``gguf`` of the
+same version string; :func:`load_converter` makes it *the* ``gguf`` module of the process that
+converts (a job process), so the writer and the planner agree on every enum and constant.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from hashlib import sha256
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
+
+from service.errors import ToolMissing, UnsupportedExport, UnsupportedTokenizer
+from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION, default_bin_dir
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+
+class WeightReader(Protocol):
+    """What the adapter needs of a checkpoint reader (service.checkpoint.base.WeightReader)."""
+
+    def tensor_infos(self) -> list[Any]: ...
+
+    def aliases(self) -> dict[str, str]: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+log = logging.getLogger(__name__)
+
+CHECKED_VERSIONS = ("0.3.36",)
+"""llama-cpp-python sdists whose vendored converter this adapter was checked against."""
+
+FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+"""Output types upstream's converter plans (``--outtype``); anything else is mapped by the caller."""
+
+
+def converter_dir(bin_dir: Path | None = None) -> Path:
+    """``<cache>/llama.cpp/<version>/convert`` beside the tools (scripts/build_llama_cpp.sh)."""
+    if LLAMA_CPP_PYTHON_VERSION not in CHECKED_VERSIONS:
+        raise ToolMissing(
+            f"llama.cpp {LLAMA_CPP_PYTHON_VERSION}'s converter is not one this adapter was checked "
+            f"on ({', '.join(CHECKED_VERSIONS)}): check service/adapters/llama_cpp_convert.py"
+        )
+    path = (bin_dir or default_bin_dir()).parent / "convert"
+    if not (path / "conversion" / "__init__.py").is_file():
+        raise ToolMissing(
+            f"llama.cpp's converter classes not found at {path}; run `make llama-cpp` "
+            "(scripts/build_llama_cpp.sh keeps them beside the tools)"
+        )
+    return path
+
+
+@lru_cache(maxsize=4)
+def _text_model_map(init_file: Path) -> dict[str, str]:
+    tree = ast.parse(init_file.read_text(encoding="utf-8"))
+    for node in tree.body:
+        target: ast.expr | None = None
+        value_node: ast.expr | None = None
+        if isinstance(node, ast.AnnAssign):
+            target, value_node = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value_node = node.targets[0], node.value
+        if isinstance(target, ast.Name) and target.id == "TEXT_MODEL_MAP" and value_node:
+            value = ast.literal_eval(value_node)
+            if isinstance(value, dict):
+                return {str(k): str(v) for k, v in value.items()}
+    raise ToolMissing(f"{init_file} has no TEXT_MODEL_MAP literal: not the converter checked here")
+
+
+def supported_architectures(bin_dir: Path | None = None) -> dict[str, str]:
+    """Hugging Face architecture name -> upstream module, read without importing the converter."""
+    return _text_model_map(converter_dir(bin_dir) / "conversion" / "__init__.py")
+
+
+def _import_package(name: str, directory: Path) -> ModuleType:
+    """Import the package ``directory`` as ``name`` without putting its parent on ``sys.path``.
+
+    Why not ``sys.path``: gguf-py's directory also holds ``tests`` and ``examples`` packages,
+    and ``sys.path`` is inherited by every process this one starts (multiprocessing children
+    rebuild it from the parent's): a child would import gguf-py's ``tests`` for ours."""
+    spec = importlib.util.spec_from_file_location(
+        name, directory / "__init__.py", submodule_search_locations=[str(directory)]
+    )
+    if spec is None or spec.loader is None:
+        raise ToolMissing(f"llama.cpp's converter has no package {name!r} in {directory}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_converter(bin_dir: Path | None = None) -> ModuleType:
+    """Import upstream's ``conversion`` package, with the gguf-py it was written for as ``gguf``."""
+    root = converter_dir(bin_dir).resolve()
+    gguf_py = (root / "gguf-py").resolve()
+    current = sys.modules.get("gguf")
+    if current is None or not Path(str(current.__file__)).resolve().is_relative_to(gguf_py):
+        for name in [n for n in sys.modules if n == "gguf" or n.startswith("gguf.")]:
+            del sys.modules[name]
+        _import_package("gguf", gguf_py / "gguf")
+    loaded = sys.modules.get("conversion")
+    if loaded is None:
+        loaded = _import_package("conversion", root / "conversion")
+    if not Path(str(loaded.__file__)).resolve().is_relative_to(root):
+        raise ToolMissing(f"another 'conversion' package is imported: {loaded.__file__}")
+    # upstream logs every tensor at INFO; keep the job log to what the service says
+    logging.getLogger("hf-to-gguf").setLevel(logging.WARNING)
+    return loaded
+
+
+# --- one conversion, planned --------------------------------------------------------------------
+
+
+class OneShot:
+    """A lazy upstream tensor evaluated at most once, then released.
+
+    Upstream's lazy graph caches every intermediate result in its nodes once evaluated, so holding
+    it after use would keep the tensor alive; the caller plans again to evaluate it a second time.
+    """
+
+    def __init__(self, tensor: Any, lazy_type: Any) -> None:
+        self._tensor: Any = tensor
+        self._lazy_type = lazy_type
+
+    def __call__(self) -> np.ndarray:
+        import numpy as np
+        import torch
+
+        tensor, self._tensor = self._tensor, None
+        if tensor is None:
+            raise RuntimeError("an upstream tensor is evaluated once per plan; plan again")
+        if isinstance(tensor, self._lazy_type):
+            tensor = self._lazy_type.to_eager(tensor)
+        out = np.ascontiguousarray(tensor.to(torch.float32).numpy())
+        del tensor
+        return out
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    """Row-major (torch) order."""
+    ggml_type: int
+    nbytes: int
+    source: str | None
+    """The checkpoint tensor it is a plain copy of (values unchanged), else None."""
+    compute: Callable[[], np.ndarray] | None
+    """Float32 values of a tensor upstream transforms (permutes, stacks, offsets): one shot."""
+
+
+@dataclass
+class Conversion:
+    """What upstream's class for this checkpoint would write, with no weight read."""
+
+    hf_architecture: str
+    arch_name: str
+    """GGUF ``general.architecture`` (``llama``, ``gemma3``...)."""
+    model_class: str
+    tensors: list[PlannedTensor]
+    metadata: list[tuple[str, Any]] = field(default_factory=list)
+    """``gguf_writer.kv_data[0]`` items: key -> ``GGUFValue``, in upstream's order."""
+    unused: list[str] = field(default_factory=list)
+    """Checkpoint tensors upstream writes nothing for."""
+    pre_tokenizer_hash: str | None = None
+    pre_tokenizer_fallback: str | None = None
+    """Set when the hash was unknown and the job accepted this fallback."""
+    no_vocab_reason: str | None = None
+    """Why ``tokenizer.ggml.model`` is ``none`` (no tokenizer files, or one llama.cpp cannot write)."""
+
+
+class _Inexpressible(Exception):
+    """The tokenizer is not one llama.cpp's vocabulary writers can express (word-level...)."""
+
+
+def _tokenizer_json_model(root: Path) -> str | None:
+    import json
+
+    try:
+        data = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return str(model.get("type")) if isinstance(model, dict) else None
+
+
+class _RecordingTokenizer:
+    """Passes everything to the tokenizer and keeps what ``encode`` returned first."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.first: Any = None
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        ids = self._tokenizer.encode(*args, **kwargs)
+        if self.first is None:
+            self.first = ids
+        return ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def hf_architecture(config: dict[str, Any]) -> str:
+    """The architecture name upstream dispatches on (``architectures[0]``; text_config's for VLMs)."""
+    names = config.get("architectures") or []
+    if not names and isinstance(config.get("text_config"), dict):
+        names = config["text_config"].get("architectures") or []
+    if names:
+        return str(names[0])
+    # an old config with only model_type: transformers' own auto-class tables name the class
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_MAPPING_NAMES,
+    )
+
+    model_type = config.get("model_type")
+    for table in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES):
+        if isinstance(model_type, str) and model_type in table:
+            return str(table[model_type])
+    raise UnsupportedExport(
+        f"config.json names no architecture and model_type {model_type!r} is not one "
+        "transformers knows"
+    )
+
+
+def plan_conversion(
+    root: Path,
+    config: dict[str, Any],
+    reader: WeightReader,
+    ftype: str,
+    *,
+    bin_dir: Path | None = None,
+    metadata: bool = True,
+    vocab: bool = True,
+    pre_tokenizer_fallback: str | None = None,
+) -> Conversion:
+    """Run upstream's class for ``root`` on metadata only: names, shapes, types, KV, vocabulary.
+
+    Weights are read only when a :class:`PlannedTensor`'s ``compute`` is called. ``vocab=False``
+    writes ``tokenizer.ggml.model = none`` (a checkpoint without tokenizer files).
+    """
+    conversion = load_converter(bin_dir)
+    import gguf
+    import torch
+
+    base_mod = importlib.import_module("conversion.base")
+    lazy_type: Any = base_mod.LazyTorchTensor
+    arch = hf_architecture(config)
+    try:
+        model_class: Any = conversion.get_model_class(arch)
+    except NotImplementedError:
+        raise UnsupportedExport(f"llama.cpp's converter does not support {arch}") from None
+
+    infos = {info.name: info for info in reader.tensor_infos()}
+    for alias, canonical in reader.aliases().items():
+        if alias not in infos and canonical in infos:
+            infos[alias] = infos[canonical]
+    renamed: dict[str, str] = {}
+    produced: dict[str, tuple[str, bool, Any]] = {}
+    seen: set[str] = set()
+    unknown_hash: list[str] = []
+
+    def lazy(name: str) -> Any:
+        info = infos[name]
+        return lazy_type(
+            meta=lazy_type.meta_with_dtype_and_shape(info.dtype, tuple(info.shape)),
+            args=(name,),
+            func=reader.read,
+        )
+
+    def index_tensors(self: Any, remote_hf_model_id: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in infos:
+            item = self.filter_tensors((name, lambda n=name: lazy(n)))
+            if item:
+                renamed[item[0]] = name
+                out[item[0]] = item[1]
+        return out
+
+    def modify_tensors(self: Any, data: Any, name: str, bid: int | None) -> Iterable[Any]:
+        seen.add(name)
+        outputs = list(model_class.modify_tensors(self, data, name, bid))
+        for new_name, tensor in outputs:
+            produced[new_name] = (
+                renamed.get(name, name),
+                tensor is data and name in renamed,
+                tensor,
+            )
+        return outputs
+
+    def get_vocab_base_pre(self: Any, tokenizer: Any) -> str:
+        recorder = _RecordingTokenizer(tokenizer)
+        try:
+            return str(model_class.get_vocab_base_pre(self, recorder))
+        except NotImplementedError as exc:
+            if "pre-tokenizer" not in str(exc) or recorder.first is None:
+                raise
+            kind = _tokenizer_json_model(root)
+            if kind not in (None, "BPE"):
+                # upstream tried its byte-level BPE writer last, on a tokenizer that is not one
+                raise _Inexpressible(f"llama.cpp cannot write a {kind} tokenizer") from None
+            digest = sha256(str(recorder.first).encode()).hexdigest()
+            unknown_hash.append(digest)
+            if pre_tokenizer_fallback is not None:
+                return pre_tokenizer_fallback
+            raise UnsupportedTokenizer(
+                f"the tokenizer's BPE pre-tokenizer (hash {digest}) is unknown to llama.cpp "
+                f"{LLAMA_CPP_PYTHON_VERSION}: llama.cpp would split text differently from the "
+                "Hugging Face tokenizer. Use a llama.cpp that knows it, or accept llama.cpp's "
+                'generic splitting with "pre_tokenizer_fallback": "default" in the GGUF export'
+            ) from None
+
+    no_vocab: list[str] = [] if vocab else ["the checkpoint has no tokenizer files"]
+
+    def set_vocab(self: Any) -> None:
+        if not no_vocab:
+            try:
+                model_class.set_vocab(self)
+                return
+            except _Inexpressible as exc:
+                no_vocab.append(str(exc))
+        kv = self.gguf_writer.kv_data[0]
+        for key in [k for k in kv if k.startswith("tokenizer.")]:
+            del kv[key]  # whatever a failed writer added before it gave up
+        self._set_vocab_none()
+
+    fed = type(
+        f"Fed{model_class.__name__}",
+        (model_class,),
+        {
+            "model_arch": model_class.model_arch,
+            "index_tensors": index_tensors,
+            "modify_tensors": modify_tensors,
+            "get_vocab_base_pre": get_vocab_base_pre,
+            "set_vocab": set_vocab,
+        },
+    )
+    work = Path(root)
+    try:
+        hparams = dict(model_class.load_hparams(work, False))
+        hparams["architectures"] = hparams.get("architectures") or [arch]
+        model = fed(
+            work,
+            gguf.LlamaFileType[FTYPES[ftype]],
+            work / "model.gguf",
+            eager=False,
+            hparams=hparams,
+        )
+        model.prepare_tensors()
+        if metadata:
+            model.prepare_metadata(vocab_only=False)
+    except (UnsupportedTokenizer, UnsupportedExport):
+        raise
+    except (KeyError, ValueError, AssertionError, NotImplementedError, TypeError) as exc:
+        raise UnsupportedExport(
+            f"llama.cpp's converter ({model_class.__name__}) cannot convert this checkpoint: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+    tensors: list[PlannedTensor] = []
+    for name, info in model.gguf_writer.tensors[0].items():
+        origin, plain, tensor = produced[name]
+        qtype = int(info.dtype)
+        shape = tuple(int(d) for d in tensor.shape)
+        if plain and tuple(infos[origin].shape) == shape:
+            tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), origin, None))
+        else:
+            if not isinstance(tensor, (lazy_type, torch.Tensor)):
+                raise UnsupportedExport(f"{name}: upstream made a {type(tensor).__name__}")
+            compute = OneShot(tensor, lazy_type)
+            tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), None, compute))
+    model.gguf_writer.tensors.clear()  # its lazy graphs would keep evaluated tensors alive
+    produced.clear()
+    kv = list(model.gguf_writer.kv_data[0].items()) if metadata else []
+    return Conversion(
+        hf_architecture=arch,
+        arch_name=str(gguf.MODEL_ARCH_NAMES[model_class.model_arch]),
+        model_class=model_class.__name__,
+        tensors=tensors,
+        metadata=kv,
+        unused=sorted(renamed[n] for n in renamed if n not in seen),
+        pre_tokenizer_hash=unknown_hash[0] if unknown_hash else None,
+        pre_tokenizer_fallback=pre_tokenizer_fallback if unknown_hash else None,
+        no_vocab_reason=no_vocab[0] if no_vocab else None,
+    )
