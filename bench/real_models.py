@@ -7,7 +7,7 @@ Every row is one job of the service's own pipeline (``run_pipeline``, a ``file:/
 are the job's alone; the consumer check then runs here, on the job's artifacts:
 
 * gguf         llama.cpp: ``llama-tokenize`` ids of the probe set == the HF tokenizer's, and
-               ``llama-completion`` greedy continuation == transformers' (f16 export)
+               ``llama-simple`` greedy continuation == transformers' (f16 export)
 * safetensors  transformers reload; the job's own parity check against the source
 * nnef         tract (in the job's child): argmax agreed with PyTorch at every decode step, and
                that decode == transformers' argmax loop on the same prompt

@@ -11,7 +11,7 @@ judge one (variant, export) each:
 
 * safetensors: reloaded by transformers, logits equal the source's; the job's own parity passed
 * gguf: llama.cpp itself (``llama-tokenize`` ids of the probe set == the HF tokenizer's,
-  ``llama-completion`` greedy continuation == transformers')
+  ``llama-simple`` greedy continuation == transformers')
 * nnef: tract decoded like the job's PyTorch, and that decode == transformers' own argmax loop
 * onnx: onnxruntime's greedy decode (a fresh session, cache fed back) == transformers'
 """
