@@ -85,7 +85,7 @@ def upstream_converter(cache: Path) -> Path:
     try:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
-             ":all:", f"llama-cpp-python=={version}", "-d", str(work)],
+             "llama-cpp-python", f"llama-cpp-python=={version}", "-d", str(work)],
             check=True,
         )  # fmt: skip
         src = f"llama_cpp_python-{version}/vendor/llama.cpp"

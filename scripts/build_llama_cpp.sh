@@ -34,7 +34,9 @@ if have_all; then echo "llama.cpp $VERSION: built by another process in $dest/bi
 
 work=$(mktemp -d "$cache/llama.cpp/.work-$VERSION.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work"
+# the sdist (llama.cpp itself has no wheel); only it: `--no-binary :all:` would also compile
+# every build dependency pip installs to read its metadata (ninja, cmake...) from source
+python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$work"
 tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src=$work/llama_cpp_python-$VERSION/vendor/llama.cpp
 mkdir -p "$work/convert"
