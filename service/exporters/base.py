@@ -105,8 +105,13 @@ class Exporter(Protocol):
         job uses: it would cost every job process its memory."""
         return ()
 
-    def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
-        """Raise :class:`service.errors.InvalidRequest` for a spec this exporter cannot honour."""
+    def check(
+        self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
+    ) -> None:
+        """Raise :class:`service.errors.InvalidRequest` for a spec this exporter cannot honour.
+
+        ``settings``: the service's (the pipeline always passes them: where the tools an exporter
+        runs are installed is a setting); None only in tests of a spec alone, meaning defaults."""
         ...
 
     def check_request(self, spec: ExportSpec, settings: Settings) -> None:
@@ -119,7 +124,7 @@ class Exporter(Protocol):
     ) -> None:
         """:meth:`check` for a local source, whose files (``root``) can be judged at submission
         too; the default judges the config only."""
-        self.check(spec, config)
+        self.check(spec, config, settings)
 
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext

@@ -142,10 +142,12 @@ class GGUFExporter(Exporter):
     format: ClassVar[str] = "gguf"
     spec_type: ClassVar[type[ExportSpec]] = GGUFSpec
 
-    def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
-        """Refuse architectures llama.cpp's converter does not write."""
+    def check(
+        self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
+    ) -> None:
+        """Refuse architectures the configured llama.cpp's converter does not write."""
         if config is not None:
-            resolve_architecture(config)
+            resolve_architecture(config, settings.llama_cpp_dir if settings else None)
 
     def check_request(self, spec: ExportSpec, settings: Settings) -> None:
         """An imatrix source is judged like the model's: allowed roots, egress, scheme."""

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
     from service.checkpoint.base import Checkpoint
+    from service.config import Settings
     from service.exporters.nnef_offload import OffloadedModel
     from service.exporters.nnef_verify import GreedyReference, IOSpec, ParityReport
     from service.stage import JobContext
@@ -136,7 +137,9 @@ class NNEFExporter(Exporter):
         verifies itself in a child process, so no reference from the pipeline."""
         return Needs(module=True)
 
-    def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
+    def check(
+        self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
+    ) -> None:
         nspec = _nnef_spec(spec)
         if config is None:
             raise UnsupportedExport("NNEF export builds the model graph and needs a config.json")
@@ -151,7 +154,7 @@ class NNEFExporter(Exporter):
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> ExportResult:
         nspec = _nnef_spec(spec)
-        self.check(nspec, inputs.checkpoint.config)
+        self.check(nspec, inputs.checkpoint.config, ctx.settings)
         return export_nnef(nspec, inputs, out_dir, ctx)
 
 

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from service.config import Settings
     from service.exporters.onnx_verify import ParityReport
     from service.stage import JobContext
 
@@ -144,7 +145,9 @@ class ONNXExporter(Exporter):
         verifies itself in a child process, so no reference from the pipeline."""
         return Needs(module=True)
 
-    def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
+    def check(
+        self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
+    ) -> None:
         ospec = _onnx_spec(spec)
         if config is None:
             raise UnsupportedExport("ONNX export builds the model graph and needs a config.json")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from service.checkpoint.base import Checkpoint
 from service.errors import InvalidRequest
@@ -33,6 +33,9 @@ from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportS
 from service.stage import JobContext
 from service.tensors import dtype_name
 from service.units import parse_size
+
+if TYPE_CHECKING:
+    from service.config import Settings
 
 OutDtype = Literal["float32", "float16", "bfloat16"]
 
@@ -58,7 +61,9 @@ class SafetensorsExporter(Exporter):
         """The writer and the parity check: most jobs export safetensors, verified."""
         return ("service.exporters.safetensors_writer", "service.verify.parity")
 
-    def check(self, spec: ExportSpec, config: dict[str, Any] | None) -> None:
+    def check(
+        self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
+    ) -> None:
         """Reject an unparseable ``max_shard_size`` at submission time."""
         parse_size(_safetensors_spec(spec).max_shard_size)
 

@@ -81,7 +81,7 @@ def check_spec(
         if source_dir is not None:
             exporters[export.format].check_files(export, config, source_dir, settings)
         else:
-            exporters[export.format].check(export, config)
+            exporters[export.format].check(export, config, settings)
 
 
 class ReuseGate(Protocol):
@@ -178,7 +178,7 @@ def _export_checkpoint(
     }
     specs = spec.export_specs()
     for export in specs:
-        exporters[export.format].check(export, checkpoint.config)
+        exporters[export.format].check(export, checkpoint.config, ctx.settings)
     if not spec.verify:  # the job's "verify": false also skips the exporters' own checks
         specs = [
             s.model_copy(update={"verify": False}) if "verify" in type(s).model_fields else s

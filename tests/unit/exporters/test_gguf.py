@@ -34,6 +34,7 @@ from service.config import Settings
 from service.errors import (
     JobCancelled,
     MissingTokenizer,
+    ToolMissing,
     UnsupportedExport,
     UnsupportedTokenizer,
     VerificationFailed,
@@ -845,6 +846,18 @@ def test_supported_configs_and_unknown_config_pass_check() -> None:
     exporter.check(GGUFSpec(), None)
     exporter.check(GGUFSpec(), {**LlamaConfig().to_dict(), "architectures": ["MistralForCausalLM"]})
     exporter.check(GGUFSpec(), {**Qwen2Config().to_dict(), "architectures": None})
+
+
+def test_check_asks_the_configured_llama_cpp_not_the_default(tmp_path: Path) -> None:
+    """The container image installs llama.cpp outside the build cache (MODELPREP_LLAMA_CPP_DIR):
+    the job's in-pipeline check once looked in the cache and failed every GGUF job there."""
+    elsewhere = tmp_path / "llama.cpp" / "bin"
+    elsewhere.mkdir(parents=True)
+    settings = Settings(data_dir=tmp_path / "data", llama_cpp_dir=elsewhere)
+    config = {**LlamaConfig().to_dict(), "architectures": ["LlamaForCausalLM"]}
+    GGUFExporter().check(GGUFSpec(), config)  # the default: the build cache has the converter
+    with pytest.raises(ToolMissing, match=str(tmp_path / "llama.cpp" / "convert")):
+        GGUFExporter().check(GGUFSpec(), config, settings)
 
 
 def test_spec_accepts_only_llama_cpp_types() -> None:
