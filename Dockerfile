@@ -5,7 +5,28 @@
 #
 # Every Python dependency is installed at the exact version of constraints.txt (the lock that
 # `make install` and CI use too). Two stages: the build stage owns pip's leftovers (build/,
-# egg-info, wheels); the image gets only the virtual environment.
+# egg-info, wheels); the image gets only the virtual environment. A third stage builds llama.cpp's
+# tools and keeps its converter classes (the GGUF exporter runs and imports them), with the script
+# `make install` runs; its layer depends only on that script and the pinned version, so the
+# minutes of compiling are cached until the pin moves.
+FROM python:3.11-slim AS llama-cpp
+
+ARG PIP_CA_PEM=""
+RUN apt-get update -q \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+         cmake g++ make \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m venv /opt/pip \
+    && if [ -n "$PIP_CA_PEM" ]; then \
+         { cat /etc/ssl/certs/ca-certificates.crt; printf '%s\n' "$PIP_CA_PEM"; } > /opt/pip-ca.pem; \
+       fi
+COPY scripts/build_llama_cpp.sh /src/scripts/
+COPY service/llama_cpp.py /src/service/
+# the script fetches the sdist with `python3 -m pip`: the venv's, as the base may have no pip
+RUN env PATH=/opt/pip/bin:$PATH MODELPREP_CACHE_HOME=/opt/cache \
+        ${PIP_CA_PEM:+PIP_CERT=/opt/pip-ca.pem} /src/scripts/build_llama_cpp.sh \
+    && mv /opt/cache/llama.cpp/[0-9]* /opt/llama.cpp
+
 FROM python:3.11-slim AS build
 
 # Where torch comes from: the default Linux wheel on PyPI is a multi-GB CUDA build.
@@ -37,7 +58,13 @@ FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/modelprep/bin:$PATH \
-    MODELPREP_DATA_DIR=/data
+    MODELPREP_DATA_DIR=/data \
+    MODELPREP_LLAMA_CPP_DIR=/opt/llama.cpp/bin
+# llama.cpp's tools use OpenMP (libgomp), which a slim Debian root lacks
+RUN apt-get update -q \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=llama-cpp /opt/llama.cpp /opt/llama.cpp
 COPY --from=build /opt/modelprep /opt/modelprep
 # uid 1000 owns /data: a host directory mounted there must be writable by uid 1000 (README)
 RUN useradd --create-home --uid 1000 modelprep \

@@ -28,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from service.api.auth import keygen_line
 from tests.fixtures.models import save_checkpoint, tiny_llama_config
+from tests.fixtures.real_models import real_model
 from tests.fixtures.service import free_port
 
 pytestmark = pytest.mark.container
@@ -176,12 +177,14 @@ class Stack:
 
 
 def write_model(models: Path) -> Path:
-    """A real Llama checkpoint big enough (~70M parameters) that its job runs for a while."""
+    """A Llama checkpoint big enough (~70M parameters) that its job runs for a while, and the
+    real SmolLM2-135M (with its tokenizer) for the job that runs llama.cpp in the image."""
     config = LlamaConfig(**{**tiny_llama_config().to_dict(), "hidden_size": 768,
                             "intermediate_size": 2048, "num_hidden_layers": 8,
                             "num_attention_heads": 12, "num_key_value_heads": 4})
     model = LlamaForCausalLM(config)
     out = save_checkpoint(model, models / "llama", "safetensors")
+    shutil.copytree(real_model("smollm2"), models / "smollm2")
     for path in [models, *models.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)  # the containers read as uid 1000
     return out
@@ -228,6 +231,26 @@ def test_jobs_need_a_key_and_run_to_a_full_finished_progress(stack: Stack) -> No
     assert done["status"] == "succeeded", done["error"]
     files = {a["path"] for a in done["artifacts"]}
     assert done["progress"] == {"done": len(files), "total": len(files), "unit": "files"}
+
+
+def test_a_q4_k_m_job_runs_llama_cpp_inside_the_image(stack: Stack) -> None:
+    """The image's own llama.cpp (built in its llama-cpp stage): llama-quantize writes the
+    K-quant mixture, llama-tokenize matches the tokenizer, llama-perplexity bounds the loss."""
+    with stack.client() as client:
+        job = client.post("/v1/jobs", json={
+            "source": "file:///models/smollm2",
+            "exports": [{"format": "gguf", "type": "q4_k_m"}],
+        }).json()
+        done = wait_until("the job to end", 900, lambda: _ended(client, job["id"]), every=2)
+    assert done["status"] == "succeeded", done["error"]
+    manifest = json.loads(stack.compose(
+        "exec", "-T", "api", "cat", f"/data/jobs/{job['id']}/artifacts/manifest.json"
+    ).stdout)
+    (export,) = manifest["exports"]
+    assert export["type"] == "Q4_K_M" and export["quantizer"] == "llama-quantize", export
+    checks = export["llama_cpp"]
+    assert checks["tokenizer"] and checks["perplexity"]["quantized"] > 0, checks
+    assert checks["perplexity"]["ratio"] <= checks["perplexity"]["bound"], checks
 
 
 def _ended(client: httpx.Client, job_id: str) -> dict[str, Any] | None:
