@@ -15,7 +15,8 @@ tensor the 403 MB embedding at both sizes) with a real 49k BPE tokenizer (SmolLM
   K-quants its f16 output then ``llama-quantize`` (both timed, the peak is the larger).
 
 Wall time is measured by this script around each child (interpreter start and imports
-included for both); peak RSS is the child's ``ru_maxrss`` from ``wait4`` (the converter is a
+included for both); peak RSS is the child's own ``ru_maxrss`` (``bench/measure.py``: started by a
+small launcher, so the bench's memory is not counted in it) (the converter is a
 single process; for convert + llama-quantize the larger of the two). Before every run the
 checkpoint is read once so both tools start with it in the page cache (our reader drops the
 pages it has read). The f16 files of both are compared tensor by tensor, and llama-perplexity
@@ -36,7 +37,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -112,17 +112,14 @@ def warm(ckpt: Path) -> None:
 
 
 def run_measured(argv: list[str], log: Path) -> dict[str, Any]:
-    """Run ``argv``; its wall time and peak RSS (``ru_maxrss`` from ``wait4``)."""
-    t0 = time.perf_counter()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
+    """Run ``argv``; its wall time and its own peak RSS (:mod:`bench.measure`)."""
+    from bench.measure import run_measured as measure
+
+    result = measure(argv, log, cwd=ROOT)
+    if result.pop("exit") != 0:
         tail = log.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"{argv[:3]} failed ({proc.returncode}):\n{tail}")
-    return {"wall_s": round(wall, 2), "peak_rss": usage.ru_maxrss * 1024}
+        raise SystemExit(f"{argv[:3]} failed:\n{tail}")
+    return result
 
 
 def child_ours(ckpt: Path, out: Path, type_: str, verify: bool) -> None:
@@ -168,19 +165,28 @@ def base_rss(ckpt: Path, work: Path) -> int:
 
 
 MEMORY_BOUND = (
-    "peak RSS <= B + C x (1 + 2r + s) [+ 4 C with the read-back], B = the export's fixed cost "
-    "(interpreter, torch, the vocabulary: measured without tensor data), C = CHUNK_BYTES "
+    "peak RSS <= B + C x (1 + 2r + s) + 3T [+ 4 C with the read-back], B = the export's fixed "
+    "cost (interpreter, torch, the vocabulary: measured without tensor data), C = CHUNK_BYTES "
     "(64 MiB of float32 per row block), r = stored bytes per float32 byte (f16 0.5, q8_0 "
-    "34/128), s = source bytes per float32 byte when the checkpoint is not float32 (else 0); "
-    "no term grows with the model or its largest tensor"
+    "34/128), s = source bytes per float32 byte when the checkpoint is not float32 (else 0), "
+    "T = float32 bytes of the largest tensor llama.cpp's converter transforms (evaluated whole: "
+    "a q/k projection here, a stack of experts in a MoE); no term grows with the model's depth. "
+    "K-quants: the larger of that and llama-quantize's own peak, Q + 7 L (L = elements of the "
+    "largest tensor: its f16 mapped, its float32 copy, its quantized bytes; Q = 32 MiB)"
 )
+QUANTIZER_FIXED = 32 << 20
 
 
-def bound(base: int, type_: str, verify: bool) -> int:
+def bound(base: int, type_: str, verify: bool, largest: int = 0, transformed: int = 0) -> int:
+    """The formula of :data:`MEMORY_BOUND`; ``largest``: elements of the largest tensor,
+    ``transformed``: float32 bytes of the largest transformed one."""
     from service.exporters.gguf_stream import CHUNK_BYTES
 
     r = {"f16": 0.5, "q8_0": 34 / 128}.get(type_, 0.5)  # K-quants write f16 first
-    return int(base + CHUNK_BYTES * (1 + 2 * r + (4 if verify else 0)))
+    ours = int(base + CHUNK_BYTES * (1 + 2 * r + (4 if verify else 0)) + 3 * transformed)
+    if type_ in ("f16", "q8_0", "f32", "bf16"):
+        return ours
+    return max(ours, QUANTIZER_FIXED + 7 * largest)
 
 
 def ours(ckpt: Path, work: Path, type_: str, verify: bool) -> dict[str, Any]:
@@ -255,10 +261,12 @@ def perplexity(path: Path, work: Path) -> float:
 
 
 def bench_size(
-    ckpt: Path, work: Path, types: list[str], converter: Path, ppl: bool
+    ckpt: Path, work: Path, types: list[str], converter: Path, ppl: bool, largest: int
 ) -> dict[str, Any]:
+    """``largest``: elements of the checkpoint's largest tensor (the embedding)."""
     rows: dict[str, Any] = {}
     base = base_rss(ckpt, work)
+    transformed = HIDDEN * HIDDEN * 4  # q_proj, permuted by upstream's LlamaModel
     print(f"  fixed cost B: {base / GIB:.2f} GiB")
     up_f16: dict[str, Any] | None = None
     for type_ in types:
@@ -289,10 +297,10 @@ def bench_size(
             row["wall_ratio_verify"] = round(row["ours_verify"]["wall_s"] / up["wall_s"], 3)
         row["rss_ratio"] = round(row["ours"]["peak_rss"] / up["peak_rss"], 3)
         row["base_rss"] = base
-        row["bound"] = bound(base, type_, False)
+        row["bound"] = bound(base, type_, False, largest, transformed)
         row["within_bound"] = row["ours"]["peak_rss"] <= row["bound"]
         if "ours_verify" in row:
-            row["bound_verify"] = bound(base, type_, True)
+            row["bound_verify"] = bound(base, type_, True, largest, transformed)
             row["within_bound_verify"] = row["ours_verify"]["peak_rss"] <= row["bound_verify"]
         if type_ in ("f16", "q8_0"):
             row["same_tensors_as_upstream"] = same_tensors(
@@ -370,7 +378,10 @@ def main() -> None:
             summary = make_checkpoint(ckpt, layers, work / "tokenizer")
             print(f"checkpoint: {summary['total_bytes'] / 1e9:.2f} GB float32, {layers} layers, "
                   f"largest tensor {summary['largest_tensor_bytes'] / 1e6:.0f} MB")  # fmt: skip
-            rows = bench_size(ckpt, work, args.types.split(","), converter, not args.no_perplexity)
+            rows = bench_size(
+                ckpt, work, args.types.split(","), converter, not args.no_perplexity,
+                summary["largest_tensor_bytes"] // 4,
+            )  # fmt: skip
             results.append({"layers": layers, "checkpoint_bytes": summary["total_bytes"],
                             "largest_tensor_bytes": summary["largest_tensor_bytes"],
                             "types": rows})  # fmt: skip

@@ -117,12 +117,12 @@ def child(ckpt: Path, out: Path, verify: bool) -> None:
 
 
 def timed(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, float, int]:
-    """Run ``cmd``; returns (exit status, wall seconds, peak RSS bytes from ``wait4``)."""
-    start = time.monotonic()
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    return os.waitstatus_to_exitcode(status), time.monotonic() - start, usage.ru_maxrss * 1024
+    """Run ``cmd``; returns (exit status, wall seconds, its own peak RSS bytes:
+    :mod:`bench.measure`, which keeps this bench's memory out of the figure)."""
+    from bench.measure import run_measured
+
+    result = run_measured(cmd, log, env=env)
+    return result["exit"], result["wall_s"], result["peak_rss"]
 
 
 def decode(model: Path, prompt: list[int], tokens: list[int], work: Path) -> dict[str, Any]:
