@@ -175,6 +175,35 @@ class OneShot:
         return out
 
 
+def leading_rows(tensor: Any, data: Any) -> int | None:
+    """``n`` when ``tensor`` is upstream's lazy ``data[:n]``, else None.
+
+    Why: Gemma's class trims the embedding's padded vocabulary rows this way; evaluated through
+    the lazy graph that is the whole embedding in float32 at once (262144 x 640 on the 270M,
+    262144 x 5376 on the 27B). The first ``n`` rows of a checkpoint tensor are read as such, in
+    row blocks, like any copied tensor. Relies on gguf-py's lazy ``__getitem__`` recording
+    ``_func`` (``torch.Tensor.__getitem__``) and ``_args`` (``(data, key)``): a test names it.
+    """
+    import torch
+
+    if getattr(tensor, "_func", None) is not torch.Tensor.__getitem__:
+        return None
+    args: tuple[Any, ...] = tuple(getattr(tensor, "_args", ()))
+    if len(args) != 2 or args[0] is not data or not isinstance(args[1], slice):
+        return None
+    key: slice = args[1]
+    if key.start not in (None, 0) or key.step not in (None, 1) or not isinstance(key.stop, int):
+        return None
+    return key.stop if key.stop >= 0 else None
+
+
+def _head_of(source: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether ``shape`` is the source's shape or its first rows (see :func:`leading_rows`)."""
+    return shape == source or (
+        len(shape) == len(source) >= 1 and shape[1:] == source[1:] and shape[0] <= source[0]
+    )
+
+
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
@@ -183,7 +212,8 @@ class PlannedTensor:
     ggml_type: int
     nbytes: int
     source: str | None
-    """The checkpoint tensor it is a plain copy of (values unchanged), else None."""
+    """The checkpoint tensor it is a plain copy of (values unchanged; ``shape`` may keep only
+    its first rows), else None."""
     compute: Callable[[], np.ndarray] | None
     """Float32 values of a tensor upstream transforms (permutes, stacks, offsets): one shot."""
 
@@ -321,11 +351,8 @@ def plan_conversion(
         seen.add(name)
         outputs = list(model_class.modify_tensors(self, data, name, bid))
         for new_name, tensor in outputs:
-            produced[new_name] = (
-                renamed.get(name, name),
-                tensor is data and name in renamed,
-                tensor,
-            )
+            copied = tensor is data or leading_rows(tensor, data) is not None
+            produced[new_name] = (renamed.get(name, name), copied and name in renamed, tensor)
         return outputs
 
     def get_vocab_base_pre(self: Any, tokenizer: Any) -> str:
@@ -402,7 +429,7 @@ def plan_conversion(
         origin, plain, tensor = produced[name]
         qtype = int(info.dtype)
         shape = tuple(int(d) for d in tensor.shape)
-        if plain and tuple(infos[origin].shape) == shape:
+        if plain and _head_of(tuple(infos[origin].shape), shape):
             tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), origin, None))
         else:
             if not isinstance(tensor, (lazy_type, torch.Tensor)):

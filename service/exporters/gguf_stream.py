@@ -82,7 +82,7 @@ def source_blocks(
     import numpy as np
     import torch
 
-    per, _, ncols = block_rows(tensor, chunk_bytes)
+    per, nrows, ncols = block_rows(tensor, chunk_bytes)
     if tensor.values is not None:
         yield np.asarray(tensor.values, dtype=np.float32).reshape(-1, ncols)
         return
@@ -99,10 +99,14 @@ def source_blocks(
     want = per * ncols
     pending: list[np.ndarray] = []
     held = 0
+    left = nrows * ncols  # a plan may keep only the source's first rows (a trimmed vocabulary)
     # Reader chunks of exactly one block when the reader honours max_bytes; any other split
     # (mid-row, several pieces) is reassembled here.
     for chunk in reader.iter_chunks(tensor.source, want * tensor.source_itemsize):
-        flat = chunk.reshape(-1).to(torch.float32).numpy()
+        if left <= 0:
+            break
+        flat = chunk.reshape(-1)[:left].to(torch.float32).numpy()
+        left -= flat.size
         pending.append(flat)
         held += flat.size
         while held >= want:

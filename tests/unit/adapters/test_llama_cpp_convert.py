@@ -76,6 +76,21 @@ def test_lazy_tensors_cache_their_value_once_evaluated() -> None:
     assert doubled._data is not None, "assumption broken: to_eager caches data in the node"
 
 
+def test_a_row_slice_of_a_lazy_tensor_is_recognised_as_its_first_rows() -> None:
+    """Why the trimmed Gemma embedding streams: ``data[:n]`` records getitem and its key."""
+    conv.load_converter()
+    lazy_type = importlib.import_module("conversion.base").LazyTorchTensor
+    data = lazy_type(meta=lazy_type.meta_with_dtype_and_shape(torch.float32, (10, 4)),
+                     args=("w",), func=lambda name: torch.zeros(10, 4))  # fmt: skip
+    assert conv.leading_rows(data[:7], data) == 7, (
+        "assumption broken: gguf-py's lazy __getitem__ records _func=torch.Tensor.__getitem__ "
+        "and _args=(tensor, key)"
+    )
+    assert conv.leading_rows(data, data) is None
+    for other in (data[1:7], data[:7:2], data[:, :2], data[:-1], (data * 2)[:7]):
+        assert conv.leading_rows(other, data) is None
+
+
 def test_the_converter_runs_on_gguf_py_of_its_own_llama_cpp() -> None:
     conv.load_converter()
     import gguf
