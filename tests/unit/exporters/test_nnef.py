@@ -49,6 +49,7 @@ from tests.fixtures.models import (
     build_tiny_llama,
     copy_tree,
     save_checkpoint,
+    save_tiny_family,
     tiny_bert_config,
     write_pickle_with_object,
 )
@@ -520,21 +521,8 @@ def test_an_architecture_nnef_is_not_tested_on_is_refused_with_the_list(
 )
 def test_every_supported_family_exports_and_runs_in_tract(model_type: str, tmp_path: Path) -> None:
     """Each family the exporter accepts (besides Llama and BERT above), tiny and random."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
     encoder = model_type in ENCODER_TYPES
-    shape = {"vocab_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "max_position_embeddings": 64}  # fmt: skip
-    if encoder:
-        config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, **shape)
-    else:
-        config = AutoConfig.for_model(
-            model_type, hidden_size=64, intermediate_size=128, num_key_value_heads=2,
-            head_dim=16, **shape,
-        )  # fmt: skip
-    torch.manual_seed(0)
-    model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config)
-    model.save_pretrained(tmp_path / "ckpt")
+    save_tiny_family(model_type, tmp_path / "ckpt", encoder, head_dim=16)
     NNEFExporter().check(NNEFSpec(), json.loads((tmp_path / "ckpt" / "config.json").read_text()))
     exported = _export(tmp_path / "ckpt", tmp_path / "job", NNEFSpec(decode_steps=2))
     verify = exported.result.summary["verify"]

@@ -39,7 +39,12 @@ from service.exporters.onnx_verify import verify_causal_lm
 from service.offload.build import build_on_meta
 from service.stage import InMemoryContext
 from tests.conftest import TinyCheckpointFactory
-from tests.fixtures.models import build_tiny_llama, tiny_bert_config, tiny_llama_config
+from tests.fixtures.models import (
+    build_tiny_llama,
+    save_tiny_family,
+    tiny_bert_config,
+    tiny_llama_config,
+)
 
 
 @dataclass
@@ -264,20 +269,8 @@ def test_a_checkpoint_without_config_is_refused() -> None:
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3", "roberta", "xlm-roberta"])
 def test_every_supported_family_exports_and_verifies(model_type: str, tmp_path: Path) -> None:
     """Each family the exporter accepts (besides Llama and BERT above), tiny and random."""
-    from transformers import AutoConfig
-
     encoder = model_type in ENCODER_TYPES
-    shape = {"vocab_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "max_position_embeddings": 64}  # fmt: skip
-    if encoder:
-        config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, **shape)
-    else:
-        config = AutoConfig.for_model(
-            model_type, hidden_size=64, intermediate_size=128, num_key_value_heads=2, **shape
-        )
-    torch.manual_seed(0)
-    model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config)
-    model.save_pretrained(tmp_path / "ckpt")
+    save_tiny_family(model_type, tmp_path / "ckpt", encoder)
     exported = _export(tmp_path / "ckpt", tmp_path, ONNXSpec(decode_steps=2))
     verify = exported.result.summary["verify"]
     assert exported.result.summary["task"] == (
