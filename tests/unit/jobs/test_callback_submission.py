@@ -4,7 +4,6 @@ URL of a receiver."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,6 @@ from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore
 
 TENANT_SECRET = "tenant-a-callback-secret-0123456789"
-
-
-@pytest.fixture
-def base(tmp_path: Path, llama_safetensors_dir: Path) -> Settings:
-    return Settings(data_dir=tmp_path, local_roots=[llama_safetensors_dir.parent])
-
-
-@pytest.fixture
-def store(base: Settings) -> Iterator[JobStore]:
-    store = JobStore.from_url(base.sqlalchemy_url)
-    store.create_schema()
-    yield store
-    store.dispose()
 
 
 def service(store: JobStore, base: Settings, **changes: Any) -> JobService:

@@ -24,19 +24,6 @@ from service.jobs.store import Admission, JobStore, utcnow
 from tests.fixtures.postgres import fresh_database
 
 
-@pytest.fixture
-def base(tmp_path: Path, llama_safetensors_dir: Path) -> Settings:
-    return Settings(data_dir=tmp_path, local_roots=[llama_safetensors_dir.parent])
-
-
-@pytest.fixture
-def store(base: Settings) -> Iterator[JobStore]:
-    store = JobStore.from_url(base.sqlalchemy_url)
-    store.create_schema()
-    yield store
-    store.dispose()
-
-
 def service_with(store: JobStore, base: Settings, **limits: object) -> JobService:
     """A JobService with a real executor that is not started: submit only queues."""
     settings = base.model_copy(update=limits)
