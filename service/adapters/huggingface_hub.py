@@ -1,6 +1,7 @@
 """What the hub source (:mod:`service.sources.hub`) relies on beyond huggingface_hub's API.
 
-``filter_repo_objects`` (the hub's own pattern matching) and ``validate_repo_id`` are used
+``filter_repo_objects`` (the hub's own pattern matching), ``validate_repo_id`` and
+``build_hf_headers`` (the auth headers of a request the source makes itself) are used
 through their public names in ``huggingface_hub.utils``, re-exported here only because mypy
 does not see them as exported there.
 
@@ -27,11 +28,18 @@ from tqdm.std import tqdm
 
 from service.stage import JobContext
 
-__all__ = ["TransportError", "filter_repo_objects", "job_progress_bar", "validate_repo_id"]
+__all__ = [
+    "TransportError",
+    "build_hf_headers",
+    "filter_repo_objects",
+    "job_progress_bar",
+    "validate_repo_id",
+]
 
 # Public names of huggingface_hub.utils (in its __all__) that mypy does not see as exported.
 filter_repo_objects = hub_utils.filter_repo_objects  # type: ignore[attr-defined]
 validate_repo_id = hub_utils.validate_repo_id  # type: ignore[attr-defined]
+build_hf_headers = hub_utils.build_hf_headers  # type: ignore[attr-defined]
 TransportError: type[Exception] = hub_utils.httpx.TransportError  # type: ignore[attr-defined]
 """A network failure of the hub client (connection refused or reset, timeout)."""
 

@@ -35,6 +35,7 @@ __all__ = [
     "TensorInfo",
     "WeightReader",
     "open_checkpoint",
+    "weight_files",
 ]
 
 AUX_PATTERNS = (
@@ -119,6 +120,13 @@ def open_checkpoint(path: Path) -> Checkpoint:
         config=config,
         aux_files=aux,
     )
+
+
+def weight_files(path: Path) -> tuple[Format, list[Path]]:
+    """(format, files) of the weights :func:`open_checkpoint` would read at ``path``, chosen
+    from names and indexes alone (no torch): what a plan reads the headers of."""
+    fmt, files, _ = _weight_files(path)
+    return fmt, files
 
 
 def _load_config(path: Path) -> dict[str, object] | None:

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from pydantic import SecretStr
 
+from service.checkpoint.headers import CheckpointHeaders
 from service.config import Settings
 from service.stage import JobContext
 
@@ -69,4 +70,10 @@ class SourceFetcher(Protocol):
     ) -> SourceIdentity | None:
         """The source's identity: before the fetch (``fetched`` None) when it can be known
         without downloading the checkpoint (None otherwise), after it always."""
+        ...
+
+    def headers(self, request: SourceRequest, settings: Settings) -> CheckpointHeaders:
+        """The checkpoint described from its headers alone, before (and without) a download:
+        file sizes, safetensors tensor headers, config.json. Reads a few kilobytes per weight
+        file whatever its size, never the weights (a plan is made from this)."""
         ...

@@ -23,11 +23,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Self
+from typing import Any, Literal, Self
 from urllib.parse import unquote, urljoin, urlsplit
 
 import httpx
 
+from service.checkpoint.headers import PROBE_BYTES, CheckpointHeaders, HeaderBuffer
 from service.config import Settings
 from service.egress import egress_client
 from service.errors import (
@@ -393,8 +394,63 @@ def _body_range(response: httpx.Response) -> tuple[int, int | None]:
     return 0, int(length) if length is not None and length.isdigit() else None
 
 
+def remote_header(
+    client: Any, url: str, name: str, headers: dict[str, str] | None = None
+) -> tuple[int | None, HeaderBuffer | None]:
+    """(file size when announced, the safetensors header of ``name`` or None for another
+    format) of the file at ``url``, from range reads that stop after the header.
+
+    ``client``: an ``httpx.Client``, or huggingface_hub's session (its vendored httpx, the
+    same interface) for a hub file.
+
+    A server that ignores ``Range`` answers with the whole file: its body is read only up to
+    the end of the header, then the connection is closed."""
+    buffer = HeaderBuffer(name) if name.endswith(".safetensors") else None
+    start, size = 0, None
+    while True:
+        end = max(PROBE_BYTES, buffer.need if buffer is not None else 1) - 1
+        asked = {**(headers or {}), "Accept-Encoding": "identity", "Range": f"bytes={start}-{end}"}
+        response = _final_response(client, url, asked)
+        try:
+            if response.status_code not in (200, 206):
+                _raise_for_status(response, url)
+            first, total = _body_range(response)
+            size = total if total is not None else size
+            if buffer is None:
+                return size, None
+            if first != start:  # Range ignored: the body starts at byte 0
+                buffer.data.clear()
+            for chunk in response.iter_raw():
+                if buffer.feed(chunk):
+                    return size, buffer
+        finally:
+            response.close()
+        if len(buffer.data) == start:  # nothing new: the file ends inside its header
+            buffer.tensors()  # raises, naming the file
+        start = len(buffer.data)
+
+
 class HttpFetcher:
     schemes: tuple[str, ...] = _SCHEMES
+
+    def headers(self, request: SourceRequest, settings: Settings) -> CheckpointHeaders:
+        """The file's size and, for a safetensors file, its header (range reads that stop
+        after it); an HTTP source is one weights file, without config.json."""
+        self.check(request, settings)
+        name = file_name_of(request.uri)
+        timeout = httpx.Timeout(30.0, read=min(60.0, settings.download_stall_seconds))
+        try:
+            with egress_client(settings.egress_policy, timeout) as client:
+                size, header = remote_header(client, request.uri, name)
+        except httpx.TransportError as exc:
+            raise DownloadFailed(
+                f"reading the header of {public_url(request.uri)} failed: {type(exc).__name__}"
+            ) from exc
+        if size is None:
+            raise DownloadFailed(f"{public_url(request.uri)} does not announce its size")
+        fmt: Literal["safetensors", "pickle"] = "safetensors" if header is not None else "pickle"
+        tensors = tuple(header.tensors()) if header is not None else ()
+        return CheckpointHeaders(fmt, {name: size}, tensors, None, (name,), remote=True)
 
     def check(self, request: SourceRequest, settings: Settings) -> None:
         check_http_url(request.uri)

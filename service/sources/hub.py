@@ -25,9 +25,9 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
-from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub import HfApi, get_session, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
     DisabledRepoError,
     GatedRepoError,
@@ -43,11 +43,13 @@ from pydantic import SecretStr
 
 from service.adapters.huggingface_hub import (
     TransportError,
+    build_hf_headers,
     filter_repo_objects,
     job_progress_bar,
     validate_repo_id,
 )
 from service.checkpoint import AUX_PATTERNS
+from service.checkpoint.headers import CheckpointHeaders, TensorHeader, config_of
 from service.config import Settings
 from service.errors import (
     DiskFull,
@@ -64,6 +66,7 @@ from service.errors import (
 from service.retry import Backoff
 from service.sources.base import ResolvedSource, SourceIdentity, SourceRequest
 from service.sources.cache import DownloadCache
+from service.sources.http import remote_header
 from service.stage import JobContext, Phase
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -145,8 +148,14 @@ def _prefer(files: list[str], single: str) -> list[str]:
 
 def shards_of(index_file: Path, available: list[str]) -> list[str]:
     """The shard files an index names; each must be a top-level file of the commit."""
+    return shards_in(index_file.read_bytes(), index_file.name, available)
+
+
+def shards_in(raw: bytes, index_name: str, available: list[str]) -> list[str]:
+    """:func:`shards_of` for the index's bytes."""
+    index_file = Path(index_name)
     try:
-        weight_map = json.loads(index_file.read_text())["weight_map"]
+        weight_map = json.loads(raw)["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise NoWeightFiles(f"unreadable weight index {index_file.name}") from exc
@@ -189,6 +198,15 @@ def _map_error(exc: Exception, ref: HubRef) -> ServiceError | None:
     return DownloadFailed(f"fetching {what} failed: {type(exc).__name__}")
 
 
+def _map_error_status(status: int, ref: HubRef) -> ServiceError:
+    """The typed error of a hub file request answered ``status``."""
+    if status in (401, 403):
+        return SourceUnauthorized(f"the hub refused access to {ref.repo_id} (HTTP {status})")
+    if status == 404:
+        return SourceNotFound(f"a file of {ref.repo_id}@{ref.revision} is not on the hub")
+    return DownloadFailed(f"the hub answered HTTP {status} for {ref.repo_id}@{ref.revision}")
+
+
 def _with_retries(call: Callable[[], T], ref: HubRef, settings: Settings) -> T:
     """Run a hub call, retrying network failures with exponential backoff."""
     backoff = Backoff(settings.download_retries, settings.download_backoff_seconds)
@@ -222,6 +240,14 @@ def _resolve_commit(api: HfApi, ref: HubRef, settings: Settings) -> str:
     return info.sha
 
 
+def _shard_header(
+    session: Any, url: str, name: str, auth: dict[str, str]
+) -> list[TensorHeader]:
+    _, header = remote_header(session, url, name, auth)
+    assert header is not None  # a .safetensors name
+    return header.tensors()
+
+
 class HubFetcher:
     schemes: tuple[str, ...] = ("hf",)
 
@@ -247,6 +273,60 @@ class HubFetcher:
             commit = request.pinned or _resolve_commit(api, ref, settings)
         return SourceIdentity(
             f"hf:{endpoint}/{ref.repo_id}@{commit}", dataclasses.replace(request, pinned=commit)
+        )
+
+    def headers(self, request: SourceRequest, settings: Settings) -> CheckpointHeaders:
+        """One commit's files as a job would download them (the same choice of files), sized
+        from the commit's listing, with each safetensors shard's header read by range reads
+        that stop after it, and config.json.
+
+        Why not ``HfApi.parse_safetensors_file_metadata``: it reads ``response.content`` of
+        its range request, which from a server that ignores ``Range`` (olah's mirror, some
+        proxies) is the whole shard; here the body is cut off after the header."""
+        ref = parse_hf_uri(request.uri, request.revision)
+        endpoint = _endpoint(settings)
+        token = _secret(request, settings)
+        api = HfApi(endpoint=endpoint, token=token)
+        commit = request.pinned or _resolve_commit(api, ref, settings)
+        at_commit = HubRef(ref.repo_id, commit)
+        tree = _with_retries(
+            lambda: [e for e in api.list_repo_tree(ref.repo_id, revision=commit, recursive=True)
+                     if isinstance(e, RepoFile)],
+            at_commit, settings,
+        )
+        sizes = {e.path: e.size for e in tree}
+        plan = plan_files(list(sizes))
+        auth = build_hf_headers(token=token)
+        session = get_session()
+
+        def small(name: str) -> bytes:
+            url = hf_hub_url(ref.repo_id, name, revision=commit, endpoint=endpoint)
+            response = session.get(url, headers=auth, timeout=30.0)
+            if response.status_code >= 400:
+                raise _map_error_status(response.status_code, at_commit)
+            return bytes(response.content)
+
+        weights = plan.weights
+        if plan.index is not None:
+            index = plan.index
+            weights = _with_retries(lambda: shards_in(small(index), index, list(sizes)),
+                                    at_commit, settings)
+        tensors: list[TensorHeader] = []
+        if plan.format == "safetensors":
+            for name in weights:
+                url = hf_hub_url(ref.repo_id, name, revision=commit, endpoint=endpoint)
+                tensors.extend(_with_retries(
+                    lambda url=url, name=name: _shard_header(session, url, name, auth),  # type: ignore[misc]
+                    at_commit, settings,
+                ))
+        config = (
+            config_of(_with_retries(lambda: small("config.json"), at_commit, settings))
+            if "config.json" in plan.aux else None
+        )
+        chosen = [*plan.aux, *([plan.index] if plan.index else []), *weights]
+        return CheckpointHeaders(
+            plan.format, {f: sizes.get(f, 0) for f in chosen}, tuple(tensors), config,
+            tuple(weights), remote=True,
         )
 
     def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:

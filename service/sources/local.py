@@ -8,7 +8,8 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from service.checkpoint import aux_files_in
+from service.checkpoint import aux_files_in, weight_files
+from service.checkpoint.headers import CheckpointHeaders, config_of, local_file_header
 from service.config import Settings
 from service.errors import SourceNotAllowed, SourceNotFound, SourceUnreadable
 from service.fsutil import sha256_file
@@ -128,3 +129,20 @@ class LocalFetcher:
             ctx.advance(size)
         ctx.add_metric("bytes_hashed", hashed)
         return SourceIdentity(f"files:{combined.hexdigest()}", request)
+
+    def headers(self, request: SourceRequest, settings: Settings) -> CheckpointHeaders:
+        """Each weight file's safetensors header (a pickle has none: sizes only), config.json
+        and the size of every file the job reads."""
+        path = self.path(request, settings)
+        root = path if path.is_dir() else path.parent
+        fmt, weights = weight_files(path)
+        files = {name: p.stat().st_size for name, p in checkpoint_files(path)}
+        names = tuple(p.relative_to(root).as_posix() for p in weights)
+        for name, p in zip(names, weights, strict=True):
+            files.setdefault(name, p.stat().st_size)  # a shard an index names, wherever it is
+        tensors = [t for p in weights for t in local_file_header(p)] if fmt == "safetensors" else []
+        try:
+            config = config_of((root / "config.json").read_bytes())
+        except OSError:
+            config = None
+        return CheckpointHeaders(fmt, files, tuple(tensors), config, names)
