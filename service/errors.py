@@ -242,6 +242,21 @@ class MissingShard(CheckpointError):
     title = "Missing shard"
 
 
+class UnsupportedQuantization(CheckpointError):
+    """The checkpoint is quantized in a way the readers do not implement (GPTQ/AWQ packed int4,
+    bitsandbytes, compressed-tensors, float8 without its scales...): refused, naming the method,
+    rather than read as if its packed codes were weights (``service.checkpoint.quantization``
+    lists what is read)."""
+
+    code = "unsupported_quantization"
+    title = "Unsupported quantization"
+
+    def __init__(self, message: str, method: str | None = None) -> None:
+        super().__init__(message)
+        self.method = method
+        """The ``quant_method`` refused (None when config.json declares none)."""
+
+
 class NoModelConfig(CheckpointError):
     """A module is needed (verification, graph export) but there is no usable config.json."""
 

@@ -406,6 +406,10 @@ def plan_conversion(
     try:
         hparams = dict(model_class.load_hparams(work, False))
         hparams["architectures"] = hparams.get("architectures") or [arch]
+        if "quantization_config" not in config:
+            # The readers handled it (FP8 dequantized, a contradicted config ignored): upstream
+            # must not dequantize again, or refuse a method whose tensors it never sees.
+            hparams.pop("quantization_config", None)
         model = fed(
             work,
             gguf.LlamaFileType[FTYPES[ftype]],

@@ -27,6 +27,7 @@ from service.errors import (
     SourceNotFound,
     ToolMissing,
     Unauthorized,
+    UnsupportedQuantization,
 )
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ HTTP_STATUS: dict[type[ServiceError], int] = {
     SourceNotFound: 422,
     EgressRefused: 422,
     CheckpointError: 422,
+    UnsupportedQuantization: 422,  # a request fault: the readers implement a list of methods
     ToolMissing: 503,  # a deployment fault (llama.cpp not built here), not the request's
 }
 """The HTTP status of each domain error; a class not listed takes its nearest listed base's

@@ -94,21 +94,23 @@ def open_checkpoint(path: Path) -> Checkpoint:
         raise SourceNotFound(f"checkpoint path {path} does not exist")
     root = path if path.is_dir() else path.parent
     fmt, files, index = _weight_files(path)
-    reader: SafetensorsReader | PickleReader
+    stored_reader: SafetensorsReader | PickleReader
     if fmt == "safetensors":
-        reader = SafetensorsReader(files)
+        stored_reader = SafetensorsReader(files)
     else:
-        reader = PickleReader(files)
+        stored_reader = PickleReader(files)
+    reader: WeightReader = stored_reader
     config = _load_config(root / "config.json")
     try:
         if index is not None:
-            stored = {i.name: i.file for i in reader.tensor_infos()}
-            stored.update({a: stored[c] for a, c in reader.aliases().items()})
+            stored = {i.name: i.file for i in stored_reader.tensor_infos()}
+            stored.update({a: stored[c] for a, c in stored_reader.aliases().items()})
             check_index_matches(index, stored)
+        reader, config, quantization = _read_quantized(stored_reader, config)
         # Before anything is built on the config's word (resolve_ties below builds on meta).
         check_config_matches_weights(config, {i.name: i.shape for i in reader.tensor_infos()})
     except CheckpointError:
-        reader.close()
+        stored_reader.close()
         raise
     aux = aux_files_in(root)
     resolve_ties(reader, config)  # after the index check: an index lists stored names only
@@ -119,6 +121,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
         reader=reader,
         config=config,
         aux_files=aux,
+        quantization=quantization,
     )
 
 
@@ -127,6 +130,36 @@ def weight_files(path: Path) -> tuple[Format, list[Path]]:
     from names and indexes alone (no torch): what a plan reads the headers of."""
     fmt, files, _ = _weight_files(path)
     return fmt, files
+
+
+def _read_quantized(
+    reader: WeightReader, config: dict[str, object] | None
+) -> tuple[WeightReader, dict[str, object] | None, dict[str, object] | None]:
+    """(reader, config, manifest record) once config.json's ``quantization_config`` is judged
+    against the tensors (``checkpoint.quantization``): FP8 weights dequantized while read, a
+    contradicted config dropped, anything else refused with :class:`UnsupportedQuantization`."""
+    import torch
+
+    from service.checkpoint.fp8 import Fp8DequantReader
+    from service.checkpoint.quantization import plan_quantization, without_quantization
+    from service.checkpoint.safetensors import DTYPE_NAMES
+
+    tensors = {
+        i.name: (DTYPE_NAMES.get(i.dtype, str(i.dtype)), i.shape) for i in reader.tensor_infos()
+    }
+    plan = plan_quantization(config, tensors)
+    if plan.handling == "none":
+        return reader, config, None
+    record = plan.record()
+    if plan.handling == "dequantize" and plan.block_size is not None and record is not None:
+        # The model's dtype, as transformers' from_pretrained(dtype="auto") dequantizes into.
+        name = (config or {}).get("dtype") or (config or {}).get("torch_dtype")
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            dtype = torch.bfloat16  # what FP8 checkpoints are published for
+        reader = Fp8DequantReader(reader, plan.scales, plan.block_size, dtype)
+        record["dtype"] = str(dtype).removeprefix("torch.")
+    return reader, without_quantization(config), record
 
 
 def _load_config(path: Path) -> dict[str, object] | None:

@@ -100,6 +100,10 @@ class Checkpoint:
     config: dict[str, Any] | None = None
     aux_files: list[Path] = field(default_factory=list)
     """config.json, generation_config.json, tokenizer files: carried over to exports."""
+    quantization: dict[str, Any] | None = None
+    """How the readers handled config.json's ``quantization_config`` (dequantized, ignored as
+    contradicted by the tensors), for the manifest; None for a plain float checkpoint. ``config``
+    no longer holds the ``quantization_config`` once handled: what the readers serve is float."""
 
     def close(self) -> None:
         self.reader.close()

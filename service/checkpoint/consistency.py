@@ -101,6 +101,13 @@ def safetensors_shapes(checkpoint_dir: Path) -> dict[str, list[int]] | None:
     """Tensor name -> shape from the safetensors headers of a local checkpoint directory, or None
     when that cannot be read cheaply and for sure (no safetensors, an odd header): the job's
     READ phase then judges with its own strict reader, which names any corruption."""
+    tensors = safetensors_tensors(checkpoint_dir)
+    return None if tensors is None else {n: shape for n, (_, shape) in tensors.items()}
+
+
+def safetensors_tensors(checkpoint_dir: Path) -> dict[str, tuple[str, list[int]]] | None:
+    """Tensor name -> (header dtype such as ``"BF16"``, shape) from the safetensors headers of a
+    local checkpoint directory, or None as :func:`safetensors_shapes` says."""
     index = checkpoint_dir / "model.safetensors.index.json"
     try:
         if index.is_file():
@@ -112,26 +119,26 @@ def safetensors_shapes(checkpoint_dir: Path) -> dict[str, list[int]] | None:
             files = ["model.safetensors"]
         else:
             return None
-        shapes: dict[str, list[int]] = {}
+        tensors: dict[str, tuple[str, list[int]]] = {}
         root = checkpoint_dir.resolve()
         for fname in files:
             path = (checkpoint_dir / fname).resolve()
             if not path.is_relative_to(root):
                 return None
-            shapes.update(_header_shapes(path))
-        return shapes
+            tensors.update(_header_tensors(path))
+        return tensors
     except (OSError, ValueError, RecursionError, struct.error, AttributeError, TypeError):
         return None
 
 
-def _header_shapes(path: Path) -> dict[str, list[int]]:
+def _header_tensors(path: Path) -> dict[str, tuple[str, list[int]]]:
     with path.open("rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
         if length > MAX_HEADER_BYTES:
             raise ValueError("header too large")
         header = json.loads(handle.read(length))
     return {
-        name: [int(d) for d in entry["shape"]]
+        name: (str(entry["dtype"]), [int(d) for d in entry["shape"]])
         for name, entry in header.items()
         if name != "__metadata__"
     }

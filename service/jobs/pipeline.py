@@ -176,6 +176,9 @@ def _export_checkpoint(
         "parameter_count": sum(i.numel for i in infos),
         "bytes": sum(i.nbytes for i in infos),
     }
+    if checkpoint.quantization is not None:
+        counts["quantization"] = checkpoint.quantization
+        _present_config(checkpoint, layout)
     specs = spec.export_specs()
     for export in specs:
         exporters[export.format].check(export, checkpoint.config, ctx.settings)
@@ -212,6 +215,21 @@ def _export_checkpoint(
         if session is not None:
             session.close(failed)
     return summaries, digests, {**counts, **ctx.details.get("model", {})}
+
+
+def _present_config(checkpoint: Checkpoint, layout: JobLayout) -> None:
+    """The config.json exports carry over, as the readers present the checkpoint: once its
+    quantization is handled (FP8 dequantized, a contradicted config ignored) the weights are
+    float, and a ``quantization_config`` beside them would make a consumer misread them. The
+    rewritten file lives in the job's work directory; the source is never modified."""
+    if checkpoint.config is None:
+        return
+    for i, path in enumerate(checkpoint.aux_files):
+        if path.name == "config.json":
+            presented = layout.work / "source-config" / "config.json"
+            presented.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(presented, checkpoint.config)
+            checkpoint.aux_files[i] = presented
 
 
 def _job_needs(needs: Needs, spec: JobSpec) -> Needs:

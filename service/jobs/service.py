@@ -11,7 +11,8 @@ from typing import Any
 
 import anyio.to_thread
 
-from service.checkpoint.consistency import check_config_matches_weights, safetensors_shapes
+from service.checkpoint.consistency import check_config_matches_weights, safetensors_tensors
+from service.checkpoint.quantization import plan_quantization, without_quantization
 from service.config import Settings
 from service.errors import ArtifactGone, ArtifactNotFound, Conflict
 from service.jobs.callbacks import check_callback, waiting_callback
@@ -34,10 +35,10 @@ class JobService:
     def submit(self, spec: JobSpec, tenant: str | None = None) -> Job:
         """Validate what can be known now (422 rather than a failed job), check the tenant's
         limits (429), then queue."""
-        known, config, root = self._local_config(spec)
+        known, config, root = self._local_config(spec)  # the path is checked against the roots
+        if known:
+            config = self._check_local_weights(spec, config)
         check_spec(spec, self.settings, config, config_known=known, source_dir=root)
-        if known and config is not None:
-            self._check_local_weights(spec, config)
         check_callback(spec, self.settings, tenant)
         job = Job(
             id=uuid.uuid4().hex,
@@ -91,15 +92,25 @@ class JobService:
             return True, None, root
         return True, config if isinstance(config, dict) else None, root
 
-    def _check_local_weights(self, spec: JobSpec, config: dict[str, Any]) -> None:
-        """A local safetensors checkpoint whose config.json disagrees with its headers is
-        refused now (422) rather than as a failed job: the headers are a few kilobytes."""
+    def _check_local_weights(
+        self, spec: JobSpec, config: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """A local safetensors checkpoint whose config.json disagrees with its headers, or that
+        is quantized in a way the readers do not implement, is refused now (422) rather than
+        as a failed job: the headers are a few kilobytes. Returns the config as the job's
+        readers will present it (a handled ``quantization_config`` dropped), which is what
+        the exporters judge."""
         fetcher = fetcher_for(spec.source)
         assert isinstance(fetcher, LocalFetcher)
         path = fetcher.path(spec.source_request(), self.settings)
-        shapes = safetensors_shapes(path if path.is_dir() else path.parent)
-        if shapes is not None:
+        tensors = safetensors_tensors(path if path.is_dir() else path.parent)
+        if tensors is None:
+            return config
+        plan = plan_quantization(config, tensors)  # UnsupportedQuantization names the method
+        if config is not None:
+            shapes = {n: shape for n, (_, shape) in tensors.items() if n not in plan.hidden}
             check_config_matches_weights(config, shapes)
+        return config if plan.handling == "none" else without_quantization(config)
 
     def get(self, job_id: str, tenant: str | None = None) -> Job:
         return self.store.get(job_id, tenant)
@@ -182,4 +193,5 @@ class JobService:
         if job.status is not JobStatus.SUCCEEDED:
             raise ArtifactNotFound(f"job {job_id} has no artifacts ({job.status.value})")
         return job, JobLayout.for_job(self.settings, job_id).artifact(path)
+
 
