@@ -28,6 +28,14 @@ class ApiKeyEntry(BaseModel):
     admin: bool = False
 
 
+class S3Credentials(BaseModel):
+    """One tenant's object-store key pair (``MODELPREP_S3_CREDENTIALS``); never in a job."""
+
+    access_key_id: str = Field(min_length=1)
+    secret_access_key: SecretStr
+    session_token: SecretStr | None = None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MODELPREP_", extra="ignore")
 
@@ -78,6 +86,18 @@ class Settings(BaseSettings):
         "long fails with download_stalled (a trickling source must not hold a worker slot).",
     )
     download_min_bytes_per_second: int = Field(default=1024, ge=0)
+    s3_endpoint: str | None = Field(
+        default=None,
+        description="Endpoint URL of an S3-compatible store (MinIO, Ceph RGW, SeaweedFS) for "
+        "s3:// sources and the artifact store; default: AWS S3 of s3_region.",
+    )
+    s3_region: str = Field(default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$")
+    s3_credentials: dict[str, S3Credentials] = Field(
+        default_factory=dict,
+        description='JSON {"tenant": {"access_key_id", "secret_access_key"}}: the keys a '
+        "tenant's s3:// sources and destinations use; other jobs use the standard chain "
+        "(AWS_* environment, shared credentials file, web identity).",
+    )
     job_timeout: float | None = Field(
         default=None, gt=0,
         description="Seconds a job may run (per attempt) before it is killed and fails with "

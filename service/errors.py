@@ -183,6 +183,20 @@ class SourceUnauthorized(PermissionError, SourceError):
     title = "Source refused access"
 
 
+class ObjectNotFound(SourceNotFound):
+    """An ``s3://`` source names a bucket, prefix or object the object store does not have."""
+
+    code = "object_not_found"
+    title = "Object not found"
+
+
+class AccessDenied(SourceUnauthorized):
+    """The object store refused the credentials (unknown key, bad signature, no permission)."""
+
+    code = "access_denied"
+    title = "Object store refused access"
+
+
 class NoWeightFiles(SourceError):
     code = "no_weight_files"
     title = "No weight files"
@@ -193,6 +207,14 @@ class DownloadFailed(ConnectionError, SourceError):
 
     code = "download_failed"
     title = "Download failed"
+
+
+class SourceUnreachable(DownloadFailed):
+    """The object store could not be reached (connection refused, reset, timed out) after
+    retries."""
+
+    code = "source_unreachable"
+    title = "Source unreachable"
 
 
 class DownloadStalled(DownloadFailed):

@@ -10,9 +10,10 @@ from service.sources.base import ResolvedSource, SourceFetcher, SourceIdentity, 
 from service.sources.http import HttpFetcher
 from service.sources.hub import HubFetcher
 from service.sources.local import LocalFetcher
+from service.sources.s3 import S3Fetcher
 from service.stage import JobContext
 
-_FETCHERS: list[SourceFetcher] = [LocalFetcher(), HubFetcher(), HttpFetcher()]
+_FETCHERS: list[SourceFetcher] = [LocalFetcher(), HubFetcher(), HttpFetcher(), S3Fetcher()]
 
 
 def fetcher_for(uri: str) -> SourceFetcher:

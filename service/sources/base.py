@@ -21,10 +21,12 @@ class SourceRequest:
     revision: str | None = None
     sha256: str | None = None
     token: SecretStr | None = field(default=None, repr=False)
+    tenant: str | None = None
+    """Whose job this is: an ``s3://`` source uses the tenant's object-store credentials."""
     pinned: str | None = None
-    """The commit a hub ``revision`` was resolved to by :meth:`SourceFetcher.identify`: the
-    fetch then downloads exactly the commit the job's identity names, even if the branch
-    moves meanwhile."""
+    """The commit a hub ``revision`` was resolved to by :meth:`SourceFetcher.identify` (for
+    ``s3://``, the hash of the objects' ETags): the fetch then downloads exactly what the job's
+    identity names, even if the branch moves meanwhile (or fails if the objects change)."""
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,9 @@ class SourceIdentity:
     sources have the same ``key`` read the same checkpoint (result reuse keys on it)."""
 
     key: str
-    """``hf:<endpoint>/<repo>@<commit>``, ``sha256:<hex>`` (one HTTP file) or
-    ``files:<hex>`` (a local checkpoint's content hash)."""
+    """``hf:<endpoint>/<repo>@<commit>``, ``sha256:<hex>`` (one HTTP file),
+    ``files:<hex>`` (a local checkpoint's content hash) or ``s3:<endpoint>/<bucket>/<prefix>@
+    <hex>`` (the hash of the objects' names and ETags or version ids)."""
     request: SourceRequest
     """The request that fetches exactly these bytes (a hub branch pinned to its commit)."""
 
@@ -45,7 +48,7 @@ class ResolvedSource:
     """A local checkpoint directory or single weights file; read-only for the job."""
     uri: str
     revision: str | None = None
-    """The resolved commit sha for hub sources."""
+    """The resolved commit sha for hub sources, the objects' hash for s3 sources."""
     cache_hit: bool = False
     bytes_downloaded: int = 0
 

@@ -95,7 +95,7 @@ def check_sha256(sha256: str | None) -> str | None:
     return value
 
 
-class _PartWriter:
+class PartWriter:
     """Appends received bytes to the part file and hashes them on a thread of its own.
 
     ``hashlib`` and file writes release the GIL, so receiving, hashing and writing overlap on
@@ -351,7 +351,7 @@ class _Download:
         """Append the body to the part file, reporting progress and checking the size limit
         and cancellation once per block."""
         limit = self.settings.max_download_bytes
-        with _PartWriter(self.part, self.digest) as out:
+        with PartWriter(self.part, self.digest) as out:
             # No chunk_size: httpx's re-chunking buffer would lose bytes on a cut.
             stall.restart()
             for chunk in response.iter_raw():

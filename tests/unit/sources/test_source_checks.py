@@ -43,7 +43,7 @@ def test_revision_defaults_to_main() -> None:
     assert parse_hf_uri("hf://org/repo", None).revision == "main"
 
 
-@pytest.mark.parametrize("uri", ["ftp://host/model.bin", "s3://bucket/model.bin", "gopher://x/y"])
+@pytest.mark.parametrize("uri", ["ftp://host/model.bin", "gs://bucket/model.bin", "gopher://x/y"])
 def test_unknown_schemes_are_invalid_requests(settings: Settings, uri: str) -> None:
     with pytest.raises(InvalidRequest, match="unsupported source scheme"):
         check_source(SourceRequest(uri), settings)

@@ -1,0 +1,272 @@
+"""S3-compatible object storage: locations, clients, credentials and typed errors.
+
+One module for everything that talks to a bucket, used by ``s3://`` sources and by the
+artifact store. The client is ``obstore`` (Rust ``object_store``): on this project's test server
+it reads about 2x and writes about 1.4x faster than boto3, its only dependency is
+``typing-extensions`` (botocore pins ``python-dateutil<3``, which the rest of the stack has
+moved past), and it streams both ways without holding an object in memory.
+
+Credentials, in order (read when a client is made, never at import):
+
+1. the tenant's pair in ``MODELPREP_S3_CREDENTIALS`` (``{"tenant": {"access_key_id",
+   "secret_access_key"}}``), so each tenant reaches only what its own key may;
+2. the standard chain ``object_store`` implements: ``AWS_ACCESS_KEY_ID`` /
+   ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, web identity
+   (``AWS_WEB_IDENTITY_TOKEN_FILE`` + ``AWS_ROLE_ARN``: Kubernetes service accounts), ECS
+   container credentials and the instance metadata service;
+3. the shared credentials file (``AWS_SHARED_CREDENTIALS_FILE``, default
+   ``~/.aws/credentials``, profile ``AWS_PROFILE`` or ``default``), which ``object_store`` does
+   not read itself, used when the environment names neither keys nor a web identity.
+
+A job's request never carries a key: ``s3://`` URIs with user info are refused. Keys are not
+logged nor put in error messages (obstore's messages name the URL and status, never headers).
+
+Error mapping (:func:`classify`): a missing bucket or key is :class:`ObjectNotFound`, a refused
+signature, unknown key or missing permission :class:`AccessDenied`, a connection failure a
+transient error that is retried and then :class:`SourceUnreachable`. ``obstore`` raises typed
+exceptions for object requests (NotFoundError, PermissionDeniedError, UnauthenticatedError)
+but a bare ``GenericError`` for listings; for those the HTTP status and S3 error code in its
+message are read (tests/unit/test_objectstore.py pins that assumption).
+"""
+
+from __future__ import annotations
+
+import configparser
+import errno
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
+
+import obstore
+from obstore.exceptions import (
+    BaseError,
+    NotFoundError,
+    PermissionDeniedError,
+    PreconditionError,
+    UnauthenticatedError,
+)
+from obstore.store import S3Store
+
+from service.config import Settings
+from service.errors import (
+    AccessDenied,
+    ChecksumMismatch,
+    DiskFull,
+    InvalidRequest,
+    ObjectNotFound,
+    ServiceError,
+    SourceError,
+    SourceUnreachable,
+)
+from service.retry import Backoff
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3Config
+
+T = TypeVar("T")
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9!_.*'()+=@,;:$&-][A-Za-z0-9!_.*'()+=@,;:$& -]{0,254}$")
+_STATUS = re.compile(r"non-2xx status code: (\d{3})")
+_NOT_FOUND_CODES = ("NoSuchBucket", "NoSuchKey", "NotFound")
+_DENIED_CODES = (
+    "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken",
+    "ExpiredToken", "AllAccessDisabled",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """``s3://<bucket>/<prefix>``: a bucket and a key prefix of ``/``-separated segments, none
+    of them empty, ``.`` or ``..`` (so a location can never name a key outside its prefix)."""
+
+    bucket: str
+    prefix: str
+    """No leading or trailing ``/``; empty for the whole bucket."""
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        """Parse and validate; raises InvalidRequest (user info is refused: a key in a URI
+        would be stored with the job)."""
+        parts = urlsplit(uri)
+        if parts.scheme != "s3":
+            raise InvalidRequest(f"not an s3:// URI: {uri!r}")
+        if "@" in parts.netloc or parts.query or parts.fragment:
+            raise InvalidRequest("an s3:// URI takes no credentials, query or fragment")
+        bucket = parts.netloc
+        if not _BUCKET.match(bucket) or ".." in bucket:
+            raise InvalidRequest(f"malformed bucket name {bucket!r}")
+        prefix = parts.path.removeprefix("/").removesuffix("/")
+        if prefix:
+            for segment in prefix.split("/"):
+                if segment in (".", "..") or not _SEGMENT.match(segment):
+                    raise InvalidRequest(
+                        f"s3 key prefix {prefix!r} has an empty, '.', '..' or unusual segment"
+                    )
+        return cls(bucket, prefix)
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def key(self, *names: str) -> str:
+        """The key of ``names`` under the prefix; each name is one or more plain segments."""
+        for name in names:
+            for segment in name.split("/"):
+                if segment in ("", ".", "..") or not _SEGMENT.match(segment):
+                    raise InvalidRequest(f"refused object name {name!r}")
+        return "/".join(p for p in (self.prefix, *names) if p)
+
+    def child(self, *names: str) -> S3Location:
+        return S3Location(self.bucket, self.key(*names))
+
+    def parent(self) -> S3Location:
+        return S3Location(self.bucket, self.prefix.rpartition("/")[0])
+
+    @property
+    def name(self) -> str:
+        """The last segment of the prefix (an object's file name)."""
+        return self.prefix.rpartition("/")[2]
+
+    def within(self, other: S3Location) -> bool:
+        """True when this location is ``other`` or under it, segment-wise (``a/bc`` is not
+        under ``a/b``)."""
+        if self.bucket != other.bucket:
+            return False
+        return not other.prefix or self.prefix == other.prefix \
+            or self.prefix.startswith(other.prefix + "/")
+
+
+def endpoint_of(settings: Settings) -> str:
+    """The endpoint URL requests go to (AWS S3 of the region when none is configured)."""
+    if settings.s3_endpoint:
+        return settings.s3_endpoint.rstrip("/")
+    return f"https://s3.{settings.s3_region}.amazonaws.com"
+
+
+def check_egress(settings: Settings) -> None:
+    """The egress policy applied to the endpoint: it must resolve to an address the policy
+    allows. ``object_store`` connects by itself, so the address is checked, not pinned."""
+    parts = urlsplit(endpoint_of(settings))
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    settings.egress_policy.resolve(parts.hostname or "", port)
+
+
+def _shared_file_credentials() -> S3Config | None:
+    """Keys of the shared credentials file's profile, when the environment names no other
+    source of credentials (the chain's order: environment and web identity first)."""
+    env = os.environ
+    if env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_WEB_IDENTITY_TOKEN_FILE") \
+            or env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") \
+            or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        return None
+    path = Path(env.get("AWS_SHARED_CREDENTIALS_FILE") or Path.home() / ".aws" / "credentials")
+    if not path.is_file():
+        return None
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read(path)
+    except configparser.Error:
+        return None
+    profile = env.get("AWS_PROFILE") or "default"
+    if not parser.has_section(profile):
+        return None
+    section = parser[profile]
+    key, secret = section.get("aws_access_key_id"), section.get("aws_secret_access_key")
+    if not key or not secret:
+        return None
+    found: S3Config = {"access_key_id": key, "secret_access_key": secret}
+    if section.get("aws_session_token"):
+        found["session_token"] = section["aws_session_token"]
+    return found
+
+
+def store_for(bucket: str, settings: Settings, tenant: str | None) -> S3Store:
+    """A client of ``bucket`` with the tenant's credentials, else the standard chain."""
+    endpoint = endpoint_of(settings)
+    config: S3Config = {"region": settings.s3_region, "endpoint": endpoint}
+    entry = settings.s3_credentials.get(tenant) if tenant is not None else None
+    if entry is not None:
+        config["access_key_id"] = entry.access_key_id
+        config["secret_access_key"] = entry.secret_access_key.get_secret_value()
+        if entry.session_token is not None:
+            config["session_token"] = entry.session_token.get_secret_value()
+    else:
+        config.update(_shared_file_credentials() or {})
+    client: ClientConfig = {
+        "allow_http": endpoint.startswith("http://"),
+        "connect_timeout": timedelta(seconds=10),
+        "read_timeout": timedelta(seconds=min(60.0, settings.download_stall_seconds)),
+    }
+    # Retries are the caller's (:func:`call`, the source's resumable reads): one policy,
+    # service/retry.py, for every transfer.
+    retry: RetryConfig = {"max_retries": 0}
+    return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+
+
+def _status(message: str) -> int | None:
+    match = _STATUS.search(message)
+    return int(match.group(1)) if match else None
+
+
+def classify(exc: BaseException, what: str) -> ServiceError | None:
+    """The typed error for an object-store failure about ``what`` (a location, never a key
+    pair), or None when another attempt may succeed (connection failures, 5xx, throttling)."""
+    if isinstance(exc, ServiceError):
+        return exc
+    # obstore raises the builtin FileNotFoundError (no errno) for a missing object; one from
+    # the local filesystem carries ENOENT and is not the store's.
+    if isinstance(exc, NotFoundError) or (isinstance(exc, FileNotFoundError)
+                                         and exc.errno is None):
+        return ObjectNotFound(f"{what} not found in the object store")
+    if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+        return AccessDenied(f"the object store refused access to {what}")
+    if isinstance(exc, PreconditionError):
+        return ChecksumMismatch(f"{what} changed while it was being read")
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return DiskFull(f"disk full while transferring {what}")
+    if isinstance(exc, BaseError):
+        message = str(exc)
+        status = _status(message)
+        if status == 404 or any(code in message for code in _NOT_FOUND_CODES):
+            return ObjectNotFound(f"{what} not found in the object store")
+        if status in (401, 403) or any(code in message for code in _DENIED_CODES):
+            return AccessDenied(f"the object store refused access to {what} (HTTP {status})")
+        if status is not None and 400 <= status < 500 and status not in (408, 429):
+            return SourceError(f"the object store answered HTTP {status} for {what}")
+        return None
+    if isinstance(exc, ValueError):  # obstore's path parsing
+        return InvalidRequest(f"refused object path for {what}")
+    return None
+
+
+def call(fn: Callable[[], T], what: str, settings: Settings) -> T:
+    """Run one object-store call, retrying transient failures with backoff; every failure
+    ends as a typed error (:class:`SourceUnreachable` once retries are exhausted)."""
+    backoff = Backoff(settings.download_retries, settings.download_backoff_seconds)
+    while True:
+        try:
+            return fn()
+        except Exception as exc:  # every failure is classified below, none is swallowed
+            mapped = classify(exc, what)
+            if mapped is not None:
+                if mapped is exc:
+                    raise
+                raise mapped from exc
+            if not backoff.failed():
+                raise SourceUnreachable(
+                    f"the object store at {endpoint_of(settings)} did not answer for {what} "
+                    f"after {backoff.failures} attempts"
+                ) from exc
+
+
+def list_dir(store: S3Store, location: S3Location, settings: Settings) -> list[obstore.ObjectMeta]:
+    """The objects directly under ``location`` (``prefix/name``, no deeper), by key."""
+    result = call(lambda: obstore.list_with_delimiter(store, location.prefix or None),
+                  location.uri, settings)
+    return sorted(result["objects"], key=lambda meta: meta["path"])
