@@ -14,7 +14,13 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.egress import EgressPolicy
+from service.memory import MemoryBudget, default_job_budget, read_memory_limit
 from service.units import parse_duration, parse_size
+
+JOB_PROCESS_SHARE = 384 * 2**20
+"""What a job process itself holds while a verifier child runs (its reference outputs, the
+weights it streams, the libraries it imported): the default verifier memory is the job's budget
+less this."""
 
 
 class ApiKeyEntry(BaseModel):
@@ -148,16 +154,47 @@ class Settings(BaseSettings):
         default=None, validation_alias="MODELPREP_OFFLOAD_QUOTA"
     )
     keep_failed_offload: bool = False
-    default_max_memory: str = "1GiB"
+    default_max_memory: str | None = Field(
+        default=None,
+        description="RAM a job's offload store may keep weights in (a job's own \"max_memory\" "
+        "overrides it); default: a quarter of the job's budget (job_memory), at most 1 GiB.",
+    )
     tract_max_memory: str | None = Field(
         default=None,
         description="RAM an NNEF verification may give tract, which holds every weight of the "
-        "archive; default: 90% of the memory available when it starts.",
+        "archive; default: the job's budget (job_memory) less the job process's own share.",
     )
     ort_max_memory: str | None = Field(
         default=None,
         description="RAM an ONNX verification may give onnxruntime, which reads every weight "
-        "into memory; default: 90% of the memory available when it starts.",
+        "into memory; default: the job's budget (job_memory) less the job process's own share.",
+    )
+
+    # the memory budget (service/memory.py)
+    memory_limit: int | None = Field(
+        default=None,
+        description="Bytes the service (API and jobs) may use; default: the limit it lives "
+        "under, read once at start-up: cgroup v2 memory.max/memory.high, cgroup v1 "
+        "memory.limit_in_bytes, else the host's memory.",
+    )
+    memory_limit_source: str = Field(
+        default="", description="Where memory_limit comes from; filled in at start-up."
+    )
+    api_memory: int = Field(
+        default=512 * 2**20,
+        description="The API process's and the job forkserver's share of memory_limit, kept "
+        "out of every job's budget.",
+    )
+    job_memory: int | None = Field(
+        default=None,
+        description="Bytes one job may use, its children (tract, onnxruntime, llama.cpp) "
+        "included; default: (memory_limit - api_memory) / workers.",
+    )
+    job_cgroups: Literal["auto", "off"] = Field(
+        default="auto",
+        description="auto: when the service lives under a cgroup memory limit and may create "
+        "cgroups, each job runs in its own memory cgroup limited to job_memory (else the pool "
+        "accounts for each job's process group itself); off: accounting only.",
     )
 
     llama_cpp_dir: Path | None = Field(
@@ -215,10 +252,52 @@ class Settings(BaseSettings):
             return parse_duration(value)
         return value
 
-    @field_validator("tenant_max_artifact_bytes", mode="before")
+    @field_validator(
+        "tenant_max_artifact_bytes", "memory_limit", "api_memory", "job_memory", mode="before"
+    )
     @classmethod
     def _human_size(cls, value: object) -> object:
         return parse_size(value) if isinstance(value, str) and value.strip() else value
+
+    @model_validator(mode="after")
+    def _memory_budget(self) -> Settings:
+        # Resolved once, here: job processes receive these figures with the settings instead
+        # of reading a limit from inside their own (smaller) job cgroup.
+        if self.memory_limit is None:
+            found = read_memory_limit()
+            self.memory_limit, self.memory_limit_source = found.bytes, found.source
+        elif not self.memory_limit_source:
+            self.memory_limit_source = "MODELPREP_MEMORY_LIMIT"
+        if self.job_memory is None:
+            self.job_memory = default_job_budget(self.memory_limit, self.api_memory, self.workers)
+        if self.job_memory <= 0:
+            raise ValueError(
+                f"no memory left for jobs: memory_limit {self.memory_limit} bytes "
+                f"({self.memory_limit_source}) less api_memory {self.api_memory} bytes"
+            )
+        if self.default_max_memory is None:
+            self.default_max_memory = str(min(2**30, self.job_memory // 4))
+        verifier = max(self.job_memory - JOB_PROCESS_SHARE, self.job_memory // 2)
+        if self.tract_max_memory is None:
+            self.tract_max_memory = str(verifier)
+        if self.ort_max_memory is None:
+            self.ort_max_memory = str(verifier)
+        return self
+
+    @property
+    def offload_memory(self) -> str:
+        """``default_max_memory`` as resolved at start-up."""
+        assert self.default_max_memory is not None
+        return self.default_max_memory
+
+    @property
+    def memory_budget(self) -> MemoryBudget:
+        """The limit and how it is shared (resolved by the validator above)."""
+        assert self.memory_limit is not None and self.job_memory is not None
+        return MemoryBudget(
+            limit=self.memory_limit, limit_source=self.memory_limit_source,
+            api_share=self.api_memory, workers=self.workers, job=self.job_memory,
+        )  # fmt: skip
 
     @model_validator(mode="after")
     def _heartbeat_outlasts_intervals(self) -> Settings:

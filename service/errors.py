@@ -313,6 +313,15 @@ class WorkerCrashed(JobFailed):
     title = "Job process crashed"
 
 
+class MemoryBudgetExceeded(MemoryError, JobFailed):
+    """The job's process group (the job and every child it started) needed more than its
+    memory budget (``MODELPREP_JOB_MEMORY``) and was stopped before it could push the service
+    into the container's OOM killer or reclaim."""
+
+    code = "memory_budget_exceeded"
+    title = "Job memory budget exceeded"
+
+
 class JobInterrupted(JobFailed):
     """The service stopped while the job ran and it could not be retried."""
 

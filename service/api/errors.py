@@ -18,6 +18,7 @@ from service.errors import (
     EgressRefused,
     Forbidden,
     InvalidRequest,
+    MemoryBudgetExceeded,
     NotFound,
     PathOutsideRoot,
     QueueFull,
@@ -28,6 +29,7 @@ from service.errors import (
     ToolMissing,
     Unauthorized,
     UnsupportedQuantization,
+    VerificationTooLarge,
 )
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ HTTP_STATUS: dict[type[ServiceError], int] = {
     CheckpointError: 422,
     UnsupportedQuantization: 422,  # a request fault: the readers implement a list of methods
     ToolMissing: 503,  # a deployment fault (llama.cpp not built here), not the request's
+    # Refused at submission: what was asked cannot fit the memory one job has here.
+    VerificationTooLarge: 422,
+    MemoryBudgetExceeded: 422,
 }
 """The HTTP status of each domain error; a class not listed takes its nearest listed base's
 (the method resolution order decides), an error with none is a 500."""

@@ -98,6 +98,25 @@ class JobStoreCollector(Collector):
         )
         yield from self._callbacks(sums)
         yield from self._offload()
+        yield from self._memory()
+
+    def _memory(self) -> Iterator[Metric]:
+        budget = self.settings.memory_budget
+        limit = GaugeMetricFamily(
+            "modelprep_memory_limit_bytes",
+            "The memory limit the service lives under, by where it was read.", labels=["source"],
+        )
+        limit.add_metric([budget.limit_source], budget.limit)
+        yield limit
+        yield GaugeMetricFamily(
+            "modelprep_memory_api_share_bytes",
+            "Memory kept for the API process and the job forkserver.", value=budget.api_share,
+        )
+        yield GaugeMetricFamily(
+            "modelprep_job_memory_budget_bytes",
+            "Memory one job, with every child it starts, may use (MODELPREP_JOB_MEMORY).",
+            value=budget.job,
+        )
 
     def _callbacks(self, sums: dict[TotalKey, float]) -> Iterator[Metric]:
         attempts = sums.get(("callback_attempts", "", ""), 0.0)

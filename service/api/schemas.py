@@ -156,9 +156,23 @@ def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
+class MemoryReport(BaseModel):
+    """The memory the service lives under and how it is shared (``service.memory``)."""
+
+    limit_bytes: int = Field(description="The limit the service lives under.")
+    limit_source: str = Field(
+        description="Where it comes from: cgroup2:<file>, cgroup1:<dir>, host, or the setting."
+    )
+    api_share_bytes: int = Field(description="Kept for the API process and the job forkserver.")
+    workers: int
+    job_budget_bytes: int = Field(description="What one job, its children included, may use.")
+    api_rss_bytes: int | None = Field(default=None, description="The API process's RSS now.")
+
+
 class Health(BaseModel):
     status: str
     checks: dict[str, str] = Field(default_factory=dict)
+    memory: MemoryReport | None = None
 
 
 class JobEvent(BaseModel):

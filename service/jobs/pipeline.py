@@ -131,6 +131,7 @@ def run_pipeline(
         "recipe": spec.stored(),
         "model": model_info,
         "exports": summaries,
+        "memory": _memory_summary(ctx),
         "files": [a.__dict__ for a in artifacts],
     }
     atomic_write_json(layout.staging / MANIFEST, manifest)
@@ -142,6 +143,18 @@ def run_pipeline(
     fsync_tree(layout.staging)
     layout.publish()
     return artifacts
+
+
+def _memory_summary(ctx: JobContext) -> dict[str, Any]:
+    """The manifest's ``memory``: the limit, the job's budget, how it was held, and the peak of
+    each phase that ended (this process's RSS; the job cgroup's charge where there is one)."""
+    memory: dict[str, Any] = dict(ctx.details.get("memory") or {})
+    memory["phases"] = [
+        {k: v for k, v in entry.items() if k in ("phase", "peak_rss_bytes", "cgroup_peak_bytes")}
+        for entry in ctx.details.get("phases", [])
+        if entry.get("seconds") is not None
+    ]
+    return memory
 
 
 def _download(
@@ -206,7 +219,7 @@ def _export_checkpoint(
             skeleton=skeleton,
             store=session.store if session else None,
             reference=session.reference if session else None,
-            max_memory=spec.max_memory or ctx.settings.default_max_memory,
+            max_memory=spec.max_memory or ctx.settings.offload_memory,
         )
         summaries, digests = _export_all(specs, inputs, layout, ctx)
         _verify_all(specs, needs, summaries, inputs, layout, ctx)
@@ -317,7 +330,7 @@ class _ModelSession:
         from service.offload.dispatch import dispatch_model, publish_offload_metrics
         from service.offload.store import open_job_store
 
-        max_memory = spec.max_memory or ctx.settings.default_max_memory
+        max_memory = spec.max_memory or ctx.settings.offload_memory
         session = cls(checkpoint, None, ctx, max_memory)
         if not (needs_reference or needs_store):
             return session

@@ -19,21 +19,54 @@ from dataclasses import dataclass
 
 from service.adapters.multiprocessing import release_forkserver
 from service.config import Settings
-from service.errors import JobCancelled, ServiceError
+from service.errors import JobCancelled, MemoryBudgetExceeded, ServiceError
 from service.jobs.layout import JobLayout
 from service.jobs.model import JobError, JobStatus, Progress
 from service.jobs.store import JobStore
 from service.libc import set_parent_death_signal
+from service.memory import JobCgroup, peak_rss, reset_peak_rss
 from service.stage import InMemoryContext
 
 log = logging.getLogger(__name__)
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set of this process and of the children it waited for."""
+def peak_rss_bytes(earlier: int = 0) -> int:
+    """Peak resident set of this process and of the children it waited for; ``earlier``: the
+    peak before this process's count was last reset (phases reset it)."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(own, children) * 1024
+    return max(own * 1024, children * 1024, earlier)
+
+
+def _children_peak_rss() -> int:
+    """The largest peak resident set of the children this job waited for (tract,
+    onnxruntime, llama.cpp's tools)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def _enter_job_cgroup(job_id: str) -> JobCgroup | None:
+    """Move this process into the memory cgroup the executor made for the job, before it
+    allocates anything: every byte of the job and of what it starts is charged there."""
+    cgroup = JobCgroup.existing(job_id)
+    if cgroup is None:
+        return None
+    try:
+        cgroup.enter()
+    except OSError as exc:
+        log.warning("could not enter the job's memory cgroup %s: %s", cgroup.path, exc)
+        return None
+    return cgroup
+
+
+def memory_details(settings: Settings, cgroup: JobCgroup | None) -> dict[str, object]:
+    """The job's ``memory`` section: the limit, the job's budget and how it is held."""
+    budget = settings.memory_budget
+    return {
+        "limit_bytes": budget.limit,
+        "limit_source": budget.limit_source,
+        "job_budget_bytes": budget.job,
+        "confinement": f"cgroup{cgroup.version}" if cgroup is not None else "accounting",
+    }
 
 
 @dataclass(kw_only=True)
@@ -43,7 +76,33 @@ class StoreContext(InMemoryContext):
     a cancellation seen in the store makes the next ``check_abort`` raise."""
 
     store: JobStore
+    cgroup: JobCgroup | None = None
+    """The job's own memory cgroup, when the executor made one (else it accounts for the
+    job's process group itself)."""
     _last_flush: float = 0.0
+    _earlier_peak: int = 0
+    """This process's peak RSS before the last per-phase reset."""
+
+    def peak_rss_bytes(self) -> int:
+        return peak_rss_bytes(self._earlier_peak)
+
+    def close_phase(self) -> None:
+        """Also record the phase's peaks: this process's resident bytes (reset per phase) and
+        the job cgroup's charge (its children and the page cache it filled included)."""
+        phases = self.details.get("phases")
+        if phases and phases[-1]["seconds"] is None:
+            peak = peak_rss()
+            if peak is not None:
+                phases[-1]["peak_rss_bytes"] = peak
+                self._earlier_peak = max(self._earlier_peak, peak)
+            if self.cgroup is not None:
+                phases[-1]["cgroup_peak_bytes"] = self.cgroup.peak()
+                self.cgroup.reset_peak()
+            memory = self.details.get("memory")
+            if isinstance(memory, dict):
+                memory["children_peak_rss_bytes"] = _children_peak_rss()
+            reset_peak_rss()
+        super().close_phase()
 
     def _changed(self, force: bool = False) -> None:
         self.flush(force)
@@ -53,7 +112,7 @@ class StoreContext(InMemoryContext):
         if not force and now - self._last_flush < self.settings.progress_interval_seconds:
             return
         self._last_flush = now
-        self.metrics["peak_rss_bytes"] = peak_rss_bytes()
+        self.metrics["peak_rss_bytes"] = self.peak_rss_bytes()
         still_running = self.store.report(
             self.job_id,
             phase=self.phase,
@@ -79,6 +138,7 @@ def _die_with_parent() -> None:
 def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
     """Child-process entry point: run job ``job_id`` to a terminal status."""
     os.setsid()  # own process group: the executor kills the job and all it started at once
+    cgroup = _enter_job_cgroup(job_id)
     # Below the API's priority: a job saturating the CPUs must not make status polls and
     # event streams wait (bench/api_latency.py). Inherited by whatever the job starts.
     os.nice(settings.job_nice)
@@ -92,7 +152,11 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
     # Libraries that call tempfile.mkdtemp (torch-to-nnef) then leave nothing outside the job.
     os.environ["TMPDIR"] = str(layout.tmp)
     tempfile.tempdir = str(layout.tmp)
-    ctx = StoreContext(job_id=job_id, settings=settings, work_dir=layout.work, store=store)
+    ctx = StoreContext(
+        job_id=job_id, settings=settings, work_dir=layout.work, store=store, cgroup=cgroup
+    )
+    ctx.details["memory"] = memory_details(settings, cgroup)
+    reset_peak_rss()
     started = time.monotonic()
     failed = True
     try:
@@ -105,7 +169,7 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
 
         artifacts = run_pipeline(spec, ctx, layout, StoreReuse(store, layout, settings))
         ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
-        ctx.metrics["peak_rss_bytes"] = peak_rss_bytes()
+        ctx.metrics["peak_rss_bytes"] = ctx.peak_rss_bytes()
         ctx.close_phase()
         store.finish(
             job_id, JobStatus.SUCCEEDED, artifacts=artifacts, metrics=ctx.metrics,
@@ -117,6 +181,12 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
     except JobCancelled as exc:
         _finish_failed(store, ctx, JobStatus.CANCELLED, exc, started)
     except ServiceError as exc:
+        if cgroup is not None and cgroup.out_of_memory():
+            # A child (tract, onnxruntime, llama.cpp) the kernel stopped at the job's limit.
+            exc = MemoryBudgetExceeded(
+                f"the job's processes needed more than its memory budget of "
+                f"{cgroup.limit / 2**30:.2f} GiB (MODELPREP_JOB_MEMORY): {exc.message}"
+            )
         log.warning("failed: %s: %s", exc.code, exc.message, extra={"job_id": job_id})
         _finish_failed(store, ctx, JobStatus.FAILED, exc, started)
     except MemoryError as exc:
@@ -145,7 +215,7 @@ def _finish_failed(
     else:
         error = JobError(code or "internal_error", f"{type(exc).__name__}: {exc}")
     ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
-    ctx.metrics["peak_rss_bytes"] = peak_rss_bytes()
+    ctx.metrics["peak_rss_bytes"] = ctx.peak_rss_bytes()
     ctx.close_phase()
     store.finish(
         ctx.job_id, status, error=error, metrics=ctx.metrics, details=ctx.details

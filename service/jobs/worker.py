@@ -54,10 +54,12 @@ from service.fsutil import ensure_writable_dir
 from service.jobs.callbacks import CallbackDeliverer, RenderJob
 from service.jobs.executors.distributed import TASK_NAME, JobQueue, libpq_url
 from service.jobs.executors.process import (
+    MemoryGuard,
     settle_exited,
     spawn_job_process,
     stop_cancelled,
     stop_interrupted,
+    stop_over_budget,
     stop_timed_out,
     time_limit,
     warm_up,
@@ -106,6 +108,7 @@ class WorkerRuntime:
             log.info("job is not queued; nothing to run", extra={"job_id": job_id})
             return "not queued"
         # Off the loop: a fork from the forkserver must not delay heartbeats.
+        guard = await asyncio.to_thread(MemoryGuard.for_job, job_id, self.settings)
         process = await asyncio.to_thread(spawn_job_process, job_id, self.settings, {})
         self.running[job_id] = process
         log.info(
@@ -113,7 +116,7 @@ class WorkerRuntime:
             extra={"job_id": job_id, "pid": process.pid, "attempt": job.attempts},
         )
         try:
-            return await self._watch(job_id, process, time_limit(job, self.settings))
+            return await self._watch(job_id, process, time_limit(job, self.settings), guard)
         except asyncio.CancelledError:
             if context.abort_reason() is AbortReason.SHUTDOWN:
                 await _off_loop(self._release_on_shutdown, job_id, process)
@@ -122,8 +125,11 @@ class WorkerRuntime:
             raise
         finally:
             self.running.pop(job_id, None)
+            await asyncio.to_thread(guard.close)
 
-    async def _watch(self, job_id: str, process: BaseProcess, limit: float | None) -> str:
+    async def _watch(
+        self, job_id: str, process: BaseProcess, limit: float | None, guard: MemoryGuard
+    ) -> str:
         next_cancel_check = time.monotonic() + CANCEL_POLL_SECONDS
         deadline = None if limit is None else time.monotonic() + limit
         while process.is_alive():
@@ -131,6 +137,12 @@ class WorkerRuntime:
             if deadline is not None and limit is not None and time.monotonic() >= deadline:
                 await _off_loop(stop_timed_out, self.store, self.settings, job_id, process, limit)
                 return "timed out"
+            over = await asyncio.to_thread(guard.exceeded, process)
+            if over is not None:
+                await _off_loop(
+                    stop_over_budget, self.store, self.settings, job_id, process, guard, over
+                )
+                return "over its memory budget"
             if time.monotonic() < next_cancel_check:
                 continue
             next_cancel_check = time.monotonic() + CANCEL_POLL_SECONDS
@@ -139,7 +151,7 @@ class WorkerRuntime:
                 await _off_loop(stop_cancelled, self.store, self.settings, job_id, process)
                 return "cancelled"
         await asyncio.to_thread(
-            settle_exited, self.store, self.settings, job_id, process, self.name
+            settle_exited, self.store, self.settings, job_id, process, self.name, guard
         )
         return "ended"
 

@@ -93,7 +93,7 @@ def streamed_outputs(
             checkpoint.reader,
             store,
             SideContext(ctx, ctx.work_dir),
-            max_memory=max_memory or settings.default_max_memory,
+            max_memory=max_memory or settings.offload_memory,
         )
         ctx.check_abort()
         started = time.perf_counter()

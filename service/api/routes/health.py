@@ -6,7 +6,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from service.api.deps import JobsDep
-from service.api.schemas import Health
+from service.api.schemas import Health, MemoryReport
+from service.config import Settings
+from service.memory import current_rss
 
 router = APIRouter(tags=["health"])
 
@@ -20,5 +22,16 @@ def healthz() -> Health:
 def readyz(jobs: JobsDep) -> JSONResponse:
     checks = jobs.readiness()
     ok = all(v == "ok" for v in checks.values())
-    health = Health(status="ok" if ok else "unavailable", checks=checks)
+    health = Health(
+        status="ok" if ok else "unavailable", checks=checks, memory=memory_report(jobs.settings)
+    )
     return JSONResponse(health.model_dump(), status_code=200 if ok else 503)
+
+
+def memory_report(settings: Settings) -> MemoryReport:
+    budget = settings.memory_budget
+    return MemoryReport(
+        limit_bytes=budget.limit, limit_source=budget.limit_source,
+        api_share_bytes=budget.api_share, workers=budget.workers, job_budget_bytes=budget.job,
+        api_rss_bytes=current_rss(),
+    )  # fmt: skip

@@ -26,10 +26,12 @@ from multiprocessing.process import BaseProcess
 from service.config import Settings
 from service.jobs.executors.base import admission
 from service.jobs.executors.process import (
+    MemoryGuard,
     settle_exited,
     spawn_job_process,
     stop_cancelled,
     stop_interrupted,
+    stop_over_budget,
     stop_timed_out,
     time_limit,
     warm_up,
@@ -52,6 +54,8 @@ class LocalExecutor:
         self._secrets: dict[str, dict[str, str]] = {}
         self._cancels: set[str] = set()
         self._deadlines: dict[str, tuple[float, float]] = {}
+        self._guards: dict[str, MemoryGuard] = {}
+        """job id -> what holds the job to its memory budget (looked at every tick)."""
         """job id -> (monotonic deadline, time limit in seconds), for jobs with a limit."""
         self._lock = threading.Lock()
         self._wake_pipe: tuple[int, int] | None = None
@@ -80,6 +84,7 @@ class LocalExecutor:
             running = dict(self._running)
         for job_id, process in running.items():
             stop_interrupted(process)
+            self._forget(job_id)
             # Interrupted by shutdown, not by the job: recovery re-queues it at next start.
             log.info("job interrupted by shutdown", extra={"job_id": job_id})
         if self._thread is None or not self._thread.is_alive():
@@ -160,8 +165,30 @@ class LocalExecutor:
     def _tick(self) -> None:
         self._apply_cancels()
         self._apply_timeouts()
+        self._apply_memory_budgets()
         self._reap()
         self._fill()
+
+    def _forget(self, job_id: str) -> None:
+        """Drop an ended job's bookkeeping and its memory cgroup."""
+        with self._lock:
+            self._running.pop(job_id, None)
+            self._deadlines.pop(job_id, None)
+            guard = self._guards.pop(job_id, None)
+        if guard is not None:
+            guard.close()
+
+    def _apply_memory_budgets(self) -> None:
+        with self._lock:
+            running = dict(self._running)
+            guards = dict(self._guards)
+        for job_id, process in running.items():
+            guard = guards.get(job_id)
+            over = guard.exceeded(process) if guard is not None else None
+            if guard is None or over is None:
+                continue
+            stop_over_budget(self.store, self.settings, job_id, process, guard, over)
+            self._forget(job_id)
 
     def _apply_timeouts(self) -> None:
         now = time.monotonic()
@@ -171,9 +198,7 @@ class LocalExecutor:
             running = dict(self._running)
         for job_id, limit in due.items():
             stop_timed_out(self.store, self.settings, job_id, running[job_id], limit)
-            with self._lock:
-                self._running.pop(job_id, None)
-                self._deadlines.pop(job_id, None)
+            self._forget(job_id)
 
     def _apply_cancels(self) -> None:
         with self._lock:
@@ -187,9 +212,7 @@ class LocalExecutor:
             if process is None:
                 continue
             stop_cancelled(self.store, self.settings, job_id, process)
-            with self._lock:
-                self._running.pop(job_id, None)
-                self._deadlines.pop(job_id, None)
+            self._forget(job_id)
 
     def _reap(self) -> None:
         with self._lock:
@@ -197,10 +220,10 @@ class LocalExecutor:
         for job_id, process in running.items():
             if process.is_alive():
                 continue
-            settle_exited(self.store, self.settings, job_id, process)
             with self._lock:
-                self._running.pop(job_id, None)
-                self._deadlines.pop(job_id, None)
+                guard = self._guards.get(job_id)
+            settle_exited(self.store, self.settings, job_id, process, guard=guard)
+            self._forget(job_id)
 
     def _fill(self) -> None:
         free = self.settings.workers - len(self.running_ids)
@@ -213,9 +236,11 @@ class LocalExecutor:
             with self._lock:
                 secrets = self._secrets.pop(job_id, {})
             limit = time_limit(job, self.settings)
+            guard = MemoryGuard.for_job(job_id, self.settings)
             process = spawn_job_process(job_id, self.settings, secrets)
             with self._lock:
                 self._running[job_id] = process
+                self._guards[job_id] = guard
                 if limit is not None:
                     self._deadlines[job_id] = (time.monotonic() + limit, limit)
             log.info("started", extra={"job_id": job_id, "pid": process.pid})

@@ -18,14 +18,16 @@ import logging
 import multiprocessing
 import os
 import signal
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 from service.config import Settings
-from service.errors import JobTimeout, WorkerCrashed
+from service.errors import JobTimeout, MemoryBudgetExceeded, WorkerCrashed
 from service.jobs.layout import JobLayout
 from service.jobs.model import Job, JobError, JobStatus
 from service.jobs.runner import run_job
 from service.jobs.store import JobStore
+from service.memory import JobCgroup, process_group_private_bytes
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,90 @@ def spawn_job_process(job_id: str, settings: Settings, secrets: dict[str, str]) 
     )
     process.start()
     return process
+
+
+@dataclass
+class MemoryGuard:
+    """Holds one job's process group to its memory budget (``settings.job_memory``).
+
+    With a memory cgroup of its own (:class:`JobCgroup`, made before the job starts, entered
+    by the job first thing) the kernel enforces the budget inside that cgroup alone, and the
+    guard sees the job stopped at its limit; without one, the guard sums the private resident
+    bytes of the job's process group at each look. Either way the job is killed and failed
+    ``memory_budget_exceeded`` before the container's OOM killer or its reclaim reaches the
+    API, which lives outside every job's budget."""
+
+    job_id: str
+    settings: Settings
+    cgroup: JobCgroup | None = None
+    peak: int = 0
+    """Largest charge seen (cgroup) or largest private RSS summed (accounting)."""
+
+    @classmethod
+    def for_job(cls, job_id: str, settings: Settings) -> MemoryGuard:
+        """The guard of a job about to start; makes its cgroup when the service lives under a
+        cgroup memory limit and may create cgroups (``MODELPREP_JOB_CGROUPS=auto``)."""
+        guard = cls(job_id, settings)
+        if settings.job_cgroups == "auto" and settings.memory_limit_source.startswith("cgroup"):
+            assert settings.job_memory is not None
+            try:
+                guard.cgroup = JobCgroup.create(job_id, settings.job_memory)
+            except OSError as exc:
+                log.warning(
+                    "no memory cgroup for the job (%s); accounting for its memory instead", exc,
+                    extra={"job_id": job_id},
+                )  # fmt: skip
+        return guard
+
+    def exceeded(self, process: BaseProcess) -> str | None:
+        """Why the job is over its budget, or None."""
+        budget = self.settings.job_memory or 0
+        if self.cgroup is not None:
+            self.peak = max(self.peak, self.cgroup.peak() or self.cgroup.usage())
+            if not self.cgroup.out_of_memory():
+                return None
+            used = self.cgroup.peak() or self.cgroup.usage()
+            how = f"its memory cgroup was full ({used / 2**30:.2f} GiB charged)"
+        else:
+            if process.pid is None:
+                return None
+            used = process_group_private_bytes(process.pid)
+            self.peak = max(self.peak, used)
+            if used <= budget:
+                return None
+            how = f"its processes held {used / 2**30:.2f} GiB"
+        limit = self.settings.memory_budget
+        return (
+            f"the job needed more than its memory budget of {budget / 2**30:.2f} GiB "
+            f"(MODELPREP_JOB_MEMORY: the {limit.limit / 2**30:.2f} GiB limit from "
+            f"{limit.limit_source}, less {limit.api_share / 2**30:.2f} GiB for the API, over "
+            f"{limit.workers} worker(s)): {how}; it was stopped before the service ran out"
+        )
+
+    def kill(self) -> None:
+        """Kill whatever is left in the job's cgroup (a child that left its process group)."""
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+    def close(self) -> None:
+        """Remove the job's cgroup once its processes are gone."""
+        if self.cgroup is not None:
+            self.cgroup.kill()
+            self.cgroup.remove()
+
+
+def stop_over_budget(
+    store: JobStore, settings: Settings, job_id: str, process: BaseProcess, guard: MemoryGuard,
+    message: str,
+) -> None:
+    """Kill a job over its memory budget, discard its files, fail it
+    ``memory_budget_exceeded``."""
+    kill_process_group(process)
+    guard.kill()
+    process.join(timeout=5)
+    if store.finish(job_id, JobStatus.FAILED, error=JobError(MemoryBudgetExceeded.code, message)):
+        JobLayout.for_job(settings, job_id).discard(keep_offload=settings.keep_failed_offload)
+        log.warning(message, extra={"job_id": job_id})
 
 
 def kill_process_group(process: BaseProcess) -> None:
@@ -127,9 +213,11 @@ def settle_exited(
     job_id: str,
     process: BaseProcess,
     worker: str | None = None,
+    guard: MemoryGuard | None = None,
 ) -> None:
     """After the job process ended: if it left its job running, it crashed (signal, OOM kill),
-    so the job fails with ``worker_crashed`` and its files are discarded.
+    so the job fails with ``worker_crashed`` (``memory_budget_exceeded`` when its memory
+    cgroup ran out) and its files are discarded.
 
     With ``worker``, only while the job is still that worker's: one presumed dead may find its
     job handed to another worker, whose attempt it must not touch."""
@@ -138,9 +226,11 @@ def settle_exited(
     if job.status is not JobStatus.RUNNING or (worker is not None and job.worker != worker):
         return
     JobLayout.for_job(settings, job_id).discard(keep_offload=settings.keep_failed_offload)
-    store.finish(
-        job_id,
-        JobStatus.FAILED,
-        error=JobError(WorkerCrashed.code, describe_exit(process.exitcode)),
+    over = guard.exceeded(process) if guard is not None and guard.cgroup is not None else None
+    error = (
+        JobError(MemoryBudgetExceeded.code, over)
+        if over is not None
+        else JobError(WorkerCrashed.code, describe_exit(process.exitcode))
     )
-    log.warning(describe_exit(process.exitcode), extra={"job_id": job_id})
+    store.finish(job_id, JobStatus.FAILED, error=error)
+    log.warning(error.message, extra={"job_id": job_id})
