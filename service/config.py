@@ -104,6 +104,21 @@ class Settings(BaseSettings):
         "tenant's s3:// sources and destinations use; other jobs use the standard chain "
         "(AWS_* environment, shared credentials file, web identity).",
     )
+    artifact_store: str | None = Field(
+        default=None,
+        description="s3://bucket/prefix: publish every job's artifacts and manifest under "
+        "<prefix>/<tenant>/<job id>/ (manifest last) instead of keeping them on local disk; "
+        "API and workers then share only the database and the bucket.",
+    )
+    artifact_destinations: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description='JSON {"tenant": ["s3://bucket/prefix", ...]}: where a job of the tenant '
+        'may ask to publish with "destination" ("_" is open mode).',
+    )
+    artifact_url_seconds: int = Field(
+        default=900, ge=1, le=7 * 86400,
+        description="How long the presigned URL an artifact download redirects to is valid.",
+    )
     job_timeout: float | None = Field(
         default=None, gt=0,
         description="Seconds a job may run (per attempt) before it is killed and fails with "
@@ -321,6 +336,13 @@ class Settings(BaseSettings):
         weak = sorted(t for t, secret in value.items() if len(secret.get_secret_value()) < 16)
         if weak:
             raise ValueError(f"callback_secrets of {', '.join(weak)}: at least 16 characters")
+        return value
+
+    @field_validator("artifact_store")
+    @classmethod
+    def _s3_uri(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("s3://"):
+            raise ValueError("artifact_store must be an s3://bucket/prefix URI")
         return value
 
     @field_validator("egress_allowlist")

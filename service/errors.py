@@ -339,6 +339,14 @@ class DiskFull(OSError, JobFailed):
     title = "Disk full"
 
 
+class PublishFailed(ConnectionError, JobFailed):
+    """Uploading a job's artifacts to the artifact store failed (the store stopped answering,
+    retries spent); no manifest was written, so nothing was published."""
+
+    code = "publish_failed"
+    title = "Publishing the artifacts failed"
+
+
 class ExportFailed(JobFailed):
     code = "export_failed"
     title = "Export failed"

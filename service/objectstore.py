@@ -186,10 +186,17 @@ def _shared_file_credentials() -> S3Config | None:
     return found
 
 
-def store_for(bucket: str, settings: Settings, tenant: str | None) -> S3Store:
-    """A client of ``bucket`` with the tenant's credentials, else the standard chain."""
+def store_for(
+    bucket: str, settings: Settings, tenant: str | None, *, checksum: bool = False
+) -> S3Store:
+    """A client of ``bucket`` with the tenant's credentials, else the standard chain.
+
+    ``checksum``: every upload (each part of a multipart one) carries its SHA-256, which the
+    server checks against the bytes it received."""
     endpoint = endpoint_of(settings)
     config: S3Config = {"region": settings.s3_region, "endpoint": endpoint}
+    if checksum:
+        config["checksum_algorithm"] = "sha256"
     entry = settings.s3_credentials.get(tenant) if tenant is not None else None
     if entry is not None:
         config["access_key_id"] = entry.access_key_id

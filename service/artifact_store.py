@@ -1,0 +1,183 @@
+"""The artifact store: a job's finished files and manifest published to an S3 bucket.
+
+With ``MODELPREP_ARTIFACT_STORE=s3://bucket/prefix`` a job's artifacts go to
+``<prefix>/<tenant>/<job id>/`` (``_`` for the tenant in open mode), or under a per-job
+``"destination"`` the tenant is granted (``MODELPREP_ARTIFACT_DESTINATIONS``). Layout::
+
+    <location>/<file>...        every artifact, relative paths as in the job's staging dir
+    <location>/manifest.json    written LAST: its presence is the publication
+
+Uploads stream from the staging directory (never whole files in memory): multipart above
+``PART_BYTES``, up to ``PART_CONCURRENCY`` parts in flight, each part sent with its SHA-256
+(``x-amz-checksum-sha256``: the server refuses a part whose bytes do not match), and the
+file's own sha256 computed on the way is checked against the manifest's before the manifest is
+written. A reader that finds ``manifest.json`` therefore finds every file it lists, complete;
+a job that fails mid-upload (the store stopped, a key refused) leaves no manifest and removes
+what it uploaded. Removal (DELETE, retention) deletes the manifest FIRST, so a half-removed
+set is never mistaken for a published one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import obstore
+from obstore.store import S3Store
+
+from service.config import Settings
+from service.errors import ChecksumMismatch, Forbidden, PublishFailed, ServiceError
+from service.objectstore import S3Location, call, store_for
+from service.stage import JobContext
+
+MANIFEST = "manifest.json"
+PART_BYTES = 16 * 1024 * 1024
+"""Multipart part size: S3's minimum is 5 MiB; 16 MiB keeps a 100 GB file under 10,000 parts."""
+PART_CONCURRENCY = 4
+READ_BYTES = 4 * 1024 * 1024
+OPEN_TENANT = "_"
+"""The tenant segment of jobs submitted without an API key (open mode)."""
+
+
+@dataclass(frozen=True)
+class ArtifactStore:
+    root: S3Location
+    settings: Settings
+
+    @classmethod
+    def configured(cls, settings: Settings) -> ArtifactStore | None:
+        """The store of ``MODELPREP_ARTIFACT_STORE``, or None: artifacts stay on local disk."""
+        if settings.artifact_store is None:
+            return None
+        return cls(S3Location.parse(settings.artifact_store), settings)
+
+    def location_for(
+        self, job_id: str, tenant: str | None, destination: str | None = None
+    ) -> S3Location:
+        """Where a job publishes: ``<root>/<tenant>/<job id>``, or ``<destination>/<job id>``
+        when the tenant is granted that destination (Forbidden otherwise)."""
+        if destination is None:
+            return self.root.child(tenant or OPEN_TENANT, job_id)
+        return check_destination(destination, tenant, self.settings).child(job_id)
+
+    def _store(self, location: S3Location) -> S3Store:
+        return store_for(location.bucket, self.settings, None, checksum=True)
+
+    def publish(
+        self,
+        directory: Path,
+        location: S3Location,
+        digests: dict[str, str],
+        ctx: JobContext | None = None,
+    ) -> dict[str, str]:
+        """Upload ``digests``' files (relative path -> expected sha256) from ``directory``,
+        then ``directory/manifest.json`` last; returns each object's ETag. On any failure
+        what was uploaded is removed and :class:`PublishFailed` (or the typed error) raised."""
+        store = self._store(location)
+        etags: dict[str, str] = {}
+        try:
+            for name in sorted(digests):
+                etags[name] = self._upload(store, directory / name, location.key(name),
+                                           digests[name], ctx)
+            manifest = directory / MANIFEST
+            etags[MANIFEST] = self._upload(store, manifest, location.key(MANIFEST), None, ctx)
+        except BaseException as exc:
+            self._discard(store, location, list(etags))
+            if isinstance(exc, ServiceError) and not isinstance(exc, ConnectionError):
+                raise
+            if isinstance(exc, Exception):
+                reason = exc.message if isinstance(exc, ServiceError) else type(exc).__name__
+                raise PublishFailed(f"publishing to {location.uri} failed: {reason}") from exc
+            raise
+        return etags
+
+    def _upload(
+        self, store: S3Store, path: Path, key: str, sha256: str | None, ctx: JobContext | None,
+    ) -> str:
+        digest = hashlib.sha256()
+
+        def blocks() -> Iterator[bytes]:
+            with path.open("rb") as f:
+                while block := f.read(READ_BYTES):
+                    digest.update(block)
+                    if ctx is not None:
+                        ctx.advance(len(block))
+                    yield block
+
+        def put() -> str:
+            nonlocal digest
+            digest = hashlib.sha256()
+            result = obstore.put(store, key, blocks(), chunk_size=PART_BYTES,
+                                 max_concurrency=PART_CONCURRENCY)
+            return str(result.get("e_tag") or "")
+
+        etag = call(put, f"s3://{self.root.bucket}/{key}", self.settings)
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise ChecksumMismatch(
+                f"{path.name} changed while it was published (sha256 {digest.hexdigest()}, "
+                f"manifest {sha256})"
+            )
+        return etag
+
+    def _discard(self, store: S3Store, location: S3Location, names: list[str]) -> None:
+        """Best effort after a failed publish: the manifest was never written, so the set is
+        unpublished whatever remains; remaining objects are retention's to remove."""
+        keys = [location.key(n) for n in names if n != MANIFEST]
+        if not keys:
+            return
+        try:
+            obstore.delete(store, keys)
+        except Exception:  # noqa: BLE001 - the store may be the reason publishing failed
+            return
+
+    def published(self, location: S3Location) -> bool:
+        """Whether the set at ``location`` is published (its manifest exists)."""
+        store = self._store(location)
+        try:
+            call(lambda: obstore.head(store, location.key(MANIFEST)), location.uri,
+                 self.settings)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def manifest(self, location: S3Location) -> dict[str, object]:
+        store = self._store(location)
+        data = call(lambda: obstore.get(store, location.key(MANIFEST)).bytes(), location.uri,
+                    self.settings)
+        loaded: dict[str, object] = json.loads(bytes(data))
+        return loaded
+
+    def url(self, location: S3Location, name: str) -> str:
+        """A presigned GET of one artifact, valid ``artifact_url_seconds``."""
+        store = self._store(location)
+        seconds = self.settings.artifact_url_seconds
+        return obstore.sign(store, "GET", location.key(name), timedelta(seconds=seconds))
+
+    def remove(self, location: S3Location) -> int:
+        """Unpublish (manifest first), then delete every object under ``location``; returns
+        the bytes removed."""
+        store = self._store(location)
+        what = location.uri
+        objects = call(lambda: [m for batch in obstore.list(store, location.prefix + "/")
+                                for m in batch], what, self.settings)
+        manifest = location.key(MANIFEST)
+        if any(m["path"] == manifest for m in objects):
+            call(lambda: obstore.delete(store, manifest), what, self.settings)
+        rest = [str(m["path"]) for m in objects if m["path"] != manifest]
+        if rest:
+            call(lambda: obstore.delete(store, rest), what, self.settings)
+        return sum(int(m["size"]) for m in objects)
+
+
+def check_destination(destination: str, tenant: str | None, settings: Settings) -> S3Location:
+    """A per-job destination, allowed only under a prefix granted to the tenant."""
+    location = S3Location.parse(destination)
+    granted = settings.artifact_destinations.get(tenant or OPEN_TENANT, [])
+    if not any(location.within(S3Location.parse(g)) for g in granted):
+        raise Forbidden(f"destination {location.uri} is not under a prefix granted to this "
+                        "tenant (MODELPREP_ARTIFACT_DESTINATIONS)")
+    return location

@@ -1,0 +1,147 @@
+"""The artifact store against a real S3 server (SeaweedFS on loopback): publication with the
+manifest last, presigned downloads with Range, removal, grants, and a server stopped mid-upload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import httpx
+import obstore
+import pytest
+from obstore.store import S3Store
+
+from service.artifact_store import MANIFEST, ArtifactStore, check_destination
+from service.config import Settings
+from service.errors import Forbidden, InvalidRequest, PublishFailed
+from service.objectstore import S3Location
+from service.stage import InMemoryContext
+from tests.fixtures.seaweedfs import S3Server, seaweedfs  # noqa: F401  (fixture)
+
+
+@pytest.fixture(autouse=True)
+def _service_keys(monkeypatch: pytest.MonkeyPatch, seaweedfs: S3Server) -> None:  # noqa: F811
+    """The service's own keys come from the standard chain (the environment here)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweedfs.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweedfs.secret_key)
+
+
+@pytest.fixture
+def bucket(seaweedfs: S3Server) -> str:  # noqa: F811
+    name = f"art-{uuid.uuid4().hex[:12]}"
+    seaweedfs.create_bucket(name)
+    return name
+
+
+def _settings(tmp_path: Path, server: S3Server, bucket: str, **extra: object) -> Settings:
+    return Settings(data_dir=tmp_path / "data", s3_endpoint=server.endpoint,
+                    artifact_store=f"s3://{bucket}/artifacts", download_retries=1,
+                    download_backoff_seconds=0.01, **extra)  # type: ignore[arg-type]
+
+
+def _staging(root: Path, sizes: dict[str, int]) -> dict[str, str]:
+    digests = {}
+    for name, size in sizes.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = os.urandom(size)
+        path.write_bytes(data)
+        digests[name] = hashlib.sha256(data).hexdigest()
+    (root / MANIFEST).write_text(json.dumps({"files": digests}))
+    return digests
+
+
+def _keys(server: S3Server, bucket: str, prefix: str) -> list[str]:
+    store = S3Store(bucket, endpoint=server.endpoint, region="us-east-1",
+                    access_key_id=server.access_key, secret_access_key=server.secret_key,
+                    client_options={"allow_http": True})
+    return sorted(str(m["path"]) for batch in obstore.list(store, prefix) for m in batch)
+
+
+def test_publish_uploads_every_file_then_the_manifest_and_serves_presigned_ranges(
+    tmp_path: Path, seaweedfs: S3Server, bucket: str,  # noqa: F811
+) -> None:
+    settings = _settings(tmp_path, seaweedfs, bucket)
+    store = ArtifactStore.configured(settings)
+    assert store is not None
+    staging = tmp_path / "staging"
+    # 20 MiB: two parts of a multipart upload, each sent with its SHA-256.
+    digests = _staging(staging, {"gguf/model.gguf": 20 * 1024 * 1024, "small.json": 100})
+    location = store.location_for("0" * 32, "acme")
+    assert location.uri == f"s3://{bucket}/artifacts/acme/{'0' * 32}"
+    ctx = InMemoryContext(settings=settings, work_dir=tmp_path / "work")
+    etags = store.publish(staging, location, digests, ctx)
+    assert sorted(etags) == sorted([*digests, MANIFEST])
+    assert ctx.done == sum((staging / n).stat().st_size for n in [*digests, MANIFEST])
+    assert store.published(location)
+    assert store.manifest(location) == {"files": digests}
+    prefix = f"artifacts/acme/{'0' * 32}"
+    assert _keys(seaweedfs, bucket, prefix) == sorted(f"{prefix}/{n}" for n in etags)
+
+    url = store.url(location, "gguf/model.gguf")
+    assert seaweedfs.secret_key not in url
+    whole = httpx.get(url)
+    assert whole.status_code == 200
+    assert hashlib.sha256(whole.content).hexdigest() == digests["gguf/model.gguf"]
+    part = httpx.get(url, headers={"Range": "bytes=100-199"})
+    assert part.status_code == 206 and part.content == whole.content[100:200]
+    assert whole.headers["etag"].strip('"') == etags["gguf/model.gguf"].strip('"')
+
+    freed = store.remove(location)
+    assert freed == sum((staging / n).stat().st_size for n in [*digests, MANIFEST])
+    assert not store.published(location)
+    assert _keys(seaweedfs, bucket, prefix) == []
+
+
+def test_server_stopped_mid_upload_fails_typed_and_publishes_nothing(
+    tmp_path: Path, seaweedfs: S3Server, bucket: str,  # noqa: F811
+) -> None:
+    settings = _settings(tmp_path, seaweedfs, bucket, download_stall_seconds=2)
+    store = ArtifactStore.configured(settings)
+    assert store is not None
+    staging = tmp_path / "staging"
+    digests = _staging(staging, {"a.bin": 1024, "b.bin": 40 * 1024 * 1024})
+    location = store.location_for("1" * 32, None)
+    ctx = InMemoryContext(settings=settings, work_dir=tmp_path / "work")
+    stopped = False
+    original = ctx.advance
+
+    def advance(n: int) -> None:
+        nonlocal stopped
+        original(n)
+        if not stopped and ctx.done > 8 * 1024 * 1024:  # inside b.bin's first parts
+            os.kill(seaweedfs.pid, signal.SIGSTOP)
+            stopped = True
+
+    ctx.advance = advance  # type: ignore[method-assign]
+    try:
+        with pytest.raises(PublishFailed) as failed:
+            store.publish(staging, location, digests, ctx)
+    finally:
+        os.kill(seaweedfs.pid, signal.SIGCONT)
+    assert stopped
+    assert failed.value.code == "publish_failed"
+    assert not store.published(location)
+    keys = _keys(seaweedfs, bucket, f"artifacts/_/{'1' * 32}")
+    assert f"artifacts/_/{'1' * 32}/{MANIFEST}" not in keys
+    status, _ = seaweedfs.request("GET", "/")  # the server answers again once resumed
+    assert status == 200
+
+
+def test_destinations_only_under_granted_prefixes(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, artifact_store="s3://out/jobs",
+                        artifact_destinations={"acme": ["s3://team-acme/models"]})
+    allowed = check_destination("s3://team-acme/models/llama", "acme", settings)
+    assert allowed == S3Location("team-acme", "models/llama")
+    for tenant, destination in (("acme", "s3://team-acme/models-evil"),
+                                ("acme", "s3://other/models"), ("bob", "s3://team-acme/models"),
+                                (None, "s3://team-acme/models")):
+        with pytest.raises(Forbidden):
+            check_destination(destination, tenant, settings)
+    with pytest.raises(InvalidRequest):
+        check_destination("s3://team-acme/models/../x", "acme", settings)
