@@ -67,11 +67,11 @@ settings = Settings(data_dir=Path(sys.argv[2]), database_url=sys.argv[1],
                     tenant_max_artifact_bytes=2**62)
 store = JobStore.from_url(settings.sqlalchemy_url)
 try:
-    from service.jobs.store import Admission, _held_bytes  # after
+    from service.jobs.store.admission import Admission, held_bytes, lock_submits  # after
     limits = Admission(tenant_max_artifact_bytes=settings.tenant_max_artifact_bytes)
     def check():
         with store.transaction() as conn:
-            store._lock_submits(conn)
+            lock_submits(conn)
             limits.check(conn, "acme", 0)
 except ImportError:  # before: the service pages through the tenant's succeeded jobs
     from service.jobs.service import JobService

@@ -13,8 +13,8 @@ few minutes is safe from replays; each attempt is signed afresh. :func:`verify_s
 receiver's side. Other headers: ``X-Modelprep-Job-Id`` and ``X-Modelprep-Attempt``.
 
 **Delivery.** At least once. The delivery state lives on the job's row (``callback_*``
-columns): :meth:`JobStore.finish` makes a waiting callback due in the very write that ends the
-job, whichever process ends it (job child, pool, worker, a cancel in the API). A
+columns; its SQL is :mod:`service.jobs.store.callbacks`): the write that ends the job makes a
+waiting callback due, whichever process ends it (job child, pool, worker, a cancel in the API). A
 :class:`CallbackDeliverer` runs in every API process and every ``modelprep worker``, outside
 any job slot: it looks for due callbacks every ``callback_poll_seconds``, takes one with a lease
 (one guarded UPDATE, so two deliverers never send the same attempt), POSTs it, and records the

@@ -102,7 +102,7 @@ class Job:
     callback: CallbackDelivery | None = None
     reserved_bytes: int = 0
     """What the job is expected to write, held against its tenant's artifact-bytes limit while
-    it is queued or running (see :class:`service.jobs.store.Admission`)."""
+    it is queued or running (see :class:`service.jobs.store.admission.Admission`)."""
     reused_from: str | None = None
     """The job whose artifacts this one shares instead of computing them (result reuse)."""
 

@@ -24,7 +24,7 @@ is then pinned to it), a declared sha256, a local checkpoint (hashed in place, d
 by inode). Known only after the download: an HTTP file without a sha256 (hashed once fetched;
 two such jobs at once both download, then one computes).
 
-**Settling** (:meth:`service.jobs.store.JobStore.settle_reuse`) is one transaction under a lock
+**Settling** (:func:`service.jobs.store.reuse.settle_reuse`) is one transaction under a lock
 on the key, in the job store: so it holds across the local pool, other API processes and
 distributed workers on PostgreSQL alike. A job finds a succeeded job with the key whose files
 are still there (reuse), or a running one (wait, then settle again), or neither (compute, and

@@ -3,7 +3,7 @@
 Why a table of totals rather than reading jobs: ``/metrics`` and the tenant artifact-bytes
 limit must cost the same with a hundred jobs in the store as with a million. A job adds its
 figures once, in the transaction that moves it to a terminal status
-(:meth:`service.jobs.store.JobStore.finish`), and removes its artifact bytes in the one that
+(:func:`service.jobs.store.lifecycle.finish`), and removes its artifact bytes in the one that
 removes its files (``mark_deleted``). A reader then reads a few hundred rows, whatever the
 number of jobs; the API process keeps nothing per job.
 

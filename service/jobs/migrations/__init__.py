@@ -1,7 +1,7 @@
 """The job store's schema history: alembic migrations, run programmatically at start-up.
 
-``store.py`` holds the one definition of the ``jobs`` table that the code uses; the revisions
-under ``versions/`` are its history, frozen as written (a revision never imports the live table,
+``store/schema.py`` holds the one definition of the tables that the code uses; the revisions
+under ``versions/`` are their history, frozen as written (a revision never imports the live table,
 or re-running an old revision would create today's shape). ``tests/unit/jobs/test_migrations.py``
 fails when the two drift apart, so a change of the table comes with a new revision:
 ``alembic -x url=sqlite:///scratch.db revision --autogenerate -m "..."`` from this directory's

@@ -8,7 +8,7 @@ from alembic import context
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection
 
-from service.jobs.store import metadata
+from service.jobs.store.schema import metadata
 
 config = context.config
 connection = config.attributes.get("connection")

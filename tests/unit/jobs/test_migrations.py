@@ -1,4 +1,4 @@
-"""The alembic migrations build exactly the table store.py defines, on SQLite and PostgreSQL,
+"""The alembic migrations build exactly the table store/schema.py defines, on SQLite and PostgreSQL,
 and adopt a database made before migrations existed."""
 
 from __future__ import annotations
