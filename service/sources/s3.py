@@ -33,6 +33,13 @@ import obstore
 from obstore.store import S3Store
 
 from service.checkpoint import AUX_PATTERNS
+from service.checkpoint.headers import (
+    CheckpointHeaders,
+    Format,
+    TensorHeader,
+    config_of,
+    read_file_header,
+)
 from service.config import Settings
 from service.errors import (
     ChecksumMismatch,
@@ -54,7 +61,7 @@ from service.retry import Backoff
 from service.sources.base import ResolvedSource, SourceIdentity, SourceRequest
 from service.sources.cache import DownloadCache
 from service.sources.http import BLOCK_BYTES, PartWriter
-from service.sources.hub import plan_files, shards_of
+from service.sources.hub import plan_files, shards_in, shards_of
 from service.stage import JobContext, Phase
 
 if TYPE_CHECKING:
@@ -187,8 +194,52 @@ def download_object(
     return received
 
 
+def _chosen(listing: Listing) -> tuple[Format, list[str], str | None, list[str]]:
+    """(format, aux files, index, weight files) of a listing, as a job downloads them (the
+    weights not yet narrowed to the index's shards)."""
+    if listing.single is not None:
+        aux = sorted(n for n in listing.objects if n != listing.single)
+        fmt: Format = "safetensors" if listing.single.endswith(".safetensors") else "pickle"
+        return fmt, aux, None, [listing.single]
+    plan = plan_files(list(listing.objects))
+    return plan.format, plan.aux, plan.index, plan.weights
+
+
 class S3Fetcher:
     schemes: tuple[str, ...] = ("s3",)
+
+    def headers(self, request: SourceRequest, settings: Settings) -> CheckpointHeaders:
+        """The files a job would download, sized from the listing, each safetensors shard's
+        header read with two ranged GETs (never the data), and config.json."""
+        store, listing = self._listing(request, settings)
+        fmt, aux, index, weights = _chosen(listing)
+        objects = listing.objects
+
+        def small(name: str) -> bytes:
+            obj = objects[name]
+            return bytes(call(lambda: obstore.get(store, obj.key, options=obj.options()).bytes(),
+                              f"{listing.location.uri}/{name}", settings))
+
+        if index is not None:
+            weights = shards_in(small(index), index, list(objects))
+        tensors: list[TensorHeader] = []
+        if fmt == "safetensors":
+            for name in weights:
+                obj = objects[name]
+
+                def read(offset: int, length: int, obj: S3Object = obj) -> bytes:
+                    if offset >= obj.size or length <= 0:
+                        return b""
+                    end = min(obj.size, offset + length)
+                    return bytes(call(lambda: obstore.get_range(store, obj.key, start=offset,
+                                                                end=end),
+                                      obj.key, settings))
+
+                tensors.extend(read_file_header(read, name))
+        config = config_of(small("config.json")) if "config.json" in aux else None
+        chosen = [*aux, *([index] if index else []), *weights]
+        return CheckpointHeaders(fmt, {n: objects[n].size for n in chosen}, tuple(tensors),
+                                 config, tuple(weights), remote=True)
 
     def check(self, request: SourceRequest, settings: Settings) -> None:
         S3Location.parse(request.uri)
@@ -234,14 +285,7 @@ class S3Fetcher:
                 f"the objects under {listing.location.uri} changed since the job resolved them"
             )
         objects = listing.objects
-        if listing.single is not None:
-            aux = sorted(n for n in objects if n != listing.single)
-            index: str | None = None
-            weights = [listing.single]
-            fmt = "safetensors" if listing.single.endswith(".safetensors") else "pickle"
-        else:
-            plan = plan_files(list(objects))
-            aux, index, weights, fmt = plan.aux, plan.index, plan.weights, plan.format
+        fmt, aux, index, weights = _chosen(listing)
         expected = sum(objects[n].size for n in [*aux, *weights, *([index] if index else [])])
         if expected > settings.max_download_bytes:
             raise DownloadTooLarge(

@@ -25,7 +25,8 @@ from service.errors import (
 )
 from service.sources import SourceRequest, check_source, fetch_source, identify_source
 from service.sources.cache import release_all
-from service.sources.s3 import cache_key
+from service.sources.local import LocalFetcher
+from service.sources.s3 import S3Fetcher, cache_key
 from service.stage import InMemoryContext
 from tests.fixtures.models import build_checkpoint
 from tests.fixtures.seaweedfs import S3Server, seaweedfs  # noqa: F401  (fixture)
@@ -228,3 +229,16 @@ def test_endpoint_obeys_the_egress_policy_and_a_dead_one_is_unreachable(
     with pytest.raises(SourceUnreachable) as unreachable:
         fetch_source(SourceRequest(f"s3://{bucket}/m"), dead, _ctx(dead))
     assert unreachable.value.code == "source_unreachable"
+
+
+def test_headers_describe_the_checkpoint_without_reading_weights(
+    tmp_path: Path, seaweedfs: S3Server, bucket: str, llama: Path,  # noqa: F811
+) -> None:
+    _upload(seaweedfs, bucket, "hdr", llama)
+    settings = _settings(tmp_path, seaweedfs, local_roots=[llama])
+    remote = S3Fetcher().headers(SourceRequest(f"s3://{bucket}/hdr"), settings)
+    local = LocalFetcher().headers(SourceRequest(llama.as_uri()), settings)
+    assert remote.remote and remote.format == "safetensors"
+    assert remote.tensors == local.tensors
+    assert remote.config == local.config
+    assert remote.files["model.safetensors"] == (llama / "model.safetensors").stat().st_size
