@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: serve test install lint openapi llama-cpp chromium container-test docker-engine
+.PHONY: serve test test-fast install lint openapi llama-cpp chromium container-test docker-engine
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -26,6 +26,12 @@ serve: install
 
 test: install chromium
 	$(PY) -m pytest -q
+
+# The fast tier (tests/unit): no built tools, model packages or servers, so only the venv is needed;
+# tests/fixtures/fast_tier.py fails a test there that uses one. `make test` runs it too.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q tests/unit -m 'not postgres and not container' \
+	  --ignore=tests/unit/exporters --ignore=tests/unit/verify
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check service tests bench

@@ -1,13 +1,49 @@
-"""Session-wide fixtures: tiny real checkpoints built once per test session by tests/fixtures."""
+"""Session-wide fixtures (tiny real checkpoints built once per session by tests/fixtures) and
+the fast tier's guard: a test under tests/unit that uses a built tool or a model package fails
+(tests/fixtures/fast_tier.py says what is forbidden and how it is seen)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures import fast_tier
 from tests.fixtures.models import Arch, CheckpointKind, build_checkpoint
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    fast_tier.install()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fast tier first, in ``make test`` as in ``make test-fast``: it fails soonest, and its
+    guard sees imports before a slower test has made them."""
+    items.sort(key=lambda item: not fast_tier.in_fast_tier(item))
+
+
+def _guard(item: pytest.Item) -> AbstractContextManager[None]:
+    return fast_tier.watching(item.nodeid) if fast_tier.in_fast_tier(item) else nullcontext()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    with _guard(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    with _guard(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    with _guard(item):
+        return (yield)
 
 TinyCheckpointFactory = Callable[..., Path]
 
