@@ -15,6 +15,7 @@ from service.errors import NoModelConfig
 from service.offload.build import build_meta_model, build_on_meta, build_phase, match_keys
 from service.stage import InMemoryContext, Phase
 from tests.fixtures.models import copy_tree, llama_70b_config
+from tests.unit.offload.conftest import OpenModelFactory
 
 
 def test_70b_llama_skeleton_builds_on_meta_without_weight_memory(settings: Settings) -> None:
@@ -35,11 +36,9 @@ def test_70b_llama_skeleton_builds_on_meta_without_weight_memory(settings: Setti
 
 @pytest.mark.parametrize(("kind", "tied"), [("safetensors", False), ("bin", True)])
 def test_llama_keys_match_with_tied_head_reported(
-    tiny_checkpoint: object, settings: Settings, kind: str, tied: bool
+    tiny_checkpoint: object, open_model: OpenModelFactory, kind: str, tied: bool
 ) -> None:
-    path = tiny_checkpoint("llama", kind, tied=tied)  # type: ignore[operator]
-    with open_checkpoint(path) as ckpt:
-        built = build_on_meta(ckpt, settings)
+    built = open_model(tiny_checkpoint("llama", kind, tied=tied)).built  # type: ignore[operator]
     assert built.architecture == "LlamaForCausalLM"
     assert built.keys.missing == [] and built.keys.unexpected == []
     assert built.keys.tied == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
@@ -50,13 +49,13 @@ def test_llama_keys_match_with_tied_head_reported(
 
 
 def test_base_model_checkpoint_keys_are_renamed_into_a_head_model(
-    llama_safetensors_dir: Path, settings: Settings
+    llama_safetensors_dir: Path, open_model: OpenModelFactory, settings: Settings
 ) -> None:
     from transformers import LlamaModel
 
-    with open_checkpoint(llama_safetensors_dir) as ckpt:
-        names = [i.name for i in ckpt.reader.tensor_infos()]
-        config = build_on_meta(ckpt, settings).model.config
+    m = open_model(llama_safetensors_dir)
+    names = [i.name for i in m.ckpt.reader.tensor_infos()]
+    config = m.built.model.config
     base = build_meta_model(config, settings, torch.float32, LlamaModel)
     report = match_keys(base, names)
     assert report.unexpected == ["lm_head.weight"]

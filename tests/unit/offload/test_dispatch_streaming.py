@@ -9,17 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.checkpoint import open_checkpoint
 from service.errors import InvalidRequest, WeightsMismatch
-from service.offload.build import build_on_meta
 from service.offload.device_map import placed_bytes, resolve_device_map
-from service.offload.dispatch import dispatch_checkpoint, dispatch_model
-from service.offload.store import OffloadStore
 from service.offload.streaming import offloaded_modules, streamed, streamed_forward
 from service.offload.tensor import StoreTensor
 from service.stage import InMemoryContext, Phase
 from tests.fixtures.models import sample_inputs
-from tests.unit.offload.conftest import eager_output
+from tests.unit.offload.conftest import OpenModelFactory, eager_output
 
 CASES = [
     ("llama", "safetensors", False),
@@ -33,14 +29,13 @@ CASES = [
 
 @pytest.mark.parametrize(("arch", "kind", "tied"), CASES)
 def test_all_on_disk_streamed_forward_equals_the_in_memory_model(
-    tiny_checkpoint: object, ctx: InMemoryContext, tmp_path: Path, arch: str, kind: str, tied: bool
+    tiny_checkpoint: object, open_model: OpenModelFactory, ctx: InMemoryContext, arch: str,
+    kind: str, tied: bool,
 ) -> None:
-    path = tiny_checkpoint(arch, kind, tied=tied)  # type: ignore[operator]
-    with open_checkpoint(path) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        store = OffloadStore(tmp_path / "store", allowed_roots=[path])
-        result = dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
-        out, stats = streamed_forward(built.model, sample_inputs(arch))  # type: ignore[arg-type]
+    m = open_model(tiny_checkpoint(arch, kind, tied=tied))  # type: ignore[operator]
+    built, store = m.built, m.store
+    result = m.to_disk()
+    out, stats = streamed_forward(built.model, sample_inputs(arch))  # type: ignore[arg-type]
 
     assert torch.equal(out, eager_output(arch, tied))  # type: ignore[arg-type]
 
@@ -66,26 +61,24 @@ def test_all_on_disk_streamed_forward_equals_the_in_memory_model(
 
 
 def test_reloads_grow_by_exactly_one_pass_per_forward(
-    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+    llama_safetensors_dir: Path, open_model: OpenModelFactory
 ) -> None:
-    with open_checkpoint(llama_safetensors_dir) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
-        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
-        streamed_forward(built.model, sample_inputs("llama"))
-        first = (store.reloads, store.bytes_read)
-        streamed_forward(built.model, sample_inputs("llama"))
+    m = open_model(llama_safetensors_dir)
+    built, store = m.built, m.store
+    m.to_disk()
+    streamed_forward(built.model, sample_inputs("llama"))
+    first = (store.reloads, store.bytes_read)
+    streamed_forward(built.model, sample_inputs("llama"))
     assert (store.reloads, store.bytes_read) == (2 * first[0], 2 * first[1])
 
 
 def test_paging_holds_one_module_at_a_time(
-    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+    llama_safetensors_dir: Path, open_model: OpenModelFactory
 ) -> None:
-    with open_checkpoint(llama_safetensors_dir) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
-        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
-        _, stats = streamed_forward(built.model, sample_inputs("llama"))
+    m = open_model(llama_safetensors_dir)
+    built = m.built
+    m.to_disk()
+    _, stats = streamed_forward(built.model, sample_inputs("llama"))
     largest = max(
         sum(p.nbytes for p in m._parameters.values() if p is not None)
         for m in offloaded_modules(built.model)
@@ -95,12 +88,11 @@ def test_paging_holds_one_module_at_a_time(
 
 
 def test_a_failing_forward_leaves_weights_offloaded(
-    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+    llama_safetensors_dir: Path, open_model: OpenModelFactory
 ) -> None:
-    with open_checkpoint(llama_safetensors_dir) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
-        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+    m = open_model(llama_safetensors_dir)
+    built = m.built
+    m.to_disk()
     bad_ids = torch.full((1, 4), 10_000)  # out of the vocabulary: the embedding raises
     with pytest.raises(IndexError), torch.inference_mode(), streamed(built.model):
         built.model(input_ids=bad_ids)
@@ -109,15 +101,13 @@ def test_a_failing_forward_leaves_weights_offloaded(
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])
 def test_auto_map_fills_the_ram_budget_with_whole_layers_and_spills_the_rest(
-    tiny_checkpoint: object, ctx: InMemoryContext, tmp_path: Path, arch: str
+    tiny_checkpoint: object, open_model: OpenModelFactory, ctx: InMemoryContext, arch: str
 ) -> None:
-    path = tiny_checkpoint(arch, "safetensors")  # type: ignore[operator]
-    with open_checkpoint(path) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        budget = sum(p.nbytes for p in built.model.parameters()) // 2
-        store = OffloadStore(tmp_path / "s", allowed_roots=[path])
-        result = dispatch_model(built, ckpt.reader, store, ctx, max_memory=budget)
-        out, _ = streamed_forward(built.model, sample_inputs(arch))  # type: ignore[arg-type]
+    m = open_model(tiny_checkpoint(arch, "safetensors"))  # type: ignore[operator]
+    built = m.built
+    budget = sum(p.nbytes for p in built.model.parameters()) // 2
+    result = m.dispatch(max_memory=budget)
+    out, _ = streamed_forward(built.model, sample_inputs(arch))  # type: ignore[arg-type]
     assert torch.equal(out, eager_output(arch))  # type: ignore[arg-type]
     assert set(result.device_map.values()) == {"cpu", "disk"}
     split_class = built.no_split_module_classes[-1]  # LlamaDecoderLayer / BertLayer
@@ -133,7 +123,7 @@ def test_auto_map_fills_the_ram_budget_with_whole_layers_and_spills_the_rest(
 
 
 def test_explicit_device_map_is_honoured(
-    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+    llama_safetensors_dir: Path, open_model: OpenModelFactory
 ) -> None:
     explicit = {
         "model.embed_tokens": "cpu",
@@ -142,11 +132,10 @@ def test_explicit_device_map_is_honoured(
         "model.rotary_emb": "cpu",
         "lm_head": "disk",
     }
-    with open_checkpoint(llama_safetensors_dir) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
-        dispatch_model(built, ckpt.reader, store, ctx, max_memory="1GiB", device_map=explicit)
-        out, _ = streamed_forward(built.model, sample_inputs("llama"))
+    m = open_model(llama_safetensors_dir)
+    built = m.built
+    m.dispatch(max_memory="1GiB", device_map=explicit)
+    out, _ = streamed_forward(built.model, sample_inputs("llama"))
     assert torch.equal(out, eager_output("llama"))
     params = dict(built.model.named_parameters())
     assert not isinstance(params["model.embed_tokens.weight"], StoreTensor)
@@ -163,40 +152,36 @@ def test_explicit_device_map_is_honoured(
     ],
 )
 def test_bad_explicit_device_maps_are_invalid_requests(
-    llama_safetensors_dir: Path, ctx: InMemoryContext, device_map: dict[str, str], message: str
+    llama_safetensors_dir: Path, open_model: OpenModelFactory, device_map: dict[str, str],
+    message: str,
 ) -> None:
-    with open_checkpoint(llama_safetensors_dir) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
+    built = open_model(llama_safetensors_dir).built
     with pytest.raises(InvalidRequest, match=message):
         resolve_device_map(built.model, device_map, "1GiB")
 
 
 def test_checkpoint_missing_a_weight_is_a_weights_mismatch(
-    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+    llama_safetensors_dir: Path, open_model: OpenModelFactory, tmp_path: Path
 ) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(llama_safetensors_dir, broken)
     state = load_file(broken / "model.safetensors")
     del state["model.layers.1.mlp.down_proj.weight"]
     save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
-    with open_checkpoint(broken) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        assert built.keys.missing == ["model.layers.1.mlp.down_proj.weight"]
-        store = OffloadStore(tmp_path / "s", allowed_roots=[broken])
-        with pytest.raises(WeightsMismatch, match="down_proj"):
-            dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+    m = open_model(broken)
+    built = m.built
+    assert built.keys.missing == ["model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(WeightsMismatch, match="down_proj"):
+        m.to_disk()
 
 
 def test_quantized_dispatch_keeps_packed_weights_offloaded(
-    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+    llama_safetensors_dir: Path, open_model: OpenModelFactory
 ) -> None:
-    with open_checkpoint(llama_safetensors_dir) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
-        result = dispatch_checkpoint(
-            built.model, ckpt.reader, {"": "disk"}, store, ctx, quantization="q8_0"
-        )
-        out, stats = streamed_forward(built.model, sample_inputs("llama"))
+    m = open_model(llama_safetensors_dir)
+    built, store = m.built, m.store
+    result = m.to_disk(quantization="q8_0")
+    out, stats = streamed_forward(built.model, sample_inputs("llama"))
     reference = eager_output("llama")
     assert not torch.equal(out, reference)
     assert float((out - reference).abs().max()) < 0.05 * float(reference.abs().max())
@@ -209,16 +194,14 @@ def test_quantized_dispatch_keeps_packed_weights_offloaded(
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])
 def test_huge_linears_and_embeddings_are_paged_in_slices(
-    tiny_checkpoint: object, ctx: InMemoryContext, tmp_path: Path, arch: str
+    tiny_checkpoint: object, open_model: OpenModelFactory, arch: str
 ) -> None:
-    path = tiny_checkpoint(arch, "safetensors")  # type: ignore[operator]
+    m = open_model(tiny_checkpoint(arch, "safetensors"))  # type: ignore[operator]
+    built, store = m.built, m.store
     page = 2048  # bytes: every Linear/Embedding of the tiny models is "huge" at this page size
-    with open_checkpoint(path) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        store = OffloadStore(tmp_path / "s", allowed_roots=[path])
-        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
-        inputs = sample_inputs(arch)  # type: ignore[arg-type]
-        out, stats = streamed_forward(built.model, inputs, page_bytes=page)
+    m.to_disk()
+    inputs = sample_inputs(arch)  # type: ignore[arg-type]
+    out, stats = streamed_forward(built.model, inputs, page_bytes=page)
     reference = eager_output(arch)  # type: ignore[arg-type]
     torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
     params = dict(built.model.named_parameters())
@@ -237,17 +220,16 @@ def test_huge_linears_and_embeddings_are_paged_in_slices(
 
 
 def test_job_store_figures_reach_the_job_json_and_get_v1_offload(
-    llama_bin_dir: Path, ctx: InMemoryContext
+    llama_bin_dir: Path, open_model: OpenModelFactory, ctx: InMemoryContext
 ) -> None:
     from service.offload.dispatch import publish_offload_metrics
     from service.offload.store import open_job_store
     from service.offload.usage import offload_usage
 
     store = open_job_store(ctx.settings, "job-1", llama_bin_dir)
-    with open_checkpoint(llama_bin_dir) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        result = dispatch_model(built, ckpt.reader, store, ctx, max_memory="40KB")
-        streamed_forward(built.model, sample_inputs("llama"))
+    m = open_model(llama_bin_dir)
+    result = m.dispatch(store, max_memory="40KB")
+    streamed_forward(m.built.model, sample_inputs("llama"))
     section = publish_offload_metrics(store, ctx, result)
     assert ctx.metrics["offload_reloads"] == store.reloads > 0
     assert ctx.metrics["offload_bytes_written"] == section["bytes_written"] > 0
@@ -259,14 +241,13 @@ def test_job_store_figures_reach_the_job_json_and_get_v1_offload(
 
 
 def test_a_cancelled_job_stops_between_modules(
-    llama_safetensors_dir: Path, ctx: InMemoryContext, tmp_path: Path
+    llama_safetensors_dir: Path, open_model: OpenModelFactory, ctx: InMemoryContext
 ) -> None:
     from service.errors import JobCancelled
 
-    with open_checkpoint(llama_safetensors_dir) as ckpt:
-        built = build_on_meta(ckpt, ctx.settings)
-        store = OffloadStore(tmp_path / "s", allowed_roots=[llama_safetensors_dir])
-        dispatch_checkpoint(built.model, ckpt.reader, {"": "disk"}, store, ctx)
+    m = open_model(llama_safetensors_dir)
+    built, store = m.built, m.store
+    m.to_disk()
     ctx.cancel_event.set()
     with pytest.raises(JobCancelled):
         streamed_forward(built.model, sample_inputs("llama"), check_abort=ctx.check_abort)
