@@ -17,6 +17,7 @@ from service.jobs.executors import local
 from service.jobs.executors.local import LocalExecutor
 from service.jobs.model import Job, JobStatus
 from service.jobs.store import JobStore
+from tests.fixtures.waiting import eventually
 from tests.unit.jobs.test_store import new_job
 
 NEVER = 3600.0
@@ -76,7 +77,9 @@ def test_a_submitted_job_starts_at_once_and_its_end_is_seen_at_once(
         wait_for_status(store, job, JobStatus.FAILED, within=30)
         error = store.get(job.id).error
         assert error is not None and error.type == "worker_crashed"
-        assert executor.running_ids == []
+        # the dispatcher forgets the process just after writing its end: wait, with a deadline
+        eventually(lambda: executor.running_ids == [], what="the pool forgetting the job",
+                   timeout=5)
 
 
 def test_a_cancel_through_this_pool_is_applied_at_once(
@@ -90,7 +93,9 @@ def test_a_cancel_through_this_pool_is_applied_at_once(
             time.sleep(0.01)
         executor.cancel(job.id)
         wait_for_status(store, job, JobStatus.CANCELLED, within=30)
-        assert executor.running_ids == []
+        # the dispatcher forgets the process just after writing its end: wait, with a deadline
+        eventually(lambda: executor.running_ids == [], what="the pool forgetting the job",
+                   timeout=5)
 
 
 def test_a_cancel_flagged_in_the_store_by_another_process_is_seen_at_the_poll(
