@@ -1,0 +1,194 @@
+"""An artifact's logits against a reference's on a fixed text: KL divergence, top-1, perplexity.
+
+One set of figures for every consumer, defined as ``llama-perplexity --kl-divergence`` defines
+them, so a GGUF judged by llama.cpp and an ONNX judged here read the same:
+
+* the text is cut into chunks of ``n_ctx`` tokens, each evaluated from an empty context; only
+  the positions of the second half of a chunk are scored (``n_ctx/2`` to ``n_ctx-2``: each
+  sees at least half a chunk of context), predicting the next token of the text;
+* ``kl_mean`` / ``kl_p99``: KL(reference || artifact) of the next-token distributions, mean
+  and 99th percentile over the scored positions;
+* ``top1``: the fraction of scored positions where both put the same token first;
+* ``ppl_ratio``: perplexity(artifact) / perplexity(reference) on the text's own next tokens.
+
+llama.cpp's side: :func:`write_llama_base_logits` writes the reference's log-probabilities in
+``llama-perplexity``'s base file (``--kl-divergence-base``; read back by ``--kl-divergence``),
+whose format is ``_logits_``, ``uint32 n_ctx``, ``int32 n_vocab``, ``int32 n_chunk``, the
+``int32`` tokens of every chunk, then per chunk and scored position ``nv = 2*ceil(n_vocab/2)+4``
+``uint16``: two float32 (``scale``, ``min_log_prob``) and each token's log-probability as
+``round((logit - min_logit) / scale)`` where ``min_logit = max(min, max - 16)``; and
+:func:`parse_llama_kl` reads the figures it prints. numpy only: no torch here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"_logits_"
+LOG_PROB_FLOOR = 16.0
+"""llama.cpp keeps log-probabilities down to ``max - 16`` nats; lower ones are stored as 0."""
+
+
+@dataclass(frozen=True)
+class LogitFigures:
+    """How far an artifact's next-token distributions are from the reference's."""
+
+    kl_mean: float
+    kl_p99: float
+    top1: float
+    ppl_ratio: float
+    positions: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LogitBounds:
+    """The worst figures an artifact may show and pass."""
+
+    kl_mean: float
+    kl_p99: float
+    top1: float
+    ppl_ratio: float
+
+    def violations(self, figures: LogitFigures) -> list[str]:
+        """What ``figures`` exceed, one phrase each (empty: within bounds)."""
+        out = []
+        if not figures.kl_mean <= self.kl_mean:  # NaN fails too
+            out.append(f"mean KL {figures.kl_mean:.5f} > {self.kl_mean}")
+        if not figures.kl_p99 <= self.kl_p99:
+            out.append(f"p99 KL {figures.kl_p99:.5f} > {self.kl_p99}")
+        if not figures.top1 >= self.top1:
+            out.append(f"top-1 agreement {figures.top1:.4f} < {self.top1}")
+        if not figures.ppl_ratio <= self.ppl_ratio:
+            out.append(f"perplexity ratio {figures.ppl_ratio:.4f} > {self.ppl_ratio}")
+        return out
+
+
+def chunk_tokens(tokens: Iterable[int], n_ctx: int, bos: int | None = None) -> np.ndarray:
+    """The text's tokens as whole chunks ``(n_chunk, n_ctx)`` (a partial last chunk dropped);
+    with ``bos`` each chunk starts with it, as llama.cpp evaluates a chunk when its vocabulary
+    adds one (so the reference sees exactly what llama.cpp sees)."""
+    ids = np.asarray(list(tokens), dtype=np.int32)
+    n_chunk = len(ids) // n_ctx
+    if n_chunk == 0:
+        raise ValueError(f"{len(ids)} tokens do not make one chunk of {n_ctx}")
+    chunks = ids[: n_chunk * n_ctx].reshape(n_chunk, n_ctx).copy()
+    if bos is not None:
+        chunks[:, 0] = bos
+    return chunks
+
+
+def scored(n_ctx: int) -> slice:
+    """Positions of a chunk whose next-token distribution is scored."""
+    return slice(n_ctx // 2, n_ctx - 1)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64."""
+    x: np.ndarray = logits.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    out: np.ndarray = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return out
+
+
+def compare_logits(
+    reference: Iterable[np.ndarray], artifact: Iterable[np.ndarray], chunks: np.ndarray
+) -> LogitFigures:
+    """The figures of ``artifact`` against ``reference``: both give, chunk by chunk, the logits
+    ``(n_ctx, n_vocab)`` at every position of ``chunks`` (the tokens, ``(n_chunk, n_ctx)``)."""
+    n_ctx = chunks.shape[1]
+    window = scored(n_ctx)
+    kls: list[np.ndarray] = []
+    same = nll = nll_ref = 0.0
+    for ref, art, tokens in zip(reference, artifact, chunks, strict=True):
+        lp_ref = log_softmax(np.asarray(ref)[window])
+        lp_art = log_softmax(np.asarray(art)[window])
+        vocab = min(lp_ref.shape[-1], lp_art.shape[-1])  # padded vocabularies score as absent
+        lp_ref, lp_art = lp_ref[:, :vocab], lp_art[:, :vocab]
+        kls.append((np.exp(lp_ref) * (lp_ref - lp_art)).sum(axis=-1))
+        same += float((lp_ref.argmax(-1) == lp_art.argmax(-1)).sum())
+        nxt = tokens[window.start + 1 : window.stop + 1]
+        rows = np.arange(len(nxt))
+        nll += float(-lp_art[rows, nxt].sum())
+        nll_ref += float(-lp_ref[rows, nxt].sum())
+    kl = np.concatenate(kls)
+    n = len(kl)
+    return LogitFigures(
+        kl_mean=float(kl.mean()),
+        kl_p99=float(np.percentile(kl, 99)),
+        top1=same / n,
+        ppl_ratio=math.exp((nll - nll_ref) / n),
+        positions=n,
+    )
+
+
+def write_llama_base_logits(
+    path: Path, chunks: np.ndarray, n_vocab: int, logits: Iterable[np.ndarray]
+) -> None:
+    """``llama-perplexity --kl-divergence-base`` file of the reference: ``chunks`` the tokens
+    ``(n_chunk, n_ctx)``, ``logits`` the reference's ``(n_ctx, >= n_vocab)`` for each chunk."""
+    n_chunk, n_ctx = chunks.shape
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    window = scored(n_ctx)
+    with path.open("wb") as out:
+        out.write(MAGIC)
+        out.write(np.asarray([n_ctx], dtype=np.uint32).tobytes())
+        out.write(np.asarray([n_vocab, n_chunk], dtype=np.int32).tobytes())
+        out.write(np.ascontiguousarray(chunks, dtype=np.int32).tobytes())
+        for chunk_logits in logits:
+            rows = np.asarray(chunk_logits, dtype=np.float32)[window, :n_vocab]
+            out.write(_encode_rows(rows, nv).tobytes())
+
+
+def _encode_rows(rows: np.ndarray, nv: int) -> np.ndarray:
+    """Each row of logits as llama.cpp's quantized log-probabilities (``nv`` uint16 a row)."""
+    n, n_vocab = rows.shape
+    top = rows.max(axis=1)
+    low = np.maximum(rows.min(axis=1), top - LOG_PROB_FLOOR)
+    log_sum_exp = np.log(np.exp((rows - top[:, None]).astype(np.float64)).sum(axis=1))
+    min_log_prob = (low - top - log_sum_exp).astype(np.float32)
+    scale = ((top - low) / 65535.0).astype(np.float32)
+    encoded = np.zeros((n, nv), dtype=np.uint16)
+    header = np.stack([scale, min_log_prob], axis=1).astype(np.float32)
+    encoded[:, :4] = header.view(np.uint16).reshape(n, 4)
+    safe = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.rint((rows - low[:, None]) * (1.0 / safe)[:, None])
+    q = np.where((rows > low[:, None]) & (scale[:, None] > 0), q, 0)
+    encoded[:, 4 : 4 + n_vocab] = np.clip(q, 0, 65535).astype(np.uint16)
+    return encoded
+
+
+_FIGURE = r"\s*([-+0-9.eE]+|nan|inf|-nan)"
+_LLAMA_LINES = {
+    "kl_mean": re.compile(r"Mean\s+KLD:" + _FIGURE),
+    "kl_p99": re.compile(r"99\.0%\s+KLD:" + _FIGURE),
+    "ppl_ratio": re.compile(r"Mean PPL\(Q\)/PPL\(base\)\s*:" + _FIGURE),
+    "top1": re.compile(r"Same top p:" + _FIGURE),
+}
+
+
+def parse_llama_kl(output: str, positions: int) -> LogitFigures | None:
+    """The figures ``llama-perplexity --kl-divergence`` printed (its summary, which it prints
+    from 100 scored positions on), or None when a line is missing."""
+    values: dict[str, float] = {}
+    for key, pattern in _LLAMA_LINES.items():
+        found = pattern.findall(output)
+        if not found:
+            return None
+        values[key] = float(found[-1])
+    return LogitFigures(
+        kl_mean=values["kl_mean"],
+        kl_p99=values["kl_p99"],
+        top1=values["top1"] / 100.0,
+        ppl_ratio=values["ppl_ratio"],
+        positions=positions,
+    )
