@@ -321,7 +321,13 @@ class JobCgroup:
                 os.kill(pid, signal.SIGKILL)
 
     def remove(self) -> None:
-        """Remove the (empty) cgroup; its remaining charges go to the parent."""
+        """Remove the (empty) cgroup. Its page cache is reclaimed first: removed with it, the
+        charges would go to the service's cgroup, whose limit the API lives under."""
+        with contextlib.suppress(OSError):
+            if self.version == 1:
+                _write(self.path / "memory.force_empty", "0")
+            else:
+                _write(self.path / "memory.reclaim", str(max(self.usage(), 1)))
         with contextlib.suppress(OSError):
             self.path.rmdir()
 

@@ -1,0 +1,147 @@
+"""Every export of a checkpoint far larger than memory, through a real service in a memory cgroup.
+
+Issue 21's table: a Llama-shaped float32 checkpoint (hidden 4096, SmolLM2's real 49152-token
+tokenizer, random weights written a chunk at a time by ``bench/synth_checkpoint.py``) at two
+sizes, each exported by a real ``modelprep serve`` living in a memory cgroup of ONE fixed limit
+(default 2.5 GiB, at most a quarter of the larger checkpoint): safetensors bf16, GGUF q8_0, GGUF
+Q4_K_M, ONNX and NNEF, each as its own job with verify on, then all five in one job. For each
+job: outcome, wall, the job's peak (its process's RSS; its memory cgroup's charge, children and
+page cache included), each child's peak (llama.cpp's quantizer, onnxruntime, tract) and the
+verification mode, plus the slowest answer of the API, polled every 0.25 s throughout.
+
+    .venv/bin/python bench/memory_budget.py [--limit 2.5GiB] [--sizes 5,10] [--work var/bench]
+
+Needs root (it makes the cgroup: v2 where the machine has the memory controller there, else
+v1) and the llama.cpp tools (``make llama-cpp``). About 1 h on 2 cores for both sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.units import parse_size
+from tests.fixtures.cgroups import memory_cgroup
+from tests.fixtures.service import Poller, ServiceProcess, running_service
+
+HIDDEN, INTER, VOCAB = 4096, 11008, 49152
+LAYER_BYTES = 4 * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER)
+EMBED_BYTES = 2 * 4 * VOCAB * HIDDEN
+
+EXPORTS: dict[str, dict[str, Any]] = {
+    "safetensors bf16": {"format": "safetensors", "dtype": "bfloat16"},
+    "GGUF q8_0": {"format": "gguf", "type": "q8_0"},
+    "GGUF Q4_K_M": {"format": "gguf", "type": "Q4_K_M"},
+    "ONNX": {"format": "onnx"},
+    "NNEF": {"format": "nnef"},
+}
+CHILD_PEAKS = ("quantizer_peak_rss_bytes", "ort_peak_rss_bytes", "tract_peak_rss_bytes")
+
+
+def checkpoint(work: Path, gigabytes: float) -> Path:
+    """A checkpoint of at least ``gigabytes`` GB, made once under ``work``."""
+    from bench.export_gguf import smollm2_tokenizer
+    from bench.synth_checkpoint import write_checkpoint
+
+    layers = max(1, -(-int(gigabytes * 1e9 - EMBED_BYTES) // LAYER_BYTES))
+    out = work / f"llama-{layers}l"
+    if not (out / "config.json").exists():
+        write_checkpoint(out, layers, HIDDEN, INTER, VOCAB)
+        tok = work / "tokenizer"
+        if not tok.exists():
+            smollm2_tokenizer(tok)
+        for f in tok.iterdir():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _walk(value: Any, key: str) -> list[Any]:
+    """Every value of ``key`` anywhere in ``value``."""
+    found = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found += [v] if k == key else _walk(v, key)
+    elif isinstance(value, list):
+        for v in value:
+            found += _walk(v, key)
+    return found
+
+
+def run_job(service: ServiceProcess, poller: Poller, source: Path,
+            exports: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    started = time.monotonic()
+    with service.client() as client:
+        answer = client.post("/v1/jobs", json={"source": source.as_uri(), "exports": exports})
+        if answer.status_code != 202:
+            problem = answer.json()
+            return {"outcome": f"refused {answer.status_code}: {problem.get('detail')}"}
+        job_id = answer.json()["id"]
+        poller.jobs.append(job_id)
+        done = service.wait_for(job_id, timeout=6 * 3600)
+        poller.jobs.remove(job_id)
+        row: dict[str, Any] = {
+            "outcome": done["status"] if done["error"] is None
+            else f"{done['status']}: {done['error']['type']}: {done['error']['message'][:160]}",
+            "wall_s": round(time.monotonic() - started, 1),
+            "job_peak_rss": done["metrics"].get("peak_rss_bytes"),
+        }
+        if done["status"] == "succeeded":
+            manifest = client.get(f"/v1/jobs/{job_id}/artifacts/manifest.json").json()
+            phases = manifest.get("memory", {}).get("phases", [])
+            row["cgroup_peak"] = max((p.get("cgroup_peak_bytes") or 0 for p in phases), default=0)
+            row["children"] = {k: max(_walk(manifest, k)) for k in CHILD_PEAKS if _walk(manifest, k)}
+            row["modes"] = sorted({str(m) for m in _walk(manifest, "mode")}) or ["whole"]
+    return row
+
+
+def gib(value: Any) -> str:
+    return f"{value / 2**30:.2f}" if isinstance(value, int | float) else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--limit", default="2.5GiB")
+    parser.add_argument("--sizes", default="5,10", help="checkpoint sizes in GB")
+    parser.add_argument("--work", type=Path, default=Path("var/bench/memory-budget"))
+    args = parser.parse_args()
+    limit = parse_size(args.limit)
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in (float(s) for s in args.sizes.split(",")):
+        source = checkpoint(args.work, size)
+        weights = sum(f.stat().st_size for f in source.glob("*.safetensors"))
+        with memory_cgroup(limit) as cgroup, running_service(
+            args.work / f"data-{source.name}", [source.parent], env={"MODELPREP_WORKERS": "1"},
+            cgroup=cgroup.path,
+        ) as service, Poller(service) as poller:  # fmt: skip
+            jobs = [(label, [spec]) for label, spec in EXPORTS.items()]
+            jobs.append(("all five, one job", list(EXPORTS.values())))
+            for label, exports in jobs:
+                row = run_job(service, poller, source, exports)
+                row.update(label=label, checkpoint_gb=round(weights / 1e9, 2))
+                _, slowest = poller.slowest()
+                row["slowest_poll_s"] = round(slowest, 3)
+                poller.seconds.clear()
+                row["service_oom_kills"] = cgroup.oom_kills()
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    print(f"\nlimit {gib(limit)} GiB (one worker)\n")
+    print("| checkpoint | export | result | wall | job peak RSS | job cgroup peak | children "
+          "peak | verification | slowest API poll |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        children = ", ".join(f"{k.split('_')[0]} {gib(v)}" for k, v in r.get("children", {}).items())
+        print(f"| {r['checkpoint_gb']} GB | {r['label']} | {r['outcome']} | {r.get('wall_s', '-')} s "
+              f"| {gib(r.get('job_peak_rss'))} GiB | {gib(r.get('cgroup_peak'))} GiB "
+              f"| {children or '-'} | {', '.join(r.get('modes', ['-']))} | {r['slowest_poll_s']} s |")
+
+
+if __name__ == "__main__":
+    main()
