@@ -1,8 +1,9 @@
 """/v1/jobs in process: submit, validation as problem+json, get, list with its cursor, delete,
-and who may see what."""
+events, and who may see what."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -205,3 +206,24 @@ def test_deleting_a_finished_job_removes_its_files_and_keeps_the_job(
     assert response.json()["status"] == "succeeded"
     assert not artifacts.exists()
     assert client.get(f"/v1/jobs/{job['id']}", headers=auth("a")).json()["status"] == "succeeded"
+
+
+@pytest.mark.timeout(60)
+def test_events_of_a_finished_job_are_its_final_state_then_the_end(
+    app: FastAPI, client: TestClient, llama_job: dict[str, Any]
+) -> None:
+    job = submit(client, llama_job)
+    succeed(app, job["id"], {"model.safetensors": b"x"})
+    with client.stream("GET", f"/v1/jobs/{job['id']}/events", headers=auth("a")) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line and not line.startswith(":")]
+    fields = dict(line.split(": ", 1) for line in lines)
+    assert fields["event"] == "status"
+    assert json.loads(fields["data"])["status"] == "succeeded"
+    version = fields["id"]
+    resumed = client.get(f"/v1/jobs/{job['id']}/events",
+                         headers={**auth("a"), "Last-Event-ID": version})
+    assert resumed.status_code == 200 and "data:" not in resumed.text  # nothing newer
+    assert_problem(client.get(f"/v1/jobs/{job['id']}/events", headers=auth("b")), 404,
+                   "job_not_found")
