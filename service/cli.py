@@ -15,13 +15,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     from service.api.app import create_app
     from service.api.auth import check_binding
-    from service.config import Settings
+    from service.config import load_settings
     from service.errors import ConfigurationError
     from service.logs import configure_logging
 
-    settings = Settings()
-    configure_logging(settings)
     try:
+        settings = load_settings()
+        configure_logging(settings)
         app = create_app(settings)
         check_binding(app.state.keyring, args.host)
     except ConfigurationError as exc:
@@ -36,14 +36,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from service.api.schemas import job_json
-    from service.config import Settings
+    from service.config import load_settings
     from service.errors import ConfigurationError
     from service.jobs.worker import run_worker
     from service.logs import configure_logging
 
-    settings = Settings()
-    configure_logging(settings)
     try:
+        settings = load_settings()
+        configure_logging(settings)
         run_worker(settings, health_file=args.health_file, render=job_json)
     except ConfigurationError as exc:
         print(f"modelprep worker: {exc.message}", file=sys.stderr)
@@ -84,13 +84,46 @@ def _openapi(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_model(args: argparse.Namespace) -> int:
+    from service.demo import write_demo_model
+
+    for path in write_demo_model(args.directory):
+        print(path)
+    return 0
+
+
+def _reference(args: argparse.Namespace) -> int:
+    if args.page == "settings":
+        from service.config import settings_reference
+
+        sys.stdout.write(settings_reference())
+    else:
+        from service.api.problems import markdown
+
+        sys.stdout.write(markdown())
+    return 0
+
+
+def package_version() -> str:
+    """The installed modelprep's version (``unknown`` when run from a bare source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("modelprep")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelprep", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"modelprep {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the HTTP service (settings from MODELPREP_*)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1; any other address "
+                       "needs MODELPREP_API_KEYS)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     serve.set_defaults(func=_serve)
 
     worker = sub.add_parser(
@@ -98,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--health-file", type=Path, default=None,
-        help="touch this file on every heartbeat (a container health check reads its age)",
+        help="touch this file on every heartbeat (a container health check reads its age; "
+        "default: none)",
     )
     worker.set_defaults(func=_worker)
 
@@ -106,14 +140,32 @@ def build_parser() -> argparse.ArgumentParser:
         "healthcheck",
         help="exit 0 when this container's worker (heartbeat file) or API (/readyz) is healthy",
     )
-    health.add_argument("--file", type=Path, default=WORKER_HEALTH_FILE)
-    health.add_argument("--max-age", type=float, default=30.0, help="seconds")
-    health.add_argument("--url", default="http://127.0.0.1:8000/readyz")
-    health.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    health.add_argument("--file", type=Path, default=WORKER_HEALTH_FILE,
+                        help=f"a worker's heartbeat file (default: {WORKER_HEALTH_FILE})")
+    health.add_argument("--max-age", type=float, default=30.0,
+                        help="seconds the heartbeat file may be old (default: 30)")
+    health.add_argument("--url", default="http://127.0.0.1:8000/readyz",
+                        help="the API's readiness URL (default: http://127.0.0.1:8000/readyz)")
+    health.add_argument("--timeout", type=float, default=3.0,
+                        help="seconds to wait for /readyz (default: 3)")
     health.set_defaults(func=_healthcheck)
 
     openapi = sub.add_parser("openapi", help="print the OpenAPI document")
     openapi.set_defaults(func=_openapi)
+
+    demo = sub.add_parser(
+        "demo-model", help="write a real tiny checkpoint (a 2-layer Llama made by transformers, "
+        "about 0.3 MB) to try the service on; nothing is downloaded",
+    )
+    demo.add_argument("directory", type=Path, help="where to write it (created)")
+    demo.set_defaults(func=_demo_model)
+
+    reference = sub.add_parser(
+        "reference", help="print a generated reference page: settings (docs/settings.md) or "
+        "errors (docs/errors.md)",
+    )
+    reference.add_argument("page", choices=["settings", "errors"], help="which page")
+    reference.set_defaults(func=_reference)
 
     from service.client_cli import add_client_commands
 
@@ -124,8 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "client_command", False):
+        import signal
+
         from service.client_cli import run_client_command
 
+        # `modelprep jobs | head`: a closed pipe ends a client command quietly, as it does
+        # any Unix filter (the servers keep Python's default: a closed socket is an error).
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         return run_client_command(args.func, args)
     code: int = args.func(args)
     return code

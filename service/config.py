@@ -7,11 +7,13 @@ environment, so a job always runs with the settings of the service that accepted
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from service.egress import EgressPolicy
 from service.memory import MemoryBudget, default_job_budget, read_memory_limit
@@ -45,17 +47,36 @@ class S3Credentials(BaseModel):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MODELPREP_", extra="ignore")
 
-    data_dir: Path = Field(default=Path("var"), description="Root of every file the service owns.")
-    database_url: str | None = Field(
-        default=None, description="SQLAlchemy URL; default: SQLite file under data_dir."
+    data_dir: Path = Field(
+        default=Path("var"),
+        description="Everything the service writes: modelprep.db, jobs/<id>/{work,offload,"
+        "artifacts}, cache/ (relative paths are taken from the working directory).",
     )
-    executor: Literal["local", "procrastinate"] = "local"
-    workers: int = Field(default=2, ge=1, description="Jobs run at once by one pool/worker.")
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the job store; default: SQLite file modelprep.db in the "
+        "data directory. PostgreSQL (postgresql+psycopg://...) for several processes.",
+        examples=["postgresql+psycopg://user:pass@db:5432/modelprep"],
+    )
+    executor: Literal["local", "procrastinate"] = Field(
+        default="local",
+        description="local: the API runs jobs in its own pool of processes; procrastinate: the "
+        "API only queues (PostgreSQL) and `modelprep worker` processes run them.",
+    )
+    workers: int = Field(
+        default=2, ge=1, description="Jobs run at once by one pool or worker, each in its own "
+        "process.",
+    )
     max_queued: int = Field(default=64, ge=0, description="Jobs waiting before POST answers 429.")
     local_roots: list[Path] = Field(
-        default_factory=list, description="Directories file:// sources may come from."
+        default_factory=list,
+        description="JSON list of absolute directories file:// sources may come from "
+        "(symlinks leaving a root are refused).",
+        examples=['["/srv/models"]'],
     )
-    progress_interval_seconds: float = 0.25
+    progress_interval_seconds: float = Field(
+        default=0.25, description="How often a running job writes its progress to the store."
+    )
 
     # distributed execution: MODELPREP_EXECUTOR=procrastinate, `modelprep worker` processes
     heartbeat_interval_seconds: float = Field(
@@ -78,11 +99,24 @@ class Settings(BaseSettings):
     )
 
     # sources
-    hf_endpoint: str | None = None
-    hf_token: SecretStr | None = None
-    cache_max_bytes: int = 50 * 1024**3
-    max_download_bytes: int = 500 * 1024**3
-    download_retries: int = 5
+    hf_endpoint: str | None = Field(
+        default=None, description="Hub mirror or private hub for hf:// sources; default: the "
+        "hub's own.",
+    )
+    hf_token: SecretStr | None = Field(
+        default=None, description="Hub token for hf:// sources when a job gives none (never "
+        "logged or returned).",
+    )
+    cache_max_bytes: int = Field(
+        default=50 * 1024**3, description="Size of the download cache (data_dir/cache) beyond "
+        "which least-recently-used entries are evicted, never while a job uses them.",
+    )
+    max_download_bytes: int = Field(
+        default=500 * 1024**3, description="Largest source accepted (download_too_large)."
+    )
+    download_retries: int = Field(
+        default=5, ge=0, description="Retries of a failed download (resumed with Range)."
+    )
     download_backoff_seconds: float = Field(
         default=1.0, ge=0, description="First retry delay of a download; doubles per retry."
     )
@@ -91,7 +125,9 @@ class Settings(BaseSettings):
         description="A download receiving less than download_min_bytes_per_second over this "
         "long fails with download_stalled (a trickling source must not hold a worker slot).",
     )
-    download_min_bytes_per_second: int = Field(default=1024, ge=0)
+    download_min_bytes_per_second: int = Field(
+        default=1024, ge=0, description="See download_stall_seconds.",
+    )
     s3_endpoint: str | None = Field(
         default=None,
         description="Endpoint URL of an S3-compatible store (MinIO, Ceph RGW, SeaweedFS) for "
@@ -126,6 +162,7 @@ class Settings(BaseSettings):
     )
     egress_allowlist: list[str] = Field(
         default_factory=list,
+        examples=['["mirror.internal", "10.0.0.0/8"]'],
         description="JSON list of host names and CIDRs that HTTP sources, redirects and "
         "callbacks may reach although not global (internal mirrors); everything else "
         "non-global (loopback, link-local, private) is refused.",
@@ -139,6 +176,7 @@ class Settings(BaseSettings):
     )
     callback_secrets: dict[str, SecretStr] = Field(
         default_factory=dict,
+        examples=['{"acme": "a-random-secret-of-16-or-more-characters"}'],
         description='JSON {"tenant": "secret"}: the key that signs each tenant\'s callbacks; a '
         "tenant without one cannot ask for a callback (one tenant never holds another's key).",
     )
@@ -164,11 +202,17 @@ class Settings(BaseSettings):
     )
 
     # model building and offload
-    trust_remote_code: bool = False
-    offload_quota_bytes: int | None = Field(
-        default=None, validation_alias="MODELPREP_OFFLOAD_QUOTA"
+    trust_remote_code: bool = Field(
+        default=False, description="Allow architectures that need code from the checkpoint."
     )
-    keep_failed_offload: bool = False
+    offload_quota_bytes: int | None = Field(
+        default=None, validation_alias="MODELPREP_OFFLOAD_QUOTA",
+        description="Bytes one job may write into its offload store (offload_quota_exceeded); "
+        "none: the disk's free space.",
+    )
+    keep_failed_offload: bool = Field(
+        default=False, description="Keep a failed job's offload store, for debugging."
+    )
     default_max_memory: str | None = Field(
         default=None,
         description="RAM a job's offload store may keep weights in (a job's own \"max_memory\" "
@@ -219,12 +263,17 @@ class Settings(BaseSettings):
     )
 
     # operability
-    log_json: bool = True
-    log_level: str = "INFO"
+    log_json: bool = Field(
+        default=True, description="One JSON object per log line on stderr; false: plain text."
+    )
+    log_level: str = Field(
+        default="INFO", description="DEBUG, INFO, WARNING or ERROR.", examples=["WARNING"]
+    )
 
     # access control and tenant limits (see service/api/auth.py)
     api_keys: list[ApiKeyEntry] = Field(
         default_factory=list,
+        examples=['[{"tenant": "acme", "sha256": "<64 hex digits: modelprep keygen>"}]'],
         description='JSON list of {"tenant", "sha256", "admin"}; none: open, loopback only.',
     )
     api_keys_file: Path | None = Field(
@@ -250,6 +299,7 @@ class Settings(BaseSettings):
     )
     artifact_ttl: float | None = Field(
         default=None,
+        examples=["30d"],
         description="Seconds (or 30d, 12h, 90m) after which a finished job's artifacts and work "
         "files are removed, as DELETE does; None: kept until deleted.",
     )
@@ -257,7 +307,7 @@ class Settings(BaseSettings):
         default=60.0, gt=0, description="How often the API looks for expired artifacts."
     )
     tenant_max_artifact_bytes: int | None = Field(
-        default=None, ge=0, description="Artifact bytes kept per tenant before 429 (e.g. 500GB)."
+        default=None, ge=0, examples=["500GB"], description="Artifact bytes kept per tenant before 429 (e.g. 500GB)."
     )
 
     @field_validator("artifact_ttl", mode="before")
@@ -319,7 +369,8 @@ class Settings(BaseSettings):
         # A timeout within a few intervals would retry jobs whose worker is merely slow.
         if self.heartbeat_timeout_seconds < 3 * self.heartbeat_interval_seconds:
             raise ValueError(
-                "heartbeat_timeout_seconds must be at least 3 x heartbeat_interval_seconds"
+                "MODELPREP_HEARTBEAT_TIMEOUT_SECONDS must be at least 3 x "
+                "MODELPREP_HEARTBEAT_INTERVAL_SECONDS (a slow worker is not a dead one)"
             )
         return self
 
@@ -385,3 +436,101 @@ class Settings(BaseSettings):
     def cache_dir(self) -> Path:
         """The download cache shared by all jobs and workers."""
         return self.data_dir / "cache"
+
+
+def _default_text(field: str) -> str:
+    info = Settings.model_fields[field]
+    default = info.get_default(call_default_factory=True)
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return f"`{str(default).lower()}`"
+    if isinstance(default, list | dict):
+        return f"`{json.dumps(default)}`"
+    if isinstance(default, Path):
+        return f"`./{default}`" if not default.is_absolute() else f"`{default}`"
+    if isinstance(default, int) and default >= 1024**3 and default % 1024**3 == 0:
+        return f"`{default}` ({default // 1024**3} GiB)"
+    return f"`{default}`"
+
+
+def settings_reference() -> str:
+    """``docs/settings.md``: every setting, generated from :class:`Settings` (``modelprep
+    reference settings``; a test keeps the page equal to it)."""
+    lines = [
+        "# Settings",
+        "",
+        "<!-- Generated by `modelprep reference settings > docs/settings.md`; a test checks it. -->",
+        "",
+        "Every setting is an environment variable, read once at start-up by `modelprep serve` and",
+        "`modelprep worker` (`make serve` passes them on). Lists and maps are JSON. A malformed",
+        "value stops start-up with one line naming the variable and an example.",
+        "",
+        "| variable | default | meaning |",
+        "|---|---|---|",
+    ]
+    for field, info in Settings.model_fields.items():
+        meaning = (info.description or "").replace("|", "\\|")
+        if info.examples:
+            meaning += f" E.g. `{info.examples[0]}`."
+        lines.append(f"| `{env_name(field)}` | {_default_text(field)} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets a ``Settings`` field."""
+    alias = Settings.model_fields[field].validation_alias
+    if isinstance(alias, str):
+        return alias
+    prefix = Settings.model_config.get("env_prefix") or ""
+    return f"{prefix}{field}".upper()
+
+
+def example_value(field: str) -> str:
+    """A valid value of a setting, as it is written in the environment."""
+    info = Settings.model_fields[field]
+    if info.examples:
+        return str(info.examples[0])
+    text = str(info.annotation)
+    for marker, example in (("list", '["..."]'), ("dict", '{"key": "value"}'),
+                            ("bool", "true"), ("int", "4"), ("float", "2.5"),
+                            ("Path", "/srv/modelprep"), ("Literal", "")):
+        if marker in text:
+            if marker == "Literal":
+                return str(re.findall(r"'([^']*)'", text)[0])
+            return example
+    return "..."
+
+
+def load_settings() -> Settings:
+    """``Settings()`` from the environment, or :class:`ConfigurationError` with one line that
+    names the variable at fault and shows a valid value (never a pydantic traceback)."""
+    from service.errors import ConfigurationError
+
+    try:
+        return Settings()
+    except SettingsError as exc:  # a complex value (list, dict) that is not JSON
+        found = re.search(r'field "(\w+)"', str(exc))
+        if found is None or found.group(1) not in Settings.model_fields:
+            raise ConfigurationError(f"invalid setting: {exc}") from None
+        name = found.group(1)
+        raise ConfigurationError(
+            f"{env_name(name)} is not valid JSON; e.g. {env_name(name)}='{example_value(name)}'"
+        ) from None
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = err.get("loc") or ()
+            field = str(loc[0]) if loc else ""
+            aliases = {env_name(f): f for f in Settings.model_fields}
+            field = aliases.get(field, field)
+            message = str(err.get("msg", "")).removeprefix("Value error, ")
+            if field in Settings.model_fields:
+                where = ".".join(str(p) for p in loc[1:])
+                problems.append(
+                    f"{env_name(field)}{' ' + where if where else ''}: {message}; e.g. "
+                    f"{env_name(field)}='{example_value(field)}'"
+                )
+            else:
+                problems.append(message)
+        raise ConfigurationError("invalid setting: " + "; ".join(problems)) from None

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from service.api.auth import KEY_REQUIRED, Keyring
 from service.api.errors import install_error_handlers
 from service.api.metrics import service_registry
-from service.api.routes import artifacts, events, health, jobs, metrics, offload, ui
+from service.api.routes import artifacts, docs, events, health, jobs, metrics, offload, ui
 from service.api.schemas import job_json
 from service.api.telemetry import RequestTelemetry, request_latency_histogram
 from service.api.watch import JobWatch
@@ -26,6 +26,14 @@ from service.jobs.service import JobService
 from service.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
+
+API_DESCRIPTION = """\
+Submit a job (`POST /v1/jobs`) naming a checkpoint and the exports to make; follow it
+(`GET /v1/jobs/{id}`, or the live `GET /v1/jobs/{id}/events` stream); download its artifacts
+(`GET /v1/jobs/{id}/artifacts/{path}`, listed with their sha256 in the job). Every `/v1` route
+takes `Authorization: Bearer <key>` unless the service runs without keys on loopback. Every error
+is `application/problem+json` whose `type` is a page of this service (`/problems/<code>`).
+"""
 
 
 async def _expire_artifacts(jobs: JobService, settings: Settings) -> None:
@@ -79,7 +87,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="modelprep",
         version="1.0.0",
         summary="Prepares very large model checkpoints for deployment with bounded memory.",
+        description=API_DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # served offline by routes/docs.py
+        redoc_url=None,  # Redoc would load from a CDN; /docs covers it
     )
     app.state.settings = settings
     app.state.jobs = job_service
@@ -94,6 +105,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (jobs, artifacts, events, offload):
         app.include_router(module.router, dependencies=[KEY_REQUIRED])
     # Open: probes; /metrics has its own guard; /ui is static files that call /v1 with a key.
-    for module in (health, metrics, ui):
+    for module in (health, metrics, ui, docs):
         app.include_router(module.router)
     return app

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,7 +38,9 @@ from service.errors import (
 log = logging.getLogger(__name__)
 
 PROBLEM_JSON = "application/problem+json"
-TYPE_BASE = "https://modelprep.dev/problems/"
+TYPE_BASE = "/problems/"
+"""Problem ``type`` URIs are this service's own ``/problems/<code>`` pages (a reference
+relative to the request's URL, as RFC 9457 allows): see ``service.api.problems``."""
 
 HTTP_STATUS: dict[type[ServiceError], int] = {
     InvalidRequest: 422,
@@ -61,12 +66,80 @@ HTTP_STATUS: dict[type[ServiceError], int] = {
 (the method resolution order decides), an error with none is a 500."""
 
 
-def http_status(exc: ServiceError) -> int:
-    """The HTTP status ``exc`` maps to (see :data:`HTTP_STATUS`)."""
-    for cls in type(exc).__mro__:
+def http_status(exc: ServiceError | type[ServiceError]) -> int:
+    """The HTTP status an error (or error class) maps to (see :data:`HTTP_STATUS`)."""
+    kind = exc if isinstance(exc, type) else type(exc)
+    for cls in kind.__mro__:
         if cls in HTTP_STATUS:
             return HTTP_STATUS[cls]
     return 500
+
+
+def closest(value: object, options: Sequence[str]) -> str | None:
+    """The option a mistyped ``value`` most likely meant (case, ``_`` and ``-`` ignored
+    first, then by similarity), or None."""
+    if not isinstance(value, str) or not options:
+        return None
+
+    def norm(text: str) -> str:
+        return re.sub(r"[_\-\s]", "", text.lower())
+
+    for option in options:
+        if norm(option) == norm(value):
+            return option
+    by_norm = {norm(o): o for o in options}
+    match = difflib.get_close_matches(norm(value), list(by_norm), n=1, cutoff=0.6)
+    return by_norm[match[0]] if match else None
+
+
+def _field_path(loc: Sequence[Any], tags: frozenset[str]) -> str:
+    """``exports[0].type`` for pydantic's ``("body", "exports", 0, "gguf", "type",
+    "literal['f32',...]")``: the request part, union tags and type names are dropped."""
+    out = ""
+    previous: Any = None
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(previous, int) and part in tags:
+            pass  # the discriminated union's tag: the format the item claims
+        elif re.search(r"[\[(]", str(part)) or str(part) in ("str", "int", "float", "bool"):
+            pass  # a union member's type name
+        else:
+            out += f".{part}" if out else str(part)
+        previous = part
+    return out or "body"
+
+
+def readable_errors(errors: Sequence[dict[str, Any]], tags: frozenset[str]) -> str:
+    """One line per field a request got wrong: its path, what it accepts, what was sent and,
+    for a choice among names, the closest valid one (``did you mean 'Q4_K_M'?``)."""
+    by_path: dict[str, list[dict[str, Any]]] = {}
+    for err in errors:
+        by_path.setdefault(_field_path(err.get("loc", ()), tags), []).append(err)
+    lines = []
+    for path, errs in by_path.items():
+        options: list[str] = []
+        for err in errs:
+            ctx = err.get("ctx") or {}
+            if err.get("type") == "literal_error":
+                options += re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+            elif err.get("type") == "union_tag_invalid":
+                options += re.findall(r"'([^']*)'", str(ctx.get("expected_tags", "")))
+                path = f"{path}.format" if not path.endswith("format") else path
+        if options:
+            sent = errs[0].get("input")
+            if errs[0].get("type") == "union_tag_invalid":
+                sent = (errs[0].get("ctx") or {}).get("tag", sent)
+            shown = repr(sent) if len(repr(sent)) <= 80 else repr(sent)[:77] + "..."
+            line = f"{path}: {shown} is not one of {', '.join(dict.fromkeys(options))}"
+            guess = closest(sent, options)
+            if guess is not None:
+                line += f" (did you mean {guess!r}?)"
+        else:
+            messages = dict.fromkeys(str(e.get("msg", "")) for e in errs)
+            line = f"{path}: {'; or '.join(messages)}"
+        lines.append(line)
+    return "; ".join(lines)
 
 
 def problem(
@@ -133,16 +206,31 @@ def install_error_handlers(app: FastAPI) -> None:
             headers=headers,
         )
 
+    from service.exporters import registry
+
+    format_tags = frozenset(registry())
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = _jsonable_errors(exc.errors())
+        raw = list(exc.errors())
+        errors = _jsonable_errors(raw)
         malformed = any(e["type"] == "json_invalid" for e in errors)
         if malformed:
             return problem(
                 400, "malformed_json", "Malformed JSON", "the request body is not valid JSON",
                 request.url.path, errors,
             )
-        summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors[:5])
+        content_type = request.headers.get("content-type", "")
+        not_json = content_type and "json" not in content_type.lower()
+        if not_json and any(tuple(e["loc"]) == ("body",) for e in errors):
+            return problem(
+                415, "unsupported_media_type", "Unsupported media type",
+                f"the body must be JSON sent with 'content-type: application/json' (got "
+                f"{content_type!r}; curl sends a form unless told "
+                "-H 'content-type: application/json')",
+                request.url.path, errors,
+            )
+        summary = readable_errors(raw[:10], format_tags)
         return problem(
             422, "invalid_request", "Invalid request", summary, request.url.path, errors
         )

@@ -26,7 +26,12 @@ def resolve_under_roots(path: Path, roots: list[Path]) -> Path:
     for root in roots:
         if real == root or real.is_relative_to(root):
             return real
-    raise SourceNotAllowed(f"source {path} is not under an allowed local root")
+    raise SourceNotAllowed(
+        f"source {path} is not under an allowed local root: the service reads file:// sources "
+        "only under the directories of its MODELPREP_LOCAL_ROOTS setting, a JSON list (e.g. "
+        """MODELPREP_LOCAL_ROOTS='["/srv/models"]'); put the checkpoint under one, or ask the """
+        "operator to add its directory"
+    )
 
 
 def check_readable(path: Path) -> None:

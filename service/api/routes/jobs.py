@@ -32,7 +32,7 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     return _EPOCH + timedelta(microseconds=int(micros)), job_id
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, responses={**PROBLEMS, **problems(503)})
+@router.post("", status_code=status.HTTP_202_ACCEPTED, responses={**PROBLEMS, **problems(415, 503)})
 def submit_job(
     body: JobCreate, jobs: JobsDep, principal: PrincipalDep, response: Response
 ) -> JobOut:
@@ -63,6 +63,17 @@ def list_jobs(
 @router.get("/{job_id}", responses=PROBLEMS)
 async def get_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut:
     return JobOut.from_job(await jobs.get_on_loop(job_id, principal.scope))
+
+
+@router.post(
+    "/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, responses=PROBLEMS,
+    summary="Cancel a queued or running job",
+)
+def cancel_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut:
+    """Cancel a queued job at once, or ask a running one to stop (``cancel_requested``; its
+    process group is killed and its files removed). A finished job answers ``409 conflict``
+    and keeps its files: ``DELETE`` removes them."""
+    return JobOut.from_job(jobs.cancel(job_id, principal.scope))
 
 
 @router.delete(

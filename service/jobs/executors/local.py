@@ -61,6 +61,8 @@ class LocalExecutor:
         self._wake_pipe: tuple[int, int] | None = None
         """(read, write) ends of the pipe that wakes the dispatcher; open while it runs."""
         self._stopping = threading.Event()
+        self._warm = threading.Event()
+        """Set once the forkserver has imported what jobs need (``warm_up``)."""
         self._thread: threading.Thread | None = None
 
     # --- Executor ----------------------------------------------------------------------------
@@ -78,7 +80,9 @@ class LocalExecutor:
     def stop(self) -> None:
         self._stopping.set()
         self._wake()
-        if self._thread is not None:
+        if self._thread is not None and self._warm.is_set():
+            # Still warming up, the (daemon) thread has run nothing: a stop need not wait
+            # the seconds the forkserver takes to import torch.
             self._thread.join(timeout=30)
         with self._lock:
             running = dict(self._running)
@@ -136,6 +140,7 @@ class LocalExecutor:
 
     def _loop(self) -> None:
         warm_up()
+        self._warm.set()
         while not self._stopping.is_set():
             try:
                 self._tick()
