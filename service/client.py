@@ -25,7 +25,13 @@ from typing import Any, Self
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-from service.errors import ApiError, ArtifactCorrupt, ClientError, ServiceUnreachable
+from service.errors import (
+    ApiError,
+    ArtifactCorrupt,
+    ArtifactsDeleted,
+    ClientError,
+    ServiceUnreachable,
+)
 from service.fsutil import sha256_file
 from service.retry import Backoff
 
@@ -50,6 +56,27 @@ class JobEvent:
         return self.data.get("status") in TERMINAL
 
 
+URL_HINT = "change it with --url or MODELPREP_URL"
+"""How a CLI user points the client elsewhere; every error about the service's address ends
+with it."""
+
+
+def service_root(url: str) -> str:
+    """The service's root URL from what a user typed: ``host:port`` gets ``http://``, and a
+    trailing ``/`` or ``/v1`` (the API's prefix, which the client adds itself) is dropped."""
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    scheme = text.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ClientError(
+            f"service URL {url!r}: use http://HOST:PORT or https://HOST ({URL_HINT})"
+        )
+    text = text.rstrip("/")
+    text = text.removesuffix("/v1")
+    return text
+
+
 def _problem_of(response: httpx.Response) -> dict[str, Any]:
     try:
         body = response.json()
@@ -61,12 +88,31 @@ def _problem_of(response: httpx.Response) -> dict[str, Any]:
             "detail": response.text[:500]}
 
 
+def problem_code(problem: Mapping[str, Any]) -> str | None:
+    """The short code of a modelprep problem (the last part of its ``type`` URI), or None
+    when the body is not one of modelprep's problems (another server answered)."""
+    kind = problem.get("type")
+    if not isinstance(kind, str) or "/problems/" not in kind:
+        return None
+    return kind.rsplit("/", 1)[-1]
+
+
 def _raise_for_problem(response: httpx.Response) -> None:
     if response.is_success:
         return
     problem = _problem_of(response)
     detail = problem.get("detail") or problem.get("title") or response.reason_phrase
-    raise ApiError(f"{response.status_code}: {detail}", response.status_code, problem)
+    code = problem_code(problem)
+    where = f"{response.request.method} {response.request.url}"
+    if code is None:
+        message = (f"{where} answered {response.status_code} {response.reason_phrase}, "
+                   f"which is not a modelprep answer: is that the service's address? ({URL_HINT})")
+    elif code in ("not_found", "method_not_allowed"):
+        message = (f"{where}: {response.status_code} {detail}: no such API route here, is "
+                   f"that the service's root? ({URL_HINT})")
+    else:
+        message = f"{code}: {detail}"
+    raise ApiError(message, response.status_code, problem)
 
 
 class ModelprepClient:
@@ -80,8 +126,9 @@ class ModelprepClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = service_root(base_url)
         self._http = httpx.Client(
-            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
         )
 
     def __enter__(self) -> Self:
@@ -98,11 +145,18 @@ class ModelprepClient:
     def close(self) -> None:
         self._http.close()
 
+    def _unreachable(self, what: str, exc: Exception) -> ServiceUnreachable:
+        """A :class:`ServiceUnreachable` naming the address tried and how to change it."""
+        reason = str(exc) or type(exc).__name__
+        return ServiceUnreachable(
+            f"no answer from modelprep at {self.base_url} ({what}: {reason}); {URL_HINT}"
+        )
+
     def _request(self, method: str, url: str, **kwargs: Any) -> Any:
         try:
             response = self._http.request(method, url, **kwargs)
         except httpx.HTTPError as exc:
-            raise ServiceUnreachable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+            raise self._unreachable(f"{method} {url}", exc) from exc
         _raise_for_problem(response)
         return response.json()
 
@@ -130,6 +184,14 @@ class ModelprepClient:
             params["cursor"] = page["next_cursor"]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel a queued or running job; a finished job is refused (409 ``conflict``) and
+        keeps its files."""
+        job: dict[str, Any] = self._request("POST", f"/v1/jobs/{job_id}/cancel")
+        return job
+
+    def delete(self, job_id: str) -> dict[str, Any]:
+        """``DELETE``: cancel an unfinished job, or remove a finished job's files (the job
+        stays, with ``deleted_at``)."""
         job: dict[str, Any] = self._request("DELETE", f"/v1/jobs/{job_id}")
         return job
 
@@ -149,7 +211,7 @@ class ModelprepClient:
                         continue  # keep-alive
                     yield JobEvent(kind=sse.event, version=int(sse.id), data=json.loads(sse.data))
         except (httpx.HTTPError, SSEError) as exc:
-            raise ServiceUnreachable(f"event stream of {job_id}: {exc}") from exc
+            raise self._unreachable(f"event stream of {job_id}", exc) from exc
 
     def follow(
         self, job_id: str, last_event_id: int | None = None, max_reconnects: int = 10
@@ -195,6 +257,11 @@ class ModelprepClient:
         against the size and sha256 of the job's artifact list before it gets its name."""
         if job.get("status") != "succeeded":
             raise ClientError(f"job {job.get('id')} is {job.get('status')}: no artifacts")
+        if job.get("deleted_at"):
+            raise ArtifactsDeleted(
+                f"job {job.get('id')} succeeded, but its files were deleted at "
+                f"{job['deleted_at']}: nothing to download (submit it again to remake them)"
+            )
         paths = []
         for artifact in job["artifacts"]:
             target = _confined(out_dir, artifact["path"])
@@ -266,7 +333,7 @@ class ModelprepClient:
                     f.flush()
                     os.fsync(f.fileno())
         except httpx.HTTPError as exc:
-            raise ServiceUnreachable(f"download of {artifact['path']}: {exc}") from exc
+            raise self._unreachable(f"download of {artifact['path']}", exc) from exc
 
 
 def _backoff(retries: int) -> Backoff:

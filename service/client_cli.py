@@ -13,8 +13,11 @@ Exit codes say what happened:
     3  the job was cancelled
     4  service unreachable, server error (5xx), or a corrupt download
     5  authentication or permission refused (401, 403)
-    6  no such job (404; also another tenant's job)
+    6  no such job (404; also another tenant's job), or its files were deleted (410)
     7  a limit was reached (429); retry later
+
+Every error is one line on stderr; one about reaching the service names the URL tried and how
+to change it (``--url`` or ``MODELPREP_URL``).
 """
 
 from __future__ import annotations
@@ -28,8 +31,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from service.client import JobEvent, ModelprepClient
-from service.errors import ApiError, ArtifactCorrupt, ClientError, ServiceUnreachable
+from service.client import JobEvent, ModelprepClient, problem_code
+from service.errors import (
+    ApiError,
+    ArtifactCorrupt,
+    ArtifactsDeleted,
+    ClientError,
+    ServiceUnreachable,
+)
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
@@ -41,6 +50,7 @@ EXIT_NOT_FOUND = 6
 EXIT_LIMITED = 7
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT = 30.0
 
 SHORTHAND_OPTION = {"safetensors": "dtype", "gguf": "type", "nnef": "compression"}
 """What the bare option of ``--export FORMAT:OPTION`` sets, per format."""
@@ -147,6 +157,7 @@ class ProgressView:
 
 
 def _client(args: argparse.Namespace) -> ModelprepClient:
+    """The client for ``--url``/``--api-key``, else ``MODELPREP_URL``/``MODELPREP_API_KEY``."""
     url = args.url or os.environ.get("MODELPREP_URL") or DEFAULT_URL
     key = args.api_key or os.environ.get("MODELPREP_API_KEY") or None
     return ModelprepClient(url, key, timeout=args.timeout)
@@ -199,15 +210,39 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        job = client.cancel(args.job)
+        try:
+            job = client.cancel(args.job)
+        except ApiError as exc:
+            if exc.http_status != 409:
+                raise
+            print(f"modelprep: job {args.job} has already ended: nothing to cancel (its files "
+                  f"stay; `modelprep delete {args.job}` removes them)", file=sys.stderr)
+            return EXIT_USAGE
         print(f"{job['id']} {job['status']}"
               + (" (cancel requested)" if job["cancel_requested"] else ""))
+    return EXIT_OK
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.delete(args.job)
+        if job.get("deleted_at"):
+            freed = job["metrics"].get("artifact_bytes_freed", 0)
+            print(f"{job['id']} {job['status']}, files deleted ({_human(freed, 'bytes')} freed)")
+        else:
+            print(f"{job['id']} {job['status']}"
+                  + (" (cancel requested)" if job["cancel_requested"] else ""))
     return EXIT_OK
 
 
 def cmd_download(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.job(args.job)
+        if job.get("deleted_at"):
+            raise ArtifactsDeleted(
+                f"job {job['id']} succeeded, but its files were deleted at {job['deleted_at']}:"
+                " nothing to download (submit it again to remake them)"
+            )
         if job["status"] != "succeeded":
             print(f"job {job['id']} is {job['status']}: no artifacts to download",
                   file=sys.stderr)
@@ -232,7 +267,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(job))
             else:
-                print(f"{job['id']}  {job['status']:<9} {job['phase']:<9} "
+                status = "deleted" if job.get("deleted_at") else job["status"]
+                print(f"{job['id']}  {status:<9} {job['phase']:<9} "
                       f"{job['created_at'][:19]}  {job['request'].get('source', '')}")
     return EXIT_OK
 
@@ -267,12 +303,18 @@ def exit_code_for(exc: ClientError) -> int:
         if status in (401, 403):
             return EXIT_AUTH
         if status == 404:
+            # a route this server does not have (a wrong --url) is not a missing job
+            code = problem_code(exc.problem)
+            return EXIT_UNAVAILABLE if code in (None, "not_found") else EXIT_NOT_FOUND
+        if status == 410:
             return EXIT_NOT_FOUND
         if status == 429:
             return EXIT_LIMITED
         return EXIT_USAGE if 400 <= status < 500 else EXIT_UNAVAILABLE
     if isinstance(exc, ServiceUnreachable | ArtifactCorrupt):
         return EXIT_UNAVAILABLE
+    if isinstance(exc, ArtifactsDeleted):
+        return EXIT_NOT_FOUND
     return EXIT_USAGE
 
 
@@ -293,53 +335,78 @@ def run_client_command(func: Callable[[argparse.Namespace], int], args: argparse
 def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register keygen and the client subcommands on ``modelprep``'s subparsers."""
     conn = argparse.ArgumentParser(add_help=False)
-    conn.add_argument("--url", help=f"service URL (default: $MODELPREP_URL or {DEFAULT_URL})")
-    conn.add_argument("--api-key", help="API key (default: $MODELPREP_API_KEY)")
-    conn.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    conn.add_argument(
+        "--url", help=f"the service's address, http://HOST:PORT (a bare HOST:PORT and a "
+        f"trailing /v1 are accepted; default: $MODELPREP_URL, else {DEFAULT_URL})",
+    )
+    conn.add_argument(
+        "--api-key", help="the API key to send as Authorization: Bearer (default: "
+        "$MODELPREP_API_KEY, else none: a service without keys on loopback)",
+    )
+    conn.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                      help=f"seconds to wait for each request (default: {DEFAULT_TIMEOUT:g})")
     quiet = argparse.ArgumentParser(add_help=False)
-    quiet.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    quiet.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress on stderr (default: progress shown)")
+    job = argparse.ArgumentParser(add_help=False)
+    job.add_argument("job", help="the job's id, as submit prints it")
 
     p = sub.add_parser("submit", parents=[conn, quiet], help="submit a job; print its id")
-    p.add_argument("source", help="file:///..., hf://org/repo, http(s)://..., or a local path")
+    p.add_argument("source", help="file:///..., hf://org/repo, http(s)://..., or a local path "
+                   "(sent as file:// + its absolute path)")
     p.add_argument("--export", "-e", action="append", type=parse_export, required=True,
-                   help="FORMAT[:OPTION] (safetensors:bfloat16, gguf:q8_0, nnef:q4_0), "
-                        "FORMAT:key=value,... or a JSON spec; repeatable")
-    p.add_argument("--revision")
-    p.add_argument("--sha256")
-    p.add_argument("--max-memory", help="CPU budget for the weights, e.g. 1GiB")
-    p.add_argument("--no-verify", action="store_true", help="skip numerical verification")
-    p.add_argument("--hf-token-file", help="file holding a hub token for this job")
+                   help="FORMAT[:OPTION] (safetensors:bf16, gguf:Q4_K_M, nnef:q4_0), "
+                        "FORMAT:key=value,... or a JSON spec; repeatable (required)")
+    p.add_argument("--revision", help="hf:// branch, tag or commit (default: main)")
+    p.add_argument("--sha256", help="expected sha256 of an http(s):// weights file "
+                   "(default: not checked)")
+    p.add_argument("--max-memory", help="CPU budget for the weights, e.g. 1GiB (default: the "
+                   "service's MODELPREP_DEFAULT_MAX_MEMORY)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip numerical verification (default: verify)")
+    p.add_argument("--hf-token-file", help="file holding a hub token for this job (default: "
+                   "the service's MODELPREP_HF_TOKEN)")
     p.add_argument("--callback", metavar="URL",
-                   help="POST the job's JSON there, signed, when it ends (README: callbacks)")
-    p.add_argument("--wait", action="store_true", help="follow the job until it ends")
+                   help="POST the job's JSON there, signed, when it ends (default: none; "
+                   "docs/api.md: callbacks)")
+    p.add_argument("--wait", action="store_true",
+                   help="follow the job until it ends (default: print the id and return)")
     p.set_defaults(func=cmd_submit, client_command=True)
 
-    p = sub.add_parser("status", parents=[conn], help="print a job's JSON")
-    p.add_argument("job")
+    p = sub.add_parser("status", parents=[conn, job], help="print a job's JSON")
     p.set_defaults(func=cmd_status, client_command=True)
 
-    p = sub.add_parser("wait", parents=[conn, quiet], help="follow a job with live progress")
-    p.add_argument("job")
+    p = sub.add_parser("wait", parents=[conn, quiet, job],
+                       help="follow a job with live progress; exit 0 if it succeeded")
     p.set_defaults(func=cmd_wait, client_command=True)
 
-    p = sub.add_parser("cancel", parents=[conn], help="cancel a queued or running job")
-    p.add_argument("job")
+    p = sub.add_parser("cancel", parents=[conn, job],
+                       help="cancel a queued or running job (a finished job is refused and "
+                       "keeps its files: see delete)")
     p.set_defaults(func=cmd_cancel, client_command=True)
 
-    p = sub.add_parser("download", parents=[conn, quiet],
+    p = sub.add_parser("delete", parents=[conn, job],
+                       help="remove a finished job's files (the job stays, marked deleted); "
+                       "an unfinished job is cancelled")
+    p.set_defaults(func=cmd_delete, client_command=True)
+
+    p = sub.add_parser("download", parents=[conn, quiet, job],
                        help="download a job's artifacts (resumable, sha256-checked)")
-    p.add_argument("job")
     p.add_argument("-o", "--output", help="directory (default: ./JOB_ID)")
     p.set_defaults(func=cmd_download, client_command=True)
 
     p = sub.add_parser("jobs", parents=[conn], help="list jobs, newest first")
-    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
-    p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"],
+                   help="only jobs in this status (default: all)")
+    p.add_argument("--limit", type=int, default=20, help="at most this many (default: 20)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per line (default: a table; deleted jobs say deleted)")
     p.set_defaults(func=cmd_jobs, client_command=True)
 
     p = sub.add_parser("keygen", help="make an API key; print it and its configuration entry")
-    p.add_argument("--tenant", required=True)
-    p.add_argument("--admin", action="store_true", help="the key sees every tenant's jobs")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--tenant", required=True, help="the tenant the key belongs to (required)")
+    p.add_argument("--admin", action="store_true",
+                   help="the key sees every tenant's jobs (default: its tenant's only)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"key", "entry"} as JSON (default: readable lines)')
     p.set_defaults(func=cmd_keygen, client_command=True)

@@ -442,6 +442,13 @@ class ServiceUnreachable(ConnectionError, ClientError):
     title = "Service unreachable"
 
 
+class ArtifactsDeleted(ClientError):
+    """The job succeeded but its files were removed (``DELETE``, retention): nothing to fetch."""
+
+    code = "artifacts_deleted"
+    title = "Artifacts deleted"
+
+
 class ArtifactCorrupt(ClientError):
     """A downloaded artifact's size or sha256 differs from the job's artifact list."""
 

@@ -221,3 +221,135 @@ def test_wait_survives_a_service_restart(root: Path, tmp_path: Path) -> None:
         _, stderr = waiting.communicate(timeout=240)
     assert waiting.returncode == 0, stderr
     assert f"{job_id} succeeded done" in stderr
+
+
+# --- the first hour (issue 24): no silent failure, every error says what was tried ----------
+
+
+def one_line(stderr: str) -> str:
+    """The single line a failed command writes on stderr (no traceback, no noise)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def test_cancel_refuses_a_finished_job_delete_removes_its_files_and_jobs_says_deleted(
+    service: ServiceProcess, root: Path, tmp_path: Path
+) -> None:
+    submitted = modelprep("submit", str(root / "llama"), "-e", "safetensors:float16", "--wait",
+                          "-q", url=service.url)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+
+    cancel = modelprep("cancel", job_id, url=service.url)
+    assert cancel.returncode == 2
+    assert f"modelprep delete {job_id}" in one_line(cancel.stderr)
+    job = json.loads(modelprep("status", job_id, url=service.url).stdout)
+    assert job["artifacts"] and "deleted_at" not in job, "cancel must not remove a job's files"
+
+    delete = modelprep("delete", job_id, url=service.url)
+    assert delete.returncode == 0, delete.stderr
+    assert "files deleted" in delete.stdout
+    listed = modelprep("jobs", "--limit", "500", url=service.url).stdout.splitlines()
+    row = next(line for line in listed if line.startswith(job_id))
+    assert row.split()[1] == "deleted", row
+
+    out = tmp_path / "out"
+    download = modelprep("download", job_id, "-o", str(out), url=service.url)
+    assert download.returncode == 6
+    assert "deleted" in one_line(download.stderr)
+    assert not out.exists()
+
+
+def test_jobs_piped_into_a_reader_that_stops_early_is_quiet(
+    service: ServiceProcess, root: Path, finished: tuple[str, subprocess.CompletedProcess[str]]
+) -> None:
+    """``modelprep jobs --json | head -1``: the pipe closes while the CLI still writes."""
+    import fcntl
+
+    def listing_size() -> int:
+        return len(modelprep("jobs", "--json", "--limit", "500", url=service.url).stdout)
+
+    # more output than the pipe (shrunk to one page) and Python's buffer hold together
+    while listing_size() < 40_000:
+        reused = modelprep("submit", str(root / "llama"), "-e", "safetensors:bfloat16",
+                           "--wait", "-q", url=service.url)
+        assert reused.returncode == 0, reused.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELPREP_")}
+    env.update(MODELPREP_URL=service.url, MODELPREP_API_KEY=KEY)
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "jobs", "--json", "--limit", "500"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    assert reader.stdout is not None and reader.stderr is not None
+    fcntl.fcntl(reader.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
+    assert json.loads(reader.stdout.readline())["id"]
+    reader.stdout.close()  # what `head -1` does after its line
+    stderr = reader.stderr.read().decode()
+    reader.wait(timeout=60)
+    assert stderr == "", stderr
+    assert reader.returncode in (0, -13), reader.returncode  # done, or SIGPIPE as filters end
+
+
+def test_an_unreachable_service_is_named_with_how_to_change_it() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = modelprep("jobs", url=url)
+    assert result.returncode == 4
+    line = one_line(result.stderr)
+    assert url in line and "--url" in line and "MODELPREP_URL" in line
+
+
+@pytest.mark.parametrize("form", ["{host}:{port}", "http://{host}:{port}/v1", "http://{host}:{port}/"])
+def test_the_service_url_may_omit_the_scheme_or_end_in_v1(
+    service: ServiceProcess, form: str
+) -> None:
+    host, port = service.url.removeprefix("http://").split(":")
+    result = modelprep("jobs", url=form.format(host=host, port=port))
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_url_that_is_not_the_service_root_is_not_reported_as_a_missing_job(
+    service: ServiceProcess,
+) -> None:
+    result = modelprep("status", "0" * 32, url=f"{service.url}/somewhere")
+    assert result.returncode == 4
+    line = one_line(result.stderr)
+    assert f"{service.url}/somewhere" in line and "MODELPREP_URL" in line
+
+
+def test_validation_errors_name_the_field_and_suggest_the_closest_value(
+    service: ServiceProcess, root: Path
+) -> None:
+    result = modelprep("submit", str(root / "llama"), "-e", "gguf:q4km", url=service.url)
+    assert result.returncode == 2
+    line = one_line(result.stderr)
+    assert "exports[0].type" in line and "did you mean 'Q4_K_M'?" in line
+    assert "literal[" not in line and "body." not in line
+    unknown = modelprep("submit", str(root / "llama"), "-e", "safetensor", url=service.url)
+    assert "did you mean 'safetensors'?" in one_line(unknown.stderr)
+
+
+def test_version_and_help_for_every_option() -> None:
+    from service.cli import build_parser
+
+    version = subprocess.run([sys.executable, "-m", "service.cli", "--version"],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert version.returncode == 0 and version.stdout.startswith("modelprep "), version
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert isinstance(commands, dict)
+    undocumented = []
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            text = action.help or ""
+            optional = bool(action.option_strings) and not action.required
+            takes_value = action.nargs != 0
+            if not text or (optional and takes_value and "default" not in text):
+                undocumented.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not undocumented, f"options without help or default: {undocumented}"
+    url_help = subprocess.run([sys.executable, "-m", "service.cli", "jobs", "--help"],
+                              capture_output=True, text=True, timeout=60, check=False).stdout
+    assert "MODELPREP_URL" in url_help and "MODELPREP_API_KEY" in url_help

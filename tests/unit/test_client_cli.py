@@ -56,7 +56,10 @@ def test_local_paths_become_file_uris(tmp_path: Path) -> None:
     [
         (ApiError("x", 401, {}), EXIT_AUTH),
         (ApiError("x", 403, {}), EXIT_AUTH),
-        (ApiError("x", 404, {}), EXIT_NOT_FOUND),
+        (ApiError("x", 404, {"type": "/problems/job_not_found"}), EXIT_NOT_FOUND),
+        (ApiError("x", 404, {"type": "/problems/not_found"}), EXIT_UNAVAILABLE),
+        (ApiError("x", 404, {}), EXIT_UNAVAILABLE),
+        (ApiError("x", 410, {"type": "/problems/artifact_gone"}), EXIT_NOT_FOUND),
         (ApiError("x", 429, {}), EXIT_LIMITED),
         (ApiError("x", 422, {}), EXIT_USAGE),
         (ApiError("x", 503, {}), EXIT_UNAVAILABLE),
@@ -99,3 +102,25 @@ def test_progress_without_a_terminal_is_plain_lines_per_change() -> None:
 def test_downloads_stay_in_the_output_directory(tmp_path: Path, path: str) -> None:
     with pytest.raises(ClientError):
         _confined(tmp_path, path)
+
+
+@pytest.mark.parametrize(
+    ("typed", "root"),
+    [
+        ("localhost:8765", "http://localhost:8765"),
+        ("http://host:8765/v1", "http://host:8765"),
+        ("https://host/prefix/v1/", "https://host/prefix"),
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+    ],
+)
+def test_the_service_root_from_what_a_user_types(typed: str, root: str) -> None:
+    from service.client import service_root
+
+    assert service_root(typed) == root
+
+
+def test_an_unsupported_scheme_says_how_to_change_the_url() -> None:
+    from service.client import service_root
+
+    with pytest.raises(ClientError, match="MODELPREP_URL"):
+        service_root("ftp://host")
