@@ -123,7 +123,8 @@ class Settings(BaseSettings):
     download_stall_seconds: float = Field(
         default=60.0, gt=0,
         description="A download receiving less than download_min_bytes_per_second over this "
-        "long fails with download_stalled (a trickling source must not hold a worker slot).",
+        "long fails with download_stalled, not retried (a trickling source must not hold a worker "
+        "slot).",
     )
     download_min_bytes_per_second: int = Field(
         default=1024, ge=0, description="See download_stall_seconds.",
@@ -133,7 +134,10 @@ class Settings(BaseSettings):
         description="Endpoint URL of an S3-compatible store (MinIO, Ceph RGW, SeaweedFS) for "
         "s3:// sources and the artifact store; default: AWS S3 of s3_region.",
     )
-    s3_region: str = Field(default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$")
+    s3_region: str = Field(
+        default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$",
+        description="Region of s3:// sources and of the artifact store.",
+    )
     s3_credentials: dict[str, S3Credentials] = Field(
         default_factory=dict,
         description='JSON {"tenant": {"access_key_id", "secret_access_key"}}: the keys a '
@@ -177,8 +181,9 @@ class Settings(BaseSettings):
     callback_secrets: dict[str, SecretStr] = Field(
         default_factory=dict,
         examples=['{"acme": "a-random-secret-of-16-or-more-characters"}'],
-        description='JSON {"tenant": "secret"}: the key that signs each tenant\'s callbacks; a '
-        "tenant without one cannot ask for a callback (one tenant never holds another's key).",
+        description='JSON {"tenant": "secret"}: the key that signs each tenant\'s callbacks '
+        "(16+ characters); a tenant without one cannot ask for a callback (422 "
+        "callback_not_configured; one tenant never holds another's key).",
     )
     callback_max_attempts: int = Field(
         default=12, ge=1, description="Attempts to deliver a callback before it is failed."
@@ -307,7 +312,10 @@ class Settings(BaseSettings):
         default=60.0, gt=0, description="How often the API looks for expired artifacts."
     )
     tenant_max_artifact_bytes: int | None = Field(
-        default=None, ge=0, examples=["500GB"], description="Artifact bytes kept per tenant before 429 (e.g. 500GB)."
+        default=None, ge=0, examples=["500GB"],
+        description="Artifact bytes of a tenant's succeeded jobs whose files are not deleted, "
+        "plus its queued and running jobs' reservations, before 429 (500GB style accepted); "
+        "DELETE or retention frees them.",
     )
 
     @field_validator("artifact_ttl", mode="before")
@@ -441,7 +449,7 @@ class Settings(BaseSettings):
 def _default_text(field: str) -> str:
     info = Settings.model_fields[field]
     default = info.get_default(call_default_factory=True)
-    if default is None:
+    if default is None or default == "":
         return "none"
     if isinstance(default, bool):
         return f"`{str(default).lower()}`"
