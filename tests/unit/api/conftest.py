@@ -113,6 +113,6 @@ def assert_problem(response: Any, status: int, code: str) -> dict[str, Any]:
     assert response.headers["content-type"] == PROBLEM
     problem: dict[str, Any] = response.json()
     assert problem["status"] == status
-    assert problem["type"] == f"https://modelprep.dev/problems/{code}"
+    assert problem["type"] == f"/problems/{code}"  # a page the service itself serves
     assert problem["title"] and problem["detail"]
     return problem
