@@ -145,7 +145,7 @@ def child_base(ckpt: Path) -> None:
     import resource
 
     from service.checkpoint import open_checkpoint
-    from service.exporters.gguf_plan import add_metadata, plan_gguf
+    from service.exporters.gguf.plan import add_metadata, plan_gguf
 
     with open_checkpoint(ckpt) as c:
         assert c.config is not None
@@ -180,7 +180,7 @@ QUANTIZER_FIXED = 32 << 20
 def bound(base: int, type_: str, verify: bool, largest: int = 0, transformed: int = 0) -> int:
     """The formula of :data:`MEMORY_BOUND`; ``largest``: elements of the largest tensor,
     ``transformed``: float32 bytes of the largest transformed one."""
-    from service.exporters.gguf_stream import CHUNK_BYTES
+    from service.exporters.gguf.stream import CHUNK_BYTES
 
     r = {"f16": 0.5, "q8_0": 34 / 128}.get(type_, 0.5)  # K-quants write f16 first
     ours = int(base + CHUNK_BYTES * (1 + 2 * r + (4 if verify else 0)) + 3 * transformed)
@@ -228,7 +228,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     import gguf
     import numpy as np
 
-    from service.exporters.gguf_directory import read_directory
+    from service.exporters.gguf.directory import read_directory
 
     da, db = read_directory(a), read_directory(b)
     ta, tb = {t.name: t for t in da.tensors}, {t.name: t for t in db.tensors}
@@ -251,7 +251,7 @@ def same_tensors(a: Path, b: Path) -> bool:
 
 
 def perplexity(path: Path, work: Path) -> float:
-    from service.exporters.gguf_llama_check import perplexity as llama_perplexity
+    from service.exporters.gguf.llama_check import perplexity as llama_perplexity
 
     work.mkdir(exist_ok=True)
     return llama_perplexity(path, work, lambda: None)

@@ -110,7 +110,7 @@ def run_modelprep(
 def run_dump_llm(ckpt: Path, out: Path) -> dict[str, Any]:
     from torch_to_nnef_llm.exporter import dump_llm
 
-    from service.exporters.tract_cli import write_launcher
+    from service.exporters.nnef.tract_cli import write_launcher
 
     launcher = write_launcher(out / "bin")
     dump_llm(

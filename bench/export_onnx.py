@@ -127,7 +127,7 @@ def timed(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, float, i
 
 def decode(model: Path, prompt: list[int], tokens: list[int], work: Path) -> dict[str, Any]:
     """The exporter's own onnxruntime decode (a child process) on ``model``."""
-    from service.exporters.onnx_verify import run_ort
+    from service.exporters.onnx.verify import run_ort
 
     request = {"prompt": np.asarray([prompt], np.int64), "tokens": np.asarray(tokens, np.int64)}
     run = run_ort(model, "decode", request, work)
@@ -149,7 +149,7 @@ def measure_modelprep(ckpt: Path, base: Path, verify: bool) -> dict[str, Any]:
 
 
 def measure_optimum(ckpt: Path, base: Path, venv: Path, ours: dict[str, Any]) -> dict[str, Any]:
-    from service.exporters.nnef import prompt_ids
+    from service.exporters.nnef.exporter import prompt_ids
 
     out = base / "optimum"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TMPDIR=str(base))

@@ -53,10 +53,10 @@ def evict(path: Path) -> None:
 def child_export(src: Path, out: Path, dtype: str, chunk_mib: int) -> None:
     """Runs in the child: export and print figures as one JSON line."""
     import service.exporters.safetensors as st
-    import service.exporters.safetensors_writer as writer
     from service.checkpoint import open_checkpoint
     from service.config import Settings
     from service.exporters.base import ExportInputs
+    from service.exporters.safetensors import writer
     from service.stage import InMemoryContext
 
     writer.CHUNK_BYTES = chunk_mib * MiB

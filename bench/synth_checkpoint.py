@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.checkpoint.base import FileRegion, TensorInfo
 from service.config import Settings
-from service.exporters.safetensors_writer import (
+from service.exporters.safetensors.writer import (
     INDEX_FILE,
     plan_shards,
     write_shard,

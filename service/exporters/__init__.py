@@ -1,6 +1,6 @@
 """Export formats; importing this package registers every built-in exporter.
 
-Each module registers itself at import and keeps its heavy imports (gguf, torch_to_nnef,
+Each format is a package whose ``exporter`` module registers itself at import and keeps its heavy imports (gguf, torch_to_nnef,
 tract) inside functions, so the API process can validate specs cheaply.
 """
 

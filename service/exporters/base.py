@@ -1,4 +1,4 @@
-"""The Exporter protocol and its registry: a new output format is one new module.
+"""The Exporter protocol and its registry: a new output format is one new package.
 
 An exporter
 
@@ -14,8 +14,9 @@ An exporter
 
 The pipeline (:mod:`service.jobs.pipeline`) only reads these declarations; it never tests a
 format by name. Heavy imports (torch, gguf, torch_to_nnef) stay inside ``export`` and
-``verify`` so that the API process never loads them. A new module registers its exporter at
-import (``exporter = register(MyExporter())``) and is listed in ``service/exporters/__init__.py``.
+``verify`` so that the API process never loads them. A new format is a package whose
+``exporter`` module registers it at import (``register(MyExporter())``) and is listed in
+``service/exporters/__init__.py``; ARCHITECTURE.md says what else goes in the package.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ExportInputs:
     store: Any | None = None
     """The job's offload store (:class:`service.offload.store.OffloadStore`), when opened."""
     reference: Any | None = None
-    """The source model's outputs (float32 tensor) on :func:`service.verify.parity.fixed_input_ids`,
+    """The source model's outputs (float32 tensor) on :func:`service.exporters.common.parity.fixed_input_ids`,
     computed once when an export's :class:`Needs` asks for it and the model could be built."""
     max_memory: str | None = None
     """The job's RAM budget for a model's weights, for verifiers that stream a model."""

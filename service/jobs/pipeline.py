@@ -387,8 +387,8 @@ def _verify_all(
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
+    from service.exporters.common.parity import fixed_input_ids
     from service.offload.streaming import streamed_forward
-    from service.verify.parity import fixed_input_ids
 
     vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)
     input_ids = fixed_input_ids(vocab)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.exporters.tract_cli import load_runnable, run_decode
+from service.exporters.nnef.tract_cli import load_runnable, run_decode
 from tests.e2e.test_service import PROBLEM, download_all, submit
 from tests.fixtures.models import copy_tree
 from tests.fixtures.real_models import COVERING_VARIANTS, real_variant

@@ -153,7 +153,7 @@ def test_one_job_exports_safetensors_gguf_and_nnef_each_verified(
     import numpy as np
     from gguf import GGUFReader
 
-    from service.exporters.tract_cli import load_runnable, run_bundle
+    from service.exporters.nnef.tract_cli import load_runnable, run_bundle
 
     job = submit(service, {"source": f"file://{root / 'llama'}", "exports": [
         {"format": "safetensors", "dtype": "float16"},

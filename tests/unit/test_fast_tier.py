@@ -39,7 +39,7 @@ def test_starting_tract_docker_or_chromium_is_refused(program: str) -> None:
 
 def test_running_the_tract_command_with_python_is_refused() -> None:
     with fast_tier.refused():
-        subprocess.run([sys.executable, "service/exporters/tract_cli.py", "--version"], check=False)
+        subprocess.run([sys.executable, "service/exporters/nnef/tract_cli.py", "--version"], check=False)
 
 
 @pytest.mark.parametrize("module", ["tract", "conversion.base", "playwright.sync_api"])

@@ -29,7 +29,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.exporters.gguf_llama_check import PPL_CTX, PPL_TEXT
+from service.exporters.gguf.llama_check import PPL_CTX, PPL_TEXT
 from service.llama_cpp import llama_cpp_tool
 from service.logits import (
     LogitBounds,
@@ -127,7 +127,7 @@ def tract_logits(directory: Path, chunks: np.ndarray) -> Iterator[np.ndarray]:
     """tract gives the last position's logits: the chunk's first half as the prompt, then each
     next token with tract's own caches fed back (the decode the NNEF check runs), placed at the
     positions the figures score."""
-    from service.exporters.tract_cli import load_runnable, run_decode
+    from service.exporters.nnef.tract_cli import load_runnable, run_decode
 
     io = json.loads((directory / "io.json").read_text())
     runnable = load_runnable(directory / "model.nnef.tgz")

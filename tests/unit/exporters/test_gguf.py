@@ -41,8 +41,8 @@ from service.errors import (
 )
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.gguf import GGUFExporter, GGUFSpec
-from service.exporters.gguf_directory import read_directory
-from service.exporters.gguf_plan import (
+from service.exporters.gguf.directory import read_directory
+from service.exporters.gguf.plan import (
     GGUFPlan,
     add_metadata,
     permute_qk,
@@ -50,7 +50,7 @@ from service.exporters.gguf_plan import (
     supported_architectures,
     unpermute_qk,
 )
-from service.exporters.gguf_stream import verify_gguf, write_gguf
+from service.exporters.gguf.stream import verify_gguf, write_gguf
 from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory
 

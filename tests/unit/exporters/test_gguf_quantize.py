@@ -23,9 +23,9 @@ from service.config import Settings
 from service.errors import ExportFailed, JobCancelled, ToolMissing, VerificationFailed
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.gguf import GGUFExporter, GGUFSpec
-from service.exporters.gguf_directory import read_directory
-from service.exporters.gguf_llama_check import PPL_RATIO_BOUND, PROBES, _estimate, check_perplexity
-from service.exporters.gguf_quantize import QUANTIZER_TYPES, compute_imatrix, quantize, sha256_of
+from service.exporters.gguf.directory import read_directory
+from service.exporters.gguf.llama_check import PPL_RATIO_BOUND, PROBES, _estimate, check_perplexity
+from service.exporters.gguf.quantize import QUANTIZER_TYPES, compute_imatrix, quantize, sha256_of
 from service.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
 from tests.unit.exporters.test_gguf import CORPUS, _randomize, _write_bpe_tokenizer

@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from service.checkpoint import open_checkpoint
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.gguf import GGUFExporter, GGUFSpec
-from service.exporters.gguf_directory import read_directory
-from service.exporters.gguf_llama_check import perplexity
-from service.exporters.gguf_plan import GGUFPlan, plan_gguf
-from service.exporters.gguf_stream import RowBlockReader, verify_gguf, write_gguf_files
+from service.exporters.gguf.directory import read_directory
+from service.exporters.gguf.llama_check import perplexity
+from service.exporters.gguf.plan import GGUFPlan, plan_gguf
+from service.exporters.gguf.stream import RowBlockReader, verify_gguf, write_gguf_files
 from service.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
 from tests.unit.exporters.test_gguf import _ctx

@@ -37,10 +37,10 @@ from service.errors import (
     VerificationTooLarge,
 )
 from service.exporters.base import ExportInputs, ExportResult, registry
-from service.exporters.nnef import ENCODER_TYPES, NNEFExporter, NNEFSpec, prompt_ids
-from service.exporters.nnef_offload import offloaded_model
-from service.exporters.nnef_verify import IOSpec, greedy_reference, verify_causal_lm
-from service.exporters.tract_cli import write_launcher
+from service.exporters.common.offloaded_model import offloaded_model
+from service.exporters.nnef.exporter import ENCODER_TYPES, NNEFExporter, NNEFSpec, prompt_ids
+from service.exporters.nnef.tract_cli import write_launcher
+from service.exporters.nnef.verify import IOSpec, greedy_reference, verify_causal_lm
 from service.offload.build import build_on_meta
 from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory

@@ -26,8 +26,8 @@ from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import UnsupportedExport, VerificationFailed, VerificationTooLarge
 from service.exporters.base import ExportInputs, ExportResult
-from service.exporters.nnef_offload import offloaded_model
-from service.exporters.onnx import (
+from service.exporters.common.offloaded_model import offloaded_model
+from service.exporters.onnx.exporter import (
     DATA_NAME,
     ENCODER_TYPES,
     MODEL_NAME,
@@ -35,7 +35,7 @@ from service.exporters.onnx import (
     ONNXSpec,
     resolve_task,
 )
-from service.exporters.onnx_verify import verify_causal_lm
+from service.exporters.onnx.verify import verify_causal_lm
 from service.offload.build import build_on_meta
 from service.stage import InMemoryContext
 from tests.conftest import TinyCheckpointFactory

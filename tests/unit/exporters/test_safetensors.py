@@ -20,7 +20,7 @@ from service.config import Settings
 from service.errors import CorruptCheckpoint, InvalidRequest, JobCancelled
 from service.exporters.base import ExportInputs, ExportResult, registry
 from service.exporters.safetensors import SafetensorsExporter, SafetensorsSpec
-from service.exporters.safetensors_writer import INDEX_FILE
+from service.exporters.safetensors.writer import INDEX_FILE
 from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import Arch, CheckpointKind, build_tiny_model, copy_tree, sample_inputs
@@ -235,7 +235,7 @@ def test_the_exporter_is_registered() -> None:
 
 
 def test_prefetch_keeps_order_and_reraises_producer_errors() -> None:
-    from service.exporters.safetensors_writer import prefetched
+    from service.exporters.safetensors.writer import prefetched
 
     assert list(prefetched(iter(range(100)), depth=3)) == list(range(100))
 
@@ -248,7 +248,7 @@ def test_prefetch_keeps_order_and_reraises_producer_errors() -> None:
 
 
 def test_prefetch_stops_the_producer_when_the_consumer_stops() -> None:
-    from service.exporters.safetensors_writer import prefetched
+    from service.exporters.safetensors.writer import prefetched
 
     produced: list[int] = []
 
@@ -315,7 +315,7 @@ def test_tiny_chunks_cycle_the_buffer_ring_without_corrupting_data(
     reuse_buffers: bool,
     dtype: str | None,
 ) -> None:
-    import service.exporters.safetensors_writer as st
+    import service.exporters.safetensors.writer as st
 
     monkeypatch.setattr(st, "CHUNK_BYTES", 4096)  # hundreds of chunks through a 4-slot ring
     out = tmp_path / "out"

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from service.errors import VerificationFailed
-from service.exporters import tract_cli
-from service.exporters.child_process import compare_outputs, ensure_fits, run_child
+from service.exporters.common.child_process import compare_outputs, ensure_fits, run_child
+from service.exporters.nnef import tract_cli
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def run_tract(
 ) -> TractRun:
     """Run ``tract_cli.py ARCHIVE COMMAND`` in a child process and read its outputs.
 
-    tract holds the whole archive in RAM: see :mod:`service.exporters.child_process`."""
+    tract holds the whole archive in RAM: see :mod:`service.exporters.common.child_process`."""
     work.mkdir(parents=True, exist_ok=True)
     request_path, outputs_path = work / "request.npz", work / "outputs.npz"
     np.savez(request_path, **request)  # type: ignore[arg-type]

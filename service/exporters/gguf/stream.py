@@ -8,7 +8,7 @@ padded to the alignment as ``GGUFWriter.write_tensor_data`` would. The sha256 is
 writing. q/k projections are cut at head boundaries, so their permutation needs no more than a
 block either: nothing is ever held whole.
 
-Verification reads the file's directory (``gguf_directory``: names, shapes, types, offsets; not
+Verification reads the file's directory (``directory``: names, shapes, types, offsets; not
 ``gguf.GGUFReader``, which costs a minute and 600 MiB on a Llama-3 vocabulary), then each
 tensor's bytes with ``os.preadv`` in row blocks, dequantizes them with ``gguf.quants`` and
 compares them with the source within the type's error bound.
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from service.errors import ExportFailed, VerificationFailed
-from service.exporters.gguf_directory import GGUFDirectory, read_directory
-from service.exporters.gguf_plan import GGUFPlan, TensorPlan, permute_qk, unpermute_qk
+from service.exporters.gguf.directory import GGUFDirectory, read_directory
+from service.exporters.gguf.plan import GGUFPlan, TensorPlan, permute_qk, unpermute_qk
 from service.heap import HeapTrimmer
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ subset of the real CLI that torch-to-nnef invokes (``inference_target/tract.py``
           (--assert-output-bundle OUT.npz [--approx LEVEL] | --save-outputs-npz OUT.npz)
           [--allow-float-casts]
 
-One command of its own serves :mod:`service.exporters.nnef_verify`, which runs tract in a child
+One command of its own serves :mod:`service.exporters.nnef.verify`, which runs tract in a child
 process (tract holds the whole archive in RAM; the job process must not)::
 
     tract MODEL.nnef.tgz decode --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
@@ -23,7 +23,7 @@ archive is unpacked into WORK_DIR, every layer's output is made a graph output, 
 positions are saved too (``layers`` [n,layers,hidden], ``names``): what a failed check needs to
 say which layer diverges first.
 
-Run it as ``python service/exporters/tract_cli.py`` (it imports nothing of the service, so the
+Run it as ``python service/exporters/nnef/tract_cli.py`` (it imports nothing of the service, so the
 call costs the tract import only); :func:`write_launcher` writes an executable wrapper for code
 that needs a file path. Anything else (``dump``, ONNX input) exits
 with status 2 and an ``ERROR`` line, which torch-to-nnef reports as a tract failure.

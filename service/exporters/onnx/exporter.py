@@ -26,7 +26,7 @@ Tasks, in the layout optimum and onnxruntime-genai consume:
     inputs ``input_ids``, ``attention_mask`` (and ``token_type_ids`` when the model takes
     them) [batch, sequence_length]; output ``last_hidden_state``.
 
-onnxruntime then runs the files in a child process (:mod:`service.exporters.onnx_verify`): it
+onnxruntime then runs the files in a child process (:mod:`service.exporters.onnx.verify`): it
 reads every weight into RAM, the job must not.
 
 Output directory::
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from service.config import Settings
-    from service.exporters.onnx_verify import ParityReport
+    from service.exporters.onnx.verify import ParityReport
     from service.stage import JobContext
 
 LOGGER = logging.getLogger(__name__)
@@ -175,8 +175,8 @@ def export_onnx(
     itself and reads the checkpoint."""
     import torch
 
-    from service.exporters import nnef_offload as off
-    from service.exporters.onnx_verify import ensure_ort_fits
+    from service.exporters.common import offloaded_model as off
+    from service.exporters.onnx.verify import ensure_ort_fits
     from service.offload.build import build_on_meta
 
     checkpoint = inputs.checkpoint
@@ -217,7 +217,7 @@ def export_onnx(
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    from service.exporters.nnef import copy_aux_files
+    from service.exporters.nnef.exporter import copy_aux_files
 
     files = [MODEL_NAME, DATA_NAME, *copy_aux_files(checkpoint, out_dir)]
     summary = _summary(task, dtype, graph, weights.weight_bytes, out_dir, started, timings)
@@ -422,7 +422,7 @@ def _in_store(source: Any) -> tuple[Any, str] | None:
 
     if not isinstance(source, CheckpointTensor) or source.source is None:
         return None
-    store = getattr(source.reader, "store", None)  # nnef_offload's store-backed reader
+    store = getattr(source.reader, "store", None)  # the offloaded model's store-backed reader
     if store is None or source.source not in store:
         return None
     return store, source.source
@@ -480,7 +480,7 @@ def _verify(
     work: Path,
     ctx: JobContext,
 ) -> ParityReport:
-    from service.exporters import onnx_verify as ver
+    from service.exporters.onnx import verify as ver
 
     atol, rtol = TOLERANCES.get(dtype_name(dtype), TOLERANCES["float16"])
     atol, rtol = spec.atol or atol, rtol if spec.rtol is None else spec.rtol

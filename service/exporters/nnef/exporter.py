@@ -2,7 +2,7 @@
 
 The model is a copy of the job's one meta build (no weight memory) and each weight is a
 torch-to-nnef ``OffloadedTensor`` reading from the job's offload store, or the checkpoint
-(:mod:`service.exporters.nnef_offload`), so peak memory is the largest tensor or two, not the
+(:mod:`service.exporters.common.offloaded_model`), so peak memory is the largest tensor or two, not the
 model. Causal LMs go through torch-to-nnef's LLM exporter (the one behind ``dump_llm``: KV cache
 inputs/outputs, symbolic ``S``/``P`` axes); other models through ``export_model_to_nnef``.
 ``q4_0`` applies torch-to-nnef's ``min_max_q4_0`` compression, whose blocks stay offloaded (in
@@ -11,9 +11,9 @@ the job's work dir) while being computed.
 torch-to-nnef is used with its traps closed: weights come from the project's safe readers (its
 ``.bin`` loader may unpickle without restriction), every ``torch.load`` it makes is weights-only,
 ``trust_remote_code`` follows the settings, its ``mkdtemp`` directories live in the job's work
-dir and are removed, and its tract CLI is :mod:`service.exporters.tract_cli` (it would
+dir and are removed, and its tract CLI is :mod:`service.exporters.nnef.tract_cli` (it would
 otherwise download a binary). tract itself (PyPI bindings) then verifies the archive in a child
-process (:mod:`service.exporters.nnef_verify`): tract holds every weight in RAM, the job must not.
+process (:mod:`service.exporters.nnef.verify`): tract holds every weight in RAM, the job must not.
 
 Output directory::
 
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 
     from service.checkpoint.base import Checkpoint
     from service.config import Settings
-    from service.exporters.nnef_offload import OffloadedModel
-    from service.exporters.nnef_verify import GreedyReference, IOSpec, ParityReport
+    from service.exporters.common.offloaded_model import OffloadedModel
+    from service.exporters.nnef.verify import GreedyReference, IOSpec, ParityReport
     from service.stage import JobContext
 
 LOGGER = logging.getLogger(__name__)
@@ -173,9 +173,9 @@ def export_nnef(
     the job's offload store (``inputs.store``); called alone, with neither, it builds on meta
     itself and reads the checkpoint."""
     from service.adapters import torch_to_nnef as t2n
-    from service.exporters import nnef_offload as off
-    from service.exporters.nnef_verify import ensure_tract_fits
-    from service.exporters.tract_cli import write_launcher
+    from service.exporters.common import offloaded_model as off
+    from service.exporters.nnef.tract_cli import write_launcher
+    from service.exporters.nnef.verify import ensure_tract_fits
     from service.heap import HeapTrimmer
     from service.offload.build import build_on_meta
 
@@ -284,7 +284,7 @@ def _export_causal_lm(
     from torch_to_nnef_llm.config import ExportDirStruct
     from torch_to_nnef_llm.exporter import LLMExporter
 
-    from service.exporters.nnef_verify import greedy_reference, verify_causal_lm
+    from service.exporters.nnef.verify import greedy_reference, verify_causal_lm
 
     vocab = int(built.config.vocab_size)
     # 16 example tokens: torch-to-nnef traces with 1 token and 2 past ones.
@@ -365,8 +365,8 @@ def _export_encoder(
     from torch_to_nnef.export import export_model_to_nnef
     from torch_to_nnef.inference_target.tract import TractNNEF
 
-    from service.exporters.nnef_offload import TensorOutputs
-    from service.exporters.nnef_verify import verify_encoder
+    from service.exporters.common.offloaded_model import TensorOutputs
+    from service.exporters.nnef.verify import verify_encoder
 
     wrapper = TensorOutputs(built.module)
     seq = spec.sequence_length
@@ -437,7 +437,7 @@ def _verify_archive(
 ) -> ParityReport:
     """The VERIFY phase both export paths end in: refuse an archive tract cannot hold, then
     ``run`` the path's own comparison within the tolerance of the exported dtype."""
-    from service.exporters.nnef_verify import ensure_tract_fits
+    from service.exporters.nnef.verify import ensure_tract_fits
 
     ctx.set_phase(Phase.VERIFY, total=steps, unit="steps")
     archive = out_dir / ARCHIVE_NAME
@@ -461,7 +461,7 @@ def _io_spec(
 ) -> IOSpec:
     import numpy as np
 
-    from service.exporters.nnef_verify import IOSpec, TensorSpec
+    from service.exporters.nnef.verify import IOSpec, TensorSpec
 
     def specs(path: Path) -> list[TensorSpec]:
         found = []

@@ -1,7 +1,7 @@
 """Numerical parity of an exported ONNX model run by onnxruntime with the PyTorch model.
 
-onnxruntime runs in a child process (:mod:`service.exporters.ort_cli`, started through
-:func:`service.exporters.child_process.run_child`): it reads every weight into RAM, which must
+onnxruntime runs in a child process (:mod:`service.exporters.onnx.ort_cli`, started through
+:func:`service.exporters.common.child_process.run_child`): it reads every weight into RAM, which must
 not count against the job process. PyTorch's side runs in the job process on the offloaded copy
 of the model (each weight re-read from the store while its op runs), so the reference costs a
 pass over the weights, not their sum in memory.
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.errors import VerificationFailed
-from service.exporters import ort_cli
-from service.exporters.child_process import compare_outputs, ensure_fits, run_child
+from service.exporters.common.child_process import compare_outputs, ensure_fits, run_child
+from service.exporters.onnx import ort_cli
 
 if TYPE_CHECKING:
     from torch import nn
@@ -102,8 +102,8 @@ def verify_causal_lm(
     check_abort: Callable[[], None] | None = None,
 ) -> ParityReport:
     """PyTorch's greedy decode (``module``, a transformers causal LM) replayed in onnxruntime."""
-    from service.exporters.nnef import prompt_ids
-    from service.exporters.nnef_verify import greedy_reference
+    from service.exporters.nnef.exporter import prompt_ids
+    from service.exporters.nnef.verify import greedy_reference
 
     config: Any = module.config
     prompt = prompt_ids(prompt_tokens, int(config.vocab_size))
@@ -151,7 +151,7 @@ def verify_encoder(
 
     import torch
 
-    from service.exporters.nnef import prompt_ids
+    from service.exporters.nnef.exporter import prompt_ids
 
     accepted = inspect.signature(module.forward).parameters
     config: Any = module.config

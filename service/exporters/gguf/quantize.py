@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
-from service.exporters.child_process import run_child
+from service.exporters.common.child_process import run_child
 from service.llama_cpp import llama_cpp_tool
 from service.stage import JobContext, SideContext
 
 if TYPE_CHECKING:
-    from service.exporters.gguf import GGUFImatrix
+    from service.exporters.gguf.exporter import GGUFImatrix
 
 QUANTIZER_TYPES: dict[str, str] = {
     "q2_k": "Q2_K",
@@ -130,7 +130,7 @@ def compute_imatrix(
 def fetch_imatrix(spec: GGUFImatrix, ctx: JobContext) -> tuple[Path, dict[str, Any]]:
     """The imatrix file of ``spec.uri``, fetched like a model source and checked to be one
     (llama-imatrix's GGUF: ``general.type`` = ``imatrix``); returns it and its manifest entry."""
-    from service.exporters.gguf_directory import read_directory
+    from service.exporters.gguf.directory import read_directory
     from service.sources import fetch_source
 
     work_dir = ctx.work_dir / "imatrix-source"

@@ -17,7 +17,7 @@ Only floating tensors are cast; integer and bool tensors keep their dtype. Tied 
 stored once under the name transformers expects (see :mod:`service.checkpoint.ties`).
 
 This module is what the API process needs (the spec, the submission check); the writer, which
-needs torch, is :mod:`service.exporters.safetensors_writer`, imported by ``export``; it takes
+needs torch, is :mod:`service.exporters.safetensors.writer`, imported by ``export``; it takes
 the spec's fields and never imports this module (no import cycle).
 """
 
@@ -59,7 +59,7 @@ class SafetensorsExporter(Exporter):
 
     def modules(self) -> tuple[str, ...]:
         """The writer and the parity check: most jobs export safetensors, verified."""
-        return ("service.exporters.safetensors_writer", "service.verify.parity")
+        return ("service.exporters.safetensors.writer", "service.exporters.common.parity")
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
@@ -70,7 +70,7 @@ class SafetensorsExporter(Exporter):
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> ExportResult:
-        from service.exporters.safetensors_writer import export_safetensors
+        from service.exporters.safetensors.writer import export_safetensors
 
         sspec = _safetensors_spec(spec)
         return export_safetensors(
@@ -82,7 +82,7 @@ class SafetensorsExporter(Exporter):
     ) -> dict[str, Any]:
         """Stream the written model through its forward and compare with the source's outputs,
         within the tolerance of the export's dtype (the source's dtype when not cast)."""
-        from service.verify.parity import verify_safetensors_export
+        from service.exporters.common.parity import verify_safetensors_export
 
         dtype = _safetensors_spec(spec).dtype or _source_dtype(inputs.checkpoint)
         return verify_safetensors_export(

@@ -1,17 +1,17 @@
 """GGUF for llama.cpp: ``{"format": "gguf", "type": "f16"}`` (any case).
 
 f32, f16, bf16, q8_0 and q4_0 are written directly: the file is laid out from metadata
-(``gguf_plan``), written tensor by tensor with bounded memory and hashed on the way
-(``gguf_stream``), then read back and compared with the source weights; an export beyond its
+(``plan``), written tensor by tensor with bounded memory and hashed on the way
+(``stream``), then read back and compared with the source weights; an export beyond its
 type's error bound fails with :class:`VerificationFailed`. The K-quants and IQ4 types
 (``"Q4_K_M"``...) are llama-quantize's, with its per-tensor mixtures: the same streamed f16 file
 goes to the job's work directory, is verified the same way, then quantized by llama.cpp's own tool
-in a child process (``gguf_quantize``), optionally with an importance matrix computed by
+in a child process (``quantize``), optionally with an importance matrix computed by
 llama-imatrix from ``"imatrix": {"calibration": "<text>"}``, or an imatrix file given as a source
 (``"imatrix": {"uri": "https://.../imatrix.gguf", "sha256": ...}``: fetched like a model source,
 same allowed roots, egress policy and download cache, checked to be an imatrix GGUF).
 
-What is written is what llama.cpp's own converter would write (``gguf_plan``): every architecture
+What is written is what llama.cpp's own converter would write (``plan``): every architecture
 it supports, its tensor transforms, hyperparameters and vocabulary. An architecture it does not
 support is refused at submission (422, listing the supported ones); a BPE pre-tokenizer it does
 not know is a typed ``unsupported_tokenizer`` failure unless the spec accepts a fallback
@@ -32,8 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from service.errors import MissingTokenizer, NoModelConfig
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, register
-from service.exporters.gguf_plan import OutType, has_tokenizer, resolve_architecture
-from service.exporters.gguf_quantize import QUANTIZER_TYPES
+from service.exporters.gguf.plan import OutType, has_tokenizer, resolve_architecture
+from service.exporters.gguf.quantize import QUANTIZER_TYPES
 from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 from service.sources.base import SourceRequest
 from service.stage import JobContext, Phase
@@ -41,7 +41,7 @@ from service.units import parse_size
 
 if TYPE_CHECKING:
     from service.config import Settings
-    from service.exporters.gguf_plan import GGUFPlan
+    from service.exporters.gguf.plan import GGUFPlan
 
 GGUFType = OutType | Literal[
     "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
@@ -181,10 +181,10 @@ class GGUFExporter(Exporter):
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> ExportResult:
-        from service.exporters.gguf_directory import read_directory
-        from service.exporters.gguf_plan import add_metadata, plan_gguf
-        from service.exporters.gguf_quantize import split_gguf
-        from service.exporters.gguf_stream import verify_gguf, write_gguf, write_gguf_files
+        from service.exporters.gguf.directory import read_directory
+        from service.exporters.gguf.plan import add_metadata, plan_gguf
+        from service.exporters.gguf.quantize import split_gguf
+        from service.exporters.gguf.stream import verify_gguf, write_gguf, write_gguf_files
 
         assert isinstance(spec, GGUFSpec)
         checkpoint = inputs.checkpoint
@@ -196,7 +196,7 @@ class GGUFExporter(Exporter):
         self._check_tokenizer(spec, checkpoint.root)
         fetched = None
         if spec.imatrix is not None and spec.imatrix.uri is not None:
-            from service.exporters.gguf_quantize import fetch_imatrix
+            from service.exporters.gguf.quantize import fetch_imatrix
 
             fetched = fetch_imatrix(spec.imatrix, ctx)  # before any work: a bad one fails early
         reader = checkpoint.reader
@@ -294,7 +294,7 @@ class GGUFExporter(Exporter):
 
     @staticmethod
     def _llama_tokenize(path: Path, root: Path, ctx: JobContext) -> dict[str, Any]:
-        from service.exporters.gguf_llama_check import check_tokenizer
+        from service.exporters.gguf.llama_check import check_tokenizer
 
         work = ctx.work_dir / "gguf-check"
         work.mkdir(parents=True, exist_ok=True)
@@ -314,8 +314,8 @@ class GGUFExporter(Exporter):
         """llama-quantize (after llama-imatrix when asked) from the verified f16 file; with
         ``check``, llama.cpp's tokenization and perplexity of both files (no file is kept when
         a check fails)."""
-        from service.exporters.gguf_llama_check import check_perplexity, perplexity
-        from service.exporters.gguf_quantize import compute_imatrix, quantize
+        from service.exporters.gguf.llama_check import check_perplexity, perplexity
+        from service.exporters.gguf.quantize import compute_imatrix, quantize
 
         bin_dir = ctx.settings.llama_cpp_dir
         checks: dict[str, Any] = {}

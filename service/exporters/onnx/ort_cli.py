@@ -2,7 +2,7 @@
 
 onnxruntime reads every external initializer into RAM when it builds a session, so running a
 model costs about its weight bytes. The job process must not pay that (its peak RSS stays that
-of a tensor or two), so :mod:`service.exporters.onnx_verify` runs this file in a child process
+of a tensor or two), so :mod:`service.exporters.onnx.verify` runs this file in a child process
 (``python -P ort_cli.py``: it imports nothing of the service, and ``-P`` keeps this package
 directory, whose ``onnx.py`` would shadow the ``onnx`` package, off ``sys.path``)::
 

@@ -11,14 +11,14 @@ from safetensors.torch import load_file, save_file
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import VerificationFailed
-from service.stage import InMemoryContext
-from service.verify.parity import (
+from service.exporters.common.parity import (
     compare_outputs,
     fixed_input_ids,
     reference_outputs,
     tolerance_for,
     verify_safetensors_export,
 )
+from service.stage import InMemoryContext
 from tests.fixtures.models import VOCAB_SIZE, Arch, build_tiny_model
 
 TINY_BUDGET = "40KB"  # far below the tiny models' weights: most modules stream from disk

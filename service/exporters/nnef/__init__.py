@@ -1,0 +1,9 @@
+"""NNEF for tract, through torch-to-nnef.
+
+``exporter`` (spec and exporter, registered at import), ``verify`` (parity of tract's outputs
+with PyTorch's) and ``tract_cli`` (the tract command run in a child process).
+"""
+
+from service.exporters.nnef.exporter import NNEFExporter, NNEFSpec
+
+__all__ = ["NNEFExporter", "NNEFSpec"]

@@ -1,1 +1,0 @@
-"""Numerical parity of exports against their source; see :mod:`service.verify.parity`."""
