@@ -87,7 +87,7 @@ def run_job(src: Path, data_dir: Path, verify: bool) -> dict[str, float]:
     store.dispose()
     if done.status is not JobStatus.SUCCEEDED:
         raise SystemExit(f"job {done.status}: {done.error}")
-    phases = {p["phase"]: round(p.get("seconds") or 0.0, 1) for p in done.details.get("phases", [])}
+    phases = {p.phase.value: round(p.seconds or 0.0, 1) for p in done.phases}
     print(f"  phases: {phases}", flush=True)
     return {
         "wall": wall,

@@ -9,6 +9,7 @@ or HTTP; the job runner supplies a context backed by the store, benchmarks and t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -38,6 +39,41 @@ class Phase(StrEnum):
     DONE = "done"
 
 
+@dataclass(frozen=True)
+class PhaseTiming:
+    """One entry of a job's phase timeline (``/metrics`` turns it into per-phase histograms)."""
+
+    phase: Phase
+    started_at: datetime
+    seconds: float | None = None
+    """How long the phase took; None while it runs."""
+    peak_rss_bytes: int | None = None
+    """The job process's peak resident bytes during the phase, where measured."""
+    cgroup_peak_bytes: int | None = None
+    """The job cgroup's peak charge during the phase, where the job has a cgroup."""
+
+    def peaks(self) -> dict[str, int]:
+        """The memory peaks measured, by name (none while the phase runs)."""
+        found = {"peak_rss_bytes": self.peak_rss_bytes, "cgroup_peak_bytes": self.cgroup_peak_bytes}
+        return {name: value for name, value in found.items() if value is not None}
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as the job JSON shows it (and the store keeps it)."""
+        return {"phase": self.phase.value, "started_at": self.started_at.isoformat(),
+                "seconds": self.seconds, **self.peaks()}
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> PhaseTiming:
+        seconds = entry.get("seconds")
+        return cls(
+            phase=Phase(entry["phase"]),
+            started_at=datetime.fromisoformat(entry["started_at"]),
+            seconds=None if seconds is None else float(seconds),
+            peak_rss_bytes=entry.get("peak_rss_bytes"),
+            cgroup_peak_bytes=entry.get("cgroup_peak_bytes"),
+        )
+
+
 class JobContext(Protocol):
     job_id: str
     settings: Settings
@@ -45,6 +81,8 @@ class JobContext(Protocol):
     """Scratch space of this job; removed when the job ends whatever the outcome."""
     details: dict[str, Any]
     """Sections published so far with :meth:`set_detail` (read-only for stages)."""
+    phases: list[PhaseTiming]
+    """The phase timeline so far (read-only for stages)."""
 
     def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None: ...
 
@@ -82,7 +120,8 @@ class InMemoryContext:
     unit: str = "bytes"
     metrics: dict[str, Any] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
-    phases_seen: list[Phase] = field(default_factory=list)
+    phases: list[PhaseTiming] = field(default_factory=list)
+    """The timeline: every phase entered, in order."""
     cancel_event: threading.Event = field(default_factory=threading.Event)
     _phase_started: float = 0.0
 
@@ -90,26 +129,27 @@ class InMemoryContext:
         """Enter ``phase`` with a new progress count. Entering the phase the job is already in
         (the pipeline enters download, then the source's fetcher does, once it knows a total)
         restarts its count without starting another entry of the timeline."""
-        if self.phases_seen and self.phases_seen[-1] is phase:
+        if self.phases and self.phases[-1].phase is phase:
             self.total, self.unit, self.done = total, unit, 0
             self._changed(force=True)
             return
         self.close_phase()
         self._phase_started = time.monotonic()
-        # details["phases"]: the timeline the API's /metrics turns into per-phase histograms.
-        self.details.setdefault("phases", []).append(
-            {"phase": phase.value, "started_at": datetime.now(UTC).isoformat(), "seconds": None}
-        )
+        self.phases.append(PhaseTiming(phase, datetime.now(UTC)))
         self.phase, self.total, self.unit, self.done = phase, total, unit, 0
-        self.phases_seen.append(phase)
         log.info("phase %s", phase.value, extra={"job_id": self.job_id, "phase": phase.value})
         self._changed(force=True)
 
     def close_phase(self) -> None:
-        """Record how long the current phase took (its ``seconds`` in details["phases"])."""
-        phases = self.details.get("phases")
-        if phases and phases[-1]["seconds"] is None:
-            phases[-1]["seconds"] = round(time.monotonic() - self._phase_started, 3)
+        """Record how long the current phase took (its ``seconds`` in the timeline)."""
+        if self.phases and self.phases[-1].seconds is None:
+            seconds = round(time.monotonic() - self._phase_started, 3)
+            self.phases[-1] = dataclasses.replace(self.phases[-1], seconds=seconds)
+
+    @property
+    def phases_seen(self) -> list[Phase]:
+        """The phases entered, in order."""
+        return [entry.phase for entry in self.phases]
 
     def advance(self, n: int) -> None:
         self.done += n
@@ -147,6 +187,7 @@ class SideContext:
         self.settings = ctx.settings
         self.work_dir = work_dir
         self.details: dict[str, Any] = {}
+        self.phases: list[PhaseTiming] = []
 
     def set_phase(self, phase: Phase, total: int | None = None, unit: str = "bytes") -> None:
         pass

@@ -82,6 +82,13 @@ class JobOut(BaseModel):
 
     @classmethod
     def from_job(cls, job: Job, base_path: str = "/v1/jobs") -> JobOut:
+        # The details' sections, and the timeline and removal time (not declared fields:
+        # present only once the job has them).
+        sections: dict[str, Any] = dict(job.details)
+        if job.phases:
+            sections["phases"] = [entry.to_json() for entry in job.phases]
+        if job.deleted_at is not None:
+            sections["deleted_at"] = job.deleted_at.isoformat()
         return cls(
             id=job.id,
             status=job.status.value,
@@ -117,7 +124,7 @@ class JobOut(BaseModel):
                 delivered_at=job.callback.delivered_at,
             ) if job.callback is not None else None,
             reused_from=job.reused_from,
-            **job.details,
+            **sections,
         )
 
     def json_bytes(self) -> bytes:

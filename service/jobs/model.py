@@ -8,11 +8,11 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from service.stage import Phase
+from service.stage import Phase, PhaseTiming
 
 __all__ = [
     "Artifact", "CallbackDelivery", "CallbackState", "Job", "JobError", "JobStatus", "Phase",
-    "Progress",
+    "PhaseTiming", "Progress",
 ]
 
 
@@ -92,6 +92,10 @@ class Job:
     artifacts: tuple[Artifact, ...] = ()
     metrics: dict[str, Any] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+    """Sections the pipeline published (``source``, ``model``, ``verify``, ...): the job JSON
+    shows each at its top level."""
+    phases: tuple[PhaseTiming, ...] = ()
+    """The phase timeline: every phase the job entered, when, and for how long."""
     attempts: int = 0
     tenant: str | None = None
     cancel_requested: bool = False
@@ -105,6 +109,8 @@ class Job:
     it is queued or running (see :class:`service.jobs.store.admission.Admission`)."""
     reused_from: str | None = None
     """The job whose artifacts this one shares instead of computing them (result reuse)."""
+    deleted_at: datetime | None = None
+    """When the job's files were removed (DELETE or retention); the row stays as a tombstone."""
 
     def replace(self, **changes: Any) -> Job:
         return dataclasses.replace(self, **changes)

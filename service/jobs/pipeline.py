@@ -64,14 +64,17 @@ def check_spec(
     *,
     config_known: bool,
     source_dir: Path | None = None,
+    source_checked: bool = False,
 ) -> None:
     """Everything knowable before running: source allowed, each export possible.
 
     ``config_known`` is False when the checkpoint is not local yet (hub, HTTP): exporters then
     check their spec in the job, once the config is there, rather than refusing a config that
     is merely not downloaded. ``source_dir``, a local checkpoint's directory, lets an exporter
-    also judge its files (a tokenizer, say)."""
-    check_source(spec.source_request(), settings)
+    also judge its files (a tokenizer, say). ``source_checked``: the caller resolved the
+    source already (a local one, :func:`service.sources.local_source`), which checked it."""
+    if not source_checked:
+        check_source(spec.source_request(), settings)
     exporters = registry()
     for export in spec.export_specs():
         exporters[export.format].check_request(export, settings)
@@ -150,9 +153,9 @@ def _memory_summary(ctx: JobContext) -> dict[str, Any]:
     each phase that ended (this process's RSS; the job cgroup's charge where there is one)."""
     memory: dict[str, Any] = dict(ctx.details.get("memory") or {})
     memory["phases"] = [
-        {k: v for k, v in entry.items() if k in ("phase", "peak_rss_bytes", "cgroup_peak_bytes")}
-        for entry in ctx.details.get("phases", [])
-        if entry.get("seconds") is not None
+        {"phase": entry.phase.value, **entry.peaks()}
+        for entry in ctx.phases
+        if entry.seconds is not None
     ]
     return memory
 

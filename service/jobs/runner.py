@@ -8,6 +8,7 @@ the process boundary; no torch object ever does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -89,15 +90,17 @@ class StoreContext(InMemoryContext):
     def close_phase(self) -> None:
         """Also record the phase's peaks: this process's resident bytes (reset per phase) and
         the job cgroup's charge (its children and the page cache it filled included)."""
-        phases = self.details.get("phases")
-        if phases and phases[-1]["seconds"] is None:
+        if self.phases and self.phases[-1].seconds is None:
             peak = peak_rss()
             if peak is not None:
-                phases[-1]["peak_rss_bytes"] = peak
                 self._earlier_peak = max(self._earlier_peak, peak)
+            cgroup_peak = None
             if self.cgroup is not None:
-                phases[-1]["cgroup_peak_bytes"] = self.cgroup.peak()
+                cgroup_peak = self.cgroup.peak()
                 self.cgroup.reset_peak()
+            self.phases[-1] = dataclasses.replace(
+                self.phases[-1], peak_rss_bytes=peak, cgroup_peak_bytes=cgroup_peak
+            )
             memory = self.details.get("memory")
             if isinstance(memory, dict):
                 memory["children_peak_rss_bytes"] = _children_peak_rss()
@@ -119,6 +122,7 @@ class StoreContext(InMemoryContext):
             progress=Progress(self.done, self.total, self.unit),
             metrics=self.metrics,
             details=self.details,
+            phases=self.phases,
         )
         if not still_running or self.store.get(self.job_id).cancel_requested:
             self.cancel_event.set()
@@ -173,7 +177,8 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
         ctx.close_phase()
         store.finish(
             job_id, JobStatus.SUCCEEDED, artifacts=artifacts, metrics=ctx.metrics,
-            details=ctx.details, progress=Progress(ctx.done, ctx.total, ctx.unit),
+            details=ctx.details, phases=ctx.phases,
+            progress=Progress(ctx.done, ctx.total, ctx.unit),
             tenant_max_artifact_bytes=settings.tenant_max_artifact_bytes,
         )
         failed = False
@@ -218,5 +223,6 @@ def _finish_failed(
     ctx.metrics["peak_rss_bytes"] = ctx.peak_rss_bytes()
     ctx.close_phase()
     store.finish(
-        ctx.job_id, status, error=error, metrics=ctx.metrics, details=ctx.details
+        ctx.job_id, status, error=error, metrics=ctx.metrics, details=ctx.details,
+        phases=ctx.phases,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -22,8 +21,7 @@ from service.jobs.model import Job, JobStatus, Phase
 from service.jobs.pipeline import check_spec
 from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore, utcnow
-from service.sources import fetcher_for
-from service.sources.local import LocalFetcher
+from service.sources import LocalSource, local_source
 
 
 @dataclass
@@ -35,10 +33,15 @@ class JobService:
     def submit(self, spec: JobSpec, tenant: str | None = None) -> Job:
         """Validate what can be known now (422 rather than a failed job), check the tenant's
         limits (429), then queue."""
-        known, config, root = self._local_config(spec)  # the path is checked against the roots
-        if known:
-            config = self._check_local_weights(spec, config)
-        check_spec(spec, self.settings, config, config_known=known, source_dir=root)
+        # A local source is resolved once (under the allowed roots, readable): every check
+        # below judges that one path.
+        local = local_source(spec.source_request(), self.settings)
+        config = self._check_local_weights(local) if local is not None else None
+        check_spec(
+            spec, self.settings, config, config_known=local is not None,
+            source_dir=local.directory if local is not None else None,
+            source_checked=local is not None,
+        )
         check_callback(spec, self.settings, tenant)
         job = Job(
             id=uuid.uuid4().hex,
@@ -48,62 +51,36 @@ class JobService:
             created_at=utcnow(),
             tenant=tenant,
             callback=waiting_callback(spec),
-            reserved_bytes=self._reservation(spec) if tenant is not None else 0,
+            reserved_bytes=self._reservation(spec, local) if tenant is not None else 0,
         )
         secrets = {"hf_token": spec.hf_token.get_secret_value()} if spec.hf_token else {}
         return self.executor.submit(job, secrets)
 
-    def _reservation(self, spec: JobSpec) -> int:
+    def _reservation(self, spec: JobSpec, local: LocalSource | None) -> int:
         """The artifact bytes a job is expected to write, held against its tenant's limit
         while it waits and runs: the size of a local source's files once per export (each
         format writes the weights once; quantized GGUF writes less, so this errs on the safe
         side). Nothing for a remote source, whose size is known only once downloaded: its real
-        size is checked when it ends (``JobStore.finish``)."""
-        if self.settings.tenant_max_artifact_bytes is None:
+        size is checked when it ends (:func:`service.jobs.store.lifecycle.finish`)."""
+        if self.settings.tenant_max_artifact_bytes is None or local is None:
             return 0
-        fetcher = fetcher_for(spec.source)
-        if not isinstance(fetcher, LocalFetcher):
-            return 0
-        path = fetcher.path(spec.source_request(), self.settings)
-        try:
-            files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
-            size = sum(p.stat().st_size for p in files)
-        except OSError:
-            return 0  # the job will say what is wrong with the source
-        return size * len(spec.exports)
+        size = local.size_bytes()
+        return 0 if size is None else size * len(spec.exports)
 
     def artifact_bytes(self, tenant: str | None = None) -> int:
         """Bytes of the artifacts of succeeded jobs still on disk (of ``tenant``, or of
         everyone): one read of the store's totals, however many jobs there are."""
         return self.store.artifact_bytes(tenant)
 
-    def _local_config(self, spec: JobSpec) -> tuple[bool, dict[str, Any] | None, Path | None]:
-        """(known, config.json, directory) of the source: known only for file:// sources, whose
-        config and files an exporter can judge at once (config None when absent or unusable, as
-        the job will see it)."""
-        fetcher = fetcher_for(spec.source)
-        if not isinstance(fetcher, LocalFetcher):
-            return False, None, None
-        path = fetcher.path(spec.source_request(), self.settings)
-        root = path if path.is_dir() else path.parent
-        try:
-            config = json.loads((root / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):  # deeply nested JSON recurses
-            return True, None, root
-        return True, config if isinstance(config, dict) else None, root
+    def _check_local_weights(self, local: LocalSource) -> dict[str, Any] | None:
+        """The config.json of a local checkpoint as the job's readers will present it (a
+        handled ``quantization_config`` dropped), which is what the exporters judge.
 
-    def _check_local_weights(
-        self, spec: JobSpec, config: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        """A local safetensors checkpoint whose config.json disagrees with its headers, or that
+        A local safetensors checkpoint whose config.json disagrees with its headers, or that
         is quantized in a way the readers do not implement, is refused now (422) rather than
-        as a failed job: the headers are a few kilobytes. Returns the config as the job's
-        readers will present it (a handled ``quantization_config`` dropped), which is what
-        the exporters judge."""
-        fetcher = fetcher_for(spec.source)
-        assert isinstance(fetcher, LocalFetcher)
-        path = fetcher.path(spec.source_request(), self.settings)
-        tensors = safetensors_tensors(path if path.is_dir() else path.parent)
+        as a failed job: the headers are a few kilobytes."""
+        config = local.config()
+        tensors = safetensors_tensors(local.directory)
         if tensors is None:
             return config
         plan = plan_quantization(config, tensors)  # UnsupportedQuantization names the method
@@ -188,7 +165,7 @@ class JobService:
     def artifact(self, job_id: str, path: str, tenant: str | None = None) -> tuple[Job, Path]:
         """The job and the file of one of its artifacts; only succeeded jobs have artifacts."""
         job = self.store.get(job_id, tenant)
-        if "deleted_at" in job.details:
+        if job.deleted_at is not None:
             raise ArtifactGone(f"the artifacts of job {job_id} were removed")
         if job.status is not JobStatus.SUCCEEDED:
             raise ArtifactNotFound(f"job {job_id} has no artifacts ({job.status.value})")

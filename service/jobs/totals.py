@@ -90,14 +90,13 @@ def ended_figures(job: Job) -> dict[TotalKey, float]:
     """What a job adds to the totals when it reaches a terminal status (once)."""
     assert job.status.terminal
     out = running_figures(job)
-    phases = job.details.get("phases")
-    for entry in phases if isinstance(phases, list) else []:
-        if isinstance(entry, dict) and isinstance(entry.get("seconds"), int | float):
-            _observe(out, "phase_seconds", str(entry.get("phase")), float(entry["seconds"]))
+    for entry in job.phases:
+        if entry.seconds is not None:
+            _observe(out, "phase_seconds", entry.phase.value, entry.seconds)
     run = _seconds(job.started_at, job.finished_at)
     if run is not None:
         _observe(out, "run_seconds", job.status.value, run)
-    if job.status is JobStatus.SUCCEEDED and "deleted_at" not in job.details:
+    if job.status is JobStatus.SUCCEEDED and job.deleted_at is None:
         out[(ARTIFACT_BYTES, job.tenant or "", "")] = float(artifact_bytes(job))
     return out
 

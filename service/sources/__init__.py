@@ -9,7 +9,7 @@ from service.errors import InvalidRequest
 from service.sources.base import ResolvedSource, SourceFetcher, SourceIdentity, SourceRequest
 from service.sources.http import HttpFetcher
 from service.sources.hub import HubFetcher
-from service.sources.local import LocalFetcher
+from service.sources.local import LocalFetcher, LocalSource
 from service.sources.s3 import S3Fetcher
 from service.stage import JobContext
 
@@ -29,6 +29,13 @@ def check_source(request: SourceRequest, settings: Settings) -> None:
     fetcher_for(request.uri).check(request, settings)
 
 
+def local_source(request: SourceRequest, settings: Settings) -> LocalSource | None:
+    """The source resolved and checked once, when it is a local one (``file://``); None for a
+    remote source, which is known only once downloaded."""
+    fetcher = fetcher_for(request.uri)
+    return fetcher.resolve(request, settings) if isinstance(fetcher, LocalFetcher) else None
+
+
 def fetch_source(request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
     return fetcher_for(request.uri).fetch(request, settings, ctx)
 
@@ -44,6 +51,7 @@ def identify_source(
 
 
 __all__ = [
+    "LocalSource",
     "ResolvedSource",
     "SourceIdentity",
     "SourceRequest",
@@ -51,4 +59,5 @@ __all__ = [
     "fetch_source",
     "fetcher_for",
     "identify_source",
+    "local_source",
 ]

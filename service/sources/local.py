@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from service.checkpoint import aux_files_in, weight_files
@@ -89,6 +92,40 @@ def _cached_digest(path: Path, cache: Path) -> tuple[str, bool]:
     return digest, False
 
 
+@dataclass(frozen=True)
+class LocalSource:
+    """A ``file://`` source resolved once: its real path, under an allowed root and readable
+    (:meth:`LocalFetcher.resolve`). What a submission judges a local checkpoint by."""
+
+    path: Path
+    """The checkpoint directory or weights file."""
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint's directory (a weights file's own)."""
+        return self.path if self.path.is_dir() else self.path.parent
+
+    def config(self) -> dict[str, Any] | None:
+        """Its config.json; None when absent or unusable, as the job will see it."""
+        try:
+            config = json.loads((self.directory / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):  # deeply nested JSON recurses
+            return None
+        return config if isinstance(config, dict) else None
+
+    def size_bytes(self) -> int | None:
+        """The bytes of its files (a directory's top level, or the one file); None when they
+        cannot be read (the job will say why)."""
+        try:
+            files = (
+                [p for p in self.path.iterdir() if p.is_file()] if self.path.is_dir()
+                else [self.path]
+            )
+            return sum(p.stat().st_size for p in files)
+        except OSError:
+            return None
+
+
 class LocalFetcher:
     schemes: tuple[str, ...] = ("file",)
 
@@ -102,6 +139,10 @@ class LocalFetcher:
             raise SourceNotFound(f"source {parsed.path} does not exist")
         check_readable(real)
         return real
+
+    def resolve(self, request: SourceRequest, settings: Settings) -> LocalSource:
+        """The source resolved and checked (:meth:`path`), for a submission to judge."""
+        return LocalSource(self.path(request, settings))
 
     def check(self, request: SourceRequest, settings: Settings) -> None:
         self.path(request, settings)

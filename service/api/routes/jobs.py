@@ -87,6 +87,6 @@ def delete_job(
 ) -> JobOut:
     """Cancel a queued or running job (202); remove a finished job's files (200)."""
     job = jobs.delete(job_id, principal.scope)
-    if "deleted_at" in job.details:
+    if job.deleted_at is not None:
         response.status_code = status.HTTP_200_OK
     return JobOut.from_job(job)

@@ -14,7 +14,16 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import Connection
 
-from service.jobs.model import Artifact, CallbackState, Job, JobError, JobStatus, Phase, Progress
+from service.jobs.model import (
+    Artifact,
+    CallbackState,
+    Job,
+    JobError,
+    JobStatus,
+    Phase,
+    PhaseTiming,
+    Progress,
+)
 from service.jobs.store import callbacks, lifecycle, reads, schema, totals
 from service.jobs.store import reuse as reuse_sql
 from service.jobs.store.admission import Admission
@@ -195,11 +204,13 @@ class JobStore:
         progress: Progress | None = None,
         metrics: dict[str, Any] | None = None,
         details: dict[str, Any] | None = None,
+        phases: Sequence[PhaseTiming] | None = None,
     ) -> bool:
         """Record progress of a running job; False once it is no longer running (cancelled)."""
         with self.transaction() as conn:
             return lifecycle.report(
-                conn, job_id, phase=phase, progress=progress, metrics=metrics, details=details
+                conn, job_id, phase=phase, progress=progress, metrics=metrics, details=details,
+                phases=phases,
             )
 
     def finish(
@@ -211,6 +222,7 @@ class JobStore:
         artifacts: Sequence[Artifact] | None = None,
         metrics: dict[str, Any] | None = None,
         details: dict[str, Any] | None = None,
+        phases: Sequence[PhaseTiming] | None = None,
         progress: Progress | None = None,
         from_statuses: Sequence[JobStatus] = (JobStatus.RUNNING,),
         conn: Connection | None = None,
@@ -221,7 +233,7 @@ class JobStore:
         with self._within(conn) as tx:
             return lifecycle.finish(
                 tx, job_id, status, error=error, artifacts=artifacts, metrics=metrics,
-                details=details, progress=progress, from_statuses=from_statuses,
+                details=details, phases=phases, progress=progress, from_statuses=from_statuses,
                 tenant_max_artifact_bytes=tenant_max_artifact_bytes,
             )
 

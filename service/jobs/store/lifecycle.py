@@ -19,11 +19,18 @@ from sqlalchemy.engine import Connection
 
 from service.errors import Conflict
 from service.jobs import totals
-from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, Progress
+from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, PhaseTiming, Progress
 from service.jobs.store.admission import Admission, admit, check_artifact_room
 from service.jobs.store.callbacks import due_when_ended
 from service.jobs.store.reads import get
-from service.jobs.store.schema import NEXT_VERSION, jobs_table, to_job, to_row, utcnow
+from service.jobs.store.schema import (
+    NEXT_VERSION,
+    jobs_table,
+    phases_json,
+    to_job,
+    to_row,
+    utcnow,
+)
 from service.jobs.store.totals import add_totals
 from service.jobs.totals import TotalKey
 
@@ -72,6 +79,7 @@ def _reported(
     progress: Progress | None,
     metrics: dict[str, Any] | None,
     details: dict[str, Any] | None,
+    phases: Sequence[PhaseTiming] | None,
 ) -> dict[str, Any]:
     """The values of what a running or ending job reports (None: unchanged)."""
     values: dict[str, Any] = {}
@@ -85,6 +93,8 @@ def _reported(
         values["metrics"] = metrics
     if details is not None:
         values["details"] = details
+    if phases is not None:
+        values["phases"] = phases_json(phases)
     return values
 
 
@@ -96,6 +106,7 @@ def report(
     progress: Progress | None = None,
     metrics: dict[str, Any] | None = None,
     details: dict[str, Any] | None = None,
+    phases: Sequence[PhaseTiming] | None = None,
 ) -> bool:
     """Record progress of a running job; False once it is no longer running (cancelled)."""
     now = utcnow()
@@ -103,7 +114,7 @@ def report(
         "updated_at": now,
         "heartbeat_at": now,
         "version": NEXT_VERSION,
-        **_reported(progress, metrics, details),
+        **_reported(progress, metrics, details, phases),
     }
     if phase is not None:
         values["phase"] = phase.value
@@ -120,6 +131,7 @@ def finish(
     artifacts: Sequence[Artifact] | None = None,
     metrics: dict[str, Any] | None = None,
     details: dict[str, Any] | None = None,
+    phases: Sequence[PhaseTiming] | None = None,
     progress: Progress | None = None,
     from_statuses: Sequence[JobStatus] = (JobStatus.RUNNING,),
     tenant_max_artifact_bytes: int | None = None,
@@ -146,7 +158,7 @@ def finish(
         "error_type": error.type if error else None,
         "error_message": error.message if error else None,
         **due_when_ended(now),
-        **_reported(progress, metrics, details),
+        **_reported(progress, metrics, details, phases),
     }
     if status is JobStatus.SUCCEEDED:
         values["phase"] = Phase.DONE.value
@@ -241,14 +253,14 @@ def requeue(conn: Connection, job_id: str) -> bool:
 def mark_deleted(
     conn: Connection, job_id: str, freed_bytes: int, tenant: str | None = None
 ) -> Job | None:
-    """Record that a finished job's files are removed: no artifacts any more, and
-    ``deleted_at`` / ``artifact_bytes_freed`` in its details and metrics. The row stays as
-    a tombstone (its history and metrics). None if the job is not finished; the job as it
-    is if already deleted."""
+    """Record that a finished job's files are removed: no artifacts any more, its
+    ``deleted_at`` set and ``artifact_bytes_freed`` in its metrics. The row stays as a
+    tombstone (its history and metrics). None if the job is not finished; the job as it is
+    if already deleted."""
     job = get(conn, job_id, tenant)
     if not job.status.terminal:
         return None
-    if "deleted_at" in job.details:
+    if job.deleted_at is not None:
         return job
     now = utcnow()
     marked = conn.execute(
@@ -257,7 +269,6 @@ def mark_deleted(
         .values(
             artifacts=[],
             files_deleted_at=now,
-            details={**job.details, "deleted_at": now.isoformat()},
             metrics={**job.metrics, "artifact_bytes_freed": freed_bytes},
             updated_at=now,
             version=NEXT_VERSION,

@@ -11,6 +11,7 @@ The schema is created and upgraded by the alembic migrations in ``service/jobs/m
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
@@ -46,6 +47,7 @@ from service.jobs.model import (
     JobError,
     JobStatus,
     Phase,
+    PhaseTiming,
     Progress,
 )
 
@@ -71,6 +73,7 @@ jobs_table = Table(
     Column("artifacts", JSON, nullable=False, default=list),
     Column("metrics", JSON, nullable=False, default=dict),
     Column("details", JSON, nullable=False, default=dict),
+    Column("phases", JSON, nullable=False, default=list, server_default="[]"),
     Column("attempts", Integer, nullable=False, default=0),
     Column("cancel_requested", Boolean, nullable=False, default=False),
     Column("worker", String(128), nullable=True),
@@ -116,11 +119,11 @@ def utcnow() -> datetime:
 
 
 def aware(value: datetime | None) -> datetime | None:
-    """``value`` as UTC-aware: SQLite returns naive datetimes; every datetime the store hands
-    out is UTC-aware."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value
+    """``value`` in UTC, aware: SQLite returns naive datetimes (stored in UTC), PostgreSQL
+    aware ones in the session's time zone; every datetime the store hands out is UTC."""
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def lock_writes(conn: Connection, key: int) -> None:
@@ -175,6 +178,7 @@ def to_job(row: RowMapping) -> Job:
         artifacts=tuple(Artifact(**a) for a in row["artifacts"] or []),
         metrics=dict(row["metrics"] or {}),
         details=dict(row["details"] or {}),
+        phases=tuple(PhaseTiming.from_json(entry) for entry in row["phases"] or []),
         attempts=row["attempts"],
         cancel_requested=row["cancel_requested"],
         worker=row["worker"],
@@ -182,7 +186,13 @@ def to_job(row: RowMapping) -> Job:
         callback=_to_callback(row),
         reserved_bytes=row["reserved_bytes"],
         reused_from=row["reused_from"],
+        deleted_at=aware(row["files_deleted_at"]),
     )
+
+
+def phases_json(phases: Sequence[PhaseTiming]) -> list[dict[str, Any]]:
+    """The ``phases`` column's value: the timeline as the job JSON shows it."""
+    return [entry.to_json() for entry in phases]
 
 
 def to_row(job: Job) -> dict[str, Any]:
@@ -201,6 +211,8 @@ def to_row(job: Job) -> dict[str, Any]:
         "artifacts": [asdict(a) for a in job.artifacts],
         "metrics": job.metrics,
         "details": job.details,
+        "phases": phases_json(job.phases),
+        "files_deleted_at": job.deleted_at,
         "attempts": job.attempts,
         "cancel_requested": job.cancel_requested,
         "version": job.version,

@@ -64,13 +64,13 @@ def test_deleting_a_finished_job_removes_its_files_and_keeps_a_tombstone(
 
     assert not (tmp_path / "jobs" / job_id).exists()
     assert job.status is JobStatus.SUCCEEDED and job.artifacts == ()
-    assert job.details["deleted_at"] and job.metrics["artifact_bytes_freed"] == 1010
+    assert job.deleted_at is not None and job.metrics["artifact_bytes_freed"] == 1010
     assert jobs.artifact_bytes("a") == 0  # the tenant's quota is free again
     with pytest.raises(ArtifactGone) as gone:
         jobs.artifact(job_id, "model.safetensors", tenant="a")
     assert http_status(gone.value) == 410
     again = jobs.delete(job_id, tenant="a")  # idempotent: same tombstone
-    assert again.details["deleted_at"] == job.details["deleted_at"]
+    assert again.deleted_at == job.deleted_at
     assert again.metrics["artifact_bytes_freed"] == 1010
 
 

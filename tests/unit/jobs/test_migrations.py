@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import MetaData, Table, inspect, text
 
-from service.jobs.migrations import current_revision
-from service.jobs.store import JobStore, metadata
+from service.jobs.migrations import current_revision, upgrade
+from service.jobs.store import JobStore, metadata, utcnow
 from tests.fixtures.postgres import fresh_database
 from tests.unit.jobs.test_store import new_job
 
@@ -67,6 +68,49 @@ def test_a_database_made_by_create_all_is_adopted_with_its_rows(url: str) -> Non
             assert current_revision(conn) is not None
     finally:
         store.dispose()
+
+
+def test_the_timeline_and_the_removal_time_move_out_of_details_into_their_columns(
+    url: str,
+) -> None:
+    """A store at revision 0007 kept both in ``details`` (and a job removed before revision
+    0003 had no ``files_deleted_at``): upgrading moves them, and ``details`` keeps the rest."""
+    with ExitStack() as stack:
+        store = JobStore.from_url(url)
+        stack.callback(store.dispose)
+        upgrade(store.engine, "0007")
+        now = utcnow()
+        timeline = [{"phase": "download", "started_at": now.isoformat(), "seconds": 0.5},
+                    {"phase": "export", "started_at": now.isoformat(), "seconds": 2.0,
+                     "peak_rss_bytes": 7}]
+        removed = (now - timedelta(days=1)).isoformat()
+        with store.engine.begin() as conn:
+            jobs = Table("jobs", MetaData(), autoload_with=conn)  # the 0007 shape
+            base = {"spec": {}, "status": "succeeded", "phase": "done", "created_at": now,
+                    "finished_at": now - timedelta(days=2), "updated_at": now, "progress_done": 0, "progress_unit": "bytes",
+                    "attempts": 1, "cancel_requested": False, "version": 3, "artifacts": [],
+                    "metrics": {}}
+            conn.execute(jobs.insert(), [
+                {**base, "id": "ran", "details": {"phases": timeline, "model": {"a": 1}}},
+                {**base, "id": "old-tombstone",
+                 "details": {"phases": timeline[:1], "deleted_at": removed}},
+                {**base, "id": "tombstone", "files_deleted_at": now,
+                 "details": {"deleted_at": now.isoformat()}},
+                {**base, "id": "plain", "details": {"source": {"uri": "file:///m"}}},
+            ])
+        store.create_schema()
+
+        ran = store.get("ran")
+        assert [e.to_json() for e in ran.phases] == timeline and ran.details == {"model": {"a": 1}}
+        assert ran.deleted_at is None
+        old = store.get("old-tombstone")
+        assert old.deleted_at is not None and old.deleted_at.isoformat() == removed
+        assert [e.to_json() for e in old.phases] == timeline[:1] and old.details == {}
+        tombstone = store.get("tombstone")
+        assert tombstone.deleted_at == now and tombstone.details == {}
+        assert store.get("plain").details == {"source": {"uri": "file:///m"}}
+        # retention sees the old tombstone as removed (its column filled), the others not
+        assert set(store.expired(now, 10)) == {"ran", "plain"}
 
 
 @pytest.mark.postgres

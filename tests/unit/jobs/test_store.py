@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from service.errors import Conflict, JobNotFound, QueueFull
-from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, Progress
+from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, PhaseTiming, Progress
 from service.jobs.store import Admission, JobStore, utcnow
 from tests.fixtures.postgres import fresh_database
 
@@ -208,3 +208,27 @@ def test_a_running_job_without_heartbeat_is_stale_and_locked_once(store: JobStor
     with store.transaction() as conn:
         assert store.lock_stale(conn, job.id, later) is None
     assert store.get(job.id).status is JobStatus.QUEUED
+
+
+def test_the_phase_timeline_and_the_removal_time_are_typed_fields_of_the_job(
+    store: JobStore,
+) -> None:
+    job = store.create(new_job())
+    store.claim(job.id, "w1")
+    started = utcnow().replace(microsecond=0)
+    running = [PhaseTiming(Phase.DOWNLOAD, started, 0.5, peak_rss_bytes=1 << 20),
+               PhaseTiming(Phase.EXPORT, started + timedelta(seconds=1))]
+    assert store.report(job.id, phase=Phase.EXPORT, phases=running, details={"model": {"a": 1}})
+    assert store.get(job.id).phases == tuple(running)
+    ended = [running[0], PhaseTiming(Phase.EXPORT, running[1].started_at, 2.0,
+                                     peak_rss_bytes=2 << 20, cgroup_peak_bytes=3 << 20)]
+    assert store.finish(job.id, JobStatus.SUCCEEDED, phases=ended)
+    done = store.get(job.id)
+    assert done.phases == tuple(ended) and done.details == {"model": {"a": 1}}
+    assert done.deleted_at is None
+
+    removed = store.mark_deleted(job.id, freed_bytes=10)
+    assert removed is not None and removed.deleted_at is not None
+    assert removed.deleted_at.tzinfo is not None and "deleted_at" not in removed.details
+    again = store.mark_deleted(job.id, freed_bytes=10)  # already removed: the same tombstone
+    assert again is not None and again.deleted_at == removed.deleted_at

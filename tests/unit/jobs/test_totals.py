@@ -18,7 +18,7 @@ from sqlalchemy import MetaData, Table
 from service.api.metrics import service_registry
 from service.config import Settings
 from service.jobs.migrations import upgrade
-from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase
+from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, PhaseTiming
 from service.jobs.store import JobStore, job_totals, utcnow
 from tests.fixtures.postgres import fresh_database
 
@@ -68,8 +68,8 @@ def test_a_scrape_counts_ended_jobs_once_and_running_jobs_as_they_are(
     done = running(store, bytes_read=100, bytes_written=40, cache_hit=False)
     store.finish(done, JobStatus.SUCCEEDED, artifacts=[Artifact("m.safetensors", 40, "0" * 64)],
                  metrics={"bytes_read": 100, "bytes_written": 40, "cache_hit": False},
-                 details={"phases": [{"phase": "download", "seconds": 0.3},
-                                     {"phase": "export", "seconds": 7.0}]})
+                 phases=[PhaseTiming(Phase.DOWNLOAD, utcnow(), 0.3),
+                         PhaseTiming(Phase.EXPORT, utcnow(), 7.0)])
     failed = running(store, bytes_read=5)
     store.finish(failed, JobStatus.FAILED, error=JobError("checkpoint_error", "bad"),
                  metrics={"bytes_read": 5})
@@ -120,7 +120,7 @@ def test_concurrent_ends_all_reach_the_totals(store: JobStore) -> None:
         barrier.wait()
         store.finish(job_id, JobStatus.SUCCEEDED, artifacts=[Artifact("m", 10, "0" * 64)],
                      metrics={"bytes_written": 10},
-                     details={"phases": [{"phase": "export", "seconds": 1.0}]})
+                     phases=[PhaseTiming(Phase.EXPORT, utcnow(), 1.0)])
 
     threads = [threading.Thread(target=finish, args=(i,)) for i in ids]
     for thread in threads:
