@@ -40,7 +40,7 @@ lint: $(VENV)/.installed
 openapi: $(VENV)/.installed
 	$(VENV)/bin/modelprep openapi > openapi/openapi.json
 
-# --- chromium (engineer ui): the system browser tests/e2e/test_ui.py drives headless -------------
+# --- chromium: the system browser tests/e2e/test_ui.py drives headless ---------------------------
 chromium:
 	scripts/install_chromium.sh
 
