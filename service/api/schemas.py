@@ -20,10 +20,18 @@ class ProgressOut(BaseModel):
     total: int | None
     unit: str
 
+    @classmethod
+    def of(cls, job: Job) -> ProgressOut:
+        return cls(done=job.progress.done, total=job.progress.total, unit=job.progress.unit)
+
 
 class ErrorOut(BaseModel):
     type: str
     message: str
+
+    @classmethod
+    def of(cls, job: Job) -> ErrorOut | None:
+        return None if job.error is None else cls(type=job.error.type, message=job.error.message)
 
 
 class ArtifactOut(BaseModel):
@@ -93,13 +101,11 @@ class JobOut(BaseModel):
             id=job.id,
             status=job.status.value,
             phase=job.phase.value,
-            progress=ProgressOut(
-                done=job.progress.done, total=job.progress.total, unit=job.progress.unit
-            ),
+            progress=ProgressOut.of(job),
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
-            error=ErrorOut(type=job.error.type, message=job.error.message) if job.error else None,
+            error=ErrorOut.of(job),
             artifacts=[
                 ArtifactOut(
                     path=a.path,
@@ -204,9 +210,7 @@ class JobEvent(BaseModel):
             version=job.version,
             status=job.status.value,
             phase=job.phase.value,
-            progress=ProgressOut(
-                done=job.progress.done, total=job.progress.total, unit=job.progress.unit
-            ),
+            progress=ProgressOut.of(job),
             metrics=job.metrics,
-            error=ErrorOut(type=job.error.type, message=job.error.message) if job.error else None,
+            error=ErrorOut.of(job),
         )

@@ -16,6 +16,7 @@ No torch here: the API process builds these at submission.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,10 +49,7 @@ class TensorHeader:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

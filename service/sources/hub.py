@@ -240,6 +240,17 @@ def _resolve_commit(api: HfApi, ref: HubRef, settings: Settings) -> str:
     return info.sha
 
 
+def _file_sizes(api: HfApi, ref: HubRef, settings: Settings) -> dict[str, int]:
+    """The files of the repository at ``ref``'s revision (a commit) and their sizes: one
+    recursive listing, retried."""
+    tree = _with_retries(
+        lambda: [e for e in api.list_repo_tree(ref.repo_id, revision=ref.revision, recursive=True)
+                 if isinstance(e, RepoFile)],
+        ref, settings,
+    )
+    return {e.path: e.size for e in tree}
+
+
 def _shard_header(
     session: Any, url: str, name: str, auth: dict[str, str]
 ) -> list[TensorHeader]:
@@ -289,12 +300,7 @@ class HubFetcher:
         api = HfApi(endpoint=endpoint, token=token)
         commit = request.pinned or _resolve_commit(api, ref, settings)
         at_commit = HubRef(ref.repo_id, commit)
-        tree = _with_retries(
-            lambda: [e for e in api.list_repo_tree(ref.repo_id, revision=commit, recursive=True)
-                     if isinstance(e, RepoFile)],
-            at_commit, settings,
-        )
-        sizes = {e.path: e.size for e in tree}
+        sizes = _file_sizes(api, at_commit, settings)
         plan = plan_files(list(sizes))
         auth = build_hf_headers(token=token)
         session = get_session()
@@ -338,12 +344,7 @@ class HubFetcher:
         # Pinned by identify() in this job, with this token: that call authorized it.
         commit = request.pinned or _resolve_commit(api, ref, settings)
         at_commit = HubRef(ref.repo_id, commit)
-        tree = _with_retries(
-            lambda: [e for e in api.list_repo_tree(ref.repo_id, revision=commit, recursive=True)
-                     if isinstance(e, RepoFile)],
-            at_commit, settings,
-        )
-        sizes = {e.path: e.size for e in tree}
+        sizes = _file_sizes(api, at_commit, settings)
         plan = plan_files(list(sizes))
         expected = sum(sizes.get(f, 0) for f in [*plan.aux, *plan.weights])
         if expected > settings.max_download_bytes:  # an upper bound when the index narrows it
