@@ -175,6 +175,9 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
         ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
         ctx.metrics["peak_rss_bytes"] = ctx.peak_rss_bytes()
         ctx.close_phase()
+        # Scratch space goes before the job is seen succeeded, so no one who sees it so finds
+        # its work files still there.
+        layout.clean()
         store.finish(
             job_id, JobStatus.SUCCEEDED, artifacts=artifacts, metrics=ctx.metrics,
             details=ctx.details, phases=ctx.phases,
@@ -202,8 +205,6 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
     finally:
         if failed:
             layout.discard(keep_offload=settings.keep_failed_offload)
-        else:
-            layout.clean()
         store.dispose()
 
 
