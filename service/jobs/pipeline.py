@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import Checkpoint
 from service.config import Settings
-from service.errors import NoModelConfig
+from service.errors import NoModelConfig, VerificationFailed
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec, Needs
 from service.fsutil import atomic_write_json, fsync_tree, sha256_file
@@ -345,8 +345,13 @@ class _ModelSession:
             max_memory=max_memory if needs_reference else ALL_ON_DISK,
         )  # fmt: skip
         publish_offload_metrics(store, ctx, result)
-        if needs_reference:
-            session.reference = _reference(result.model, checkpoint, ctx)
+        if needs_reference or spec.verify:
+            # Verified exports that read the store (NNEF, ONNX) check their files against the
+            # job's model: that model is checked here against transformers' reading first.
+            ours = _reference(result.model, checkpoint, ctx)
+            session.reference = _independent_reference(
+                checkpoint, type(built.model), ours, max_memory, ctx
+            )
             publish_offload_metrics(store, ctx, result)
         return session
 
@@ -387,6 +392,44 @@ def _verify_all(
         out_dir = layout.staging / summary["dir"]
         summary["verify"] = exporters[export.format].verify(export, inputs, out_dir, ctx)
         ctx.advance(1)
+
+
+REFERENCE_AGREEMENT = {"whole": 1e-3, "layer-by-layer": 6e-2}
+"""Largest ``max |ours - transformers'| / max |transformers'|`` on the fixed input: float32 on
+both sides (summation order only), or transformers' layer-by-layer pass in the model's dtype
+(bfloat16's rounding through the layers). A misread source is off by orders of magnitude."""
+
+
+def _independent_reference(
+    checkpoint: Checkpoint, model_class: Any, ours: Any, max_memory: str, ctx: JobContext
+) -> Any:
+    """transformers' own outputs on the fixed input (:mod:`service.checkpoint.independent`),
+    after checking that the job's reader and offloaded model compute the same: what every
+    check compares against from here on comes from an implementation that is not ours. The
+    manifest's ``model.reference`` says which, how it ran and how close the job's model was."""
+    from service.checkpoint.independent import independent_reference
+    from service.logits import FIXED_TEXT
+    from service.units import parse_size
+    from service.verify.parity import compare_outputs, fixed_input_ids
+
+    vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)
+    ctx.check_abort()
+    reference = independent_reference(
+        checkpoint.root, model_class, fixed_input_ids(vocab), FIXED_TEXT, parse_size(max_memory),
+        ctx.work_dir / "reference",
+    )  # fmt: skip
+    agreement = compare_outputs(reference.outputs, ours, REFERENCE_AGREEMENT[reference.mode])
+    ctx.set_detail("model", {
+        **ctx.details.get("model", {}),
+        "reference": {**reference.summary(), "job_model_agreement": agreement},
+    })  # fmt: skip
+    if not agreement["passed"]:
+        raise VerificationFailed(
+            f"the job's reading of the checkpoint disagrees with transformers' from_pretrained "
+            f"(relative error {agreement.get('max_rel_error', 'n/a')} > "
+            f"{agreement.get('tolerance')}): {agreement.get('reason', 'outputs differ')}"
+        )
+    return reference.outputs
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:

@@ -1,0 +1,58 @@
+"""The job's own checks can fail: a stage corrupted on purpose must fail the job, in every format
+it touches, with no artifact published.
+
+* The reader drops the FP8 scales (its weights become the raw codes, max |w| 448): caught by the
+  job's independent reference, transformers' own ``from_pretrained`` of the source, which the
+  job's model must match before any artifact is judged (``model.reference`` in the manifest).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from service.config import Settings
+from service.errors import VerificationFailed
+from service.jobs.layout import JobLayout
+from service.jobs.pipeline import run_pipeline
+from service.jobs.spec import JobSpec
+from service.stage import InMemoryContext
+from tests.fixtures.quantized import real_fp8
+
+LAYERS = 2
+EXPORTS: dict[str, dict[str, Any]] = {
+    "safetensors": {"format": "safetensors"},
+    "nnef": {"format": "nnef", "decode_steps": 3},
+    "onnx": {"format": "onnx", "decode_steps": 3},
+}
+
+
+def _run(tmp_path: Path, source: Path, export: dict[str, Any]) -> JobLayout:
+    settings = Settings(data_dir=tmp_path / "data", local_roots=[source.parent])
+    job_id = "f" * 32
+    layout = JobLayout.for_job(settings, job_id)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id=job_id)
+    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [export]})
+    run_pipeline(spec, ctx, layout)
+    return layout
+
+
+def _raw_codes(codes: torch.Tensor, scale_inv: torch.Tensor, first_row: int,
+               rows_per_matrix: int, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The broken reader: FP8 codes cast to the model's dtype, their scales ignored."""
+    return codes.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", list(EXPORTS))
+def test_a_reader_that_drops_the_fp8_scales_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    monkeypatch.setattr("service.checkpoint.fp8.dequantize_rows", _raw_codes)
+    with pytest.raises(VerificationFailed, match="disagrees with transformers' from_pretrained"):
+        _run(tmp_path, real_fp8("smollm2", LAYERS), EXPORTS[fmt])
+    layout = JobLayout.for_job(Settings(data_dir=tmp_path / "data"), "f" * 32)
+    assert not layout.artifacts.exists()
