@@ -408,9 +408,9 @@ def _independent_reference(
     check compares against from here on comes from an implementation that is not ours. The
     manifest's ``model.reference`` says which, how it ran and how close the job's model was."""
     from service.checkpoint.independent import independent_reference
+    from service.exporters.common.parity import compare_outputs, fixed_input_ids
     from service.logits import FIXED_TEXT
     from service.units import parse_size
-    from service.verify.parity import compare_outputs, fixed_input_ids
 
     vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)
     ctx.check_abort()
