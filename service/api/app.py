@@ -90,7 +90,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description=API_DESCRIPTION,
         lifespan=lifespan,
         docs_url=None,  # served offline by routes/docs.py
-        redoc_url=None,  # Redoc would load from a CDN; /docs covers it
+        redoc_url=None,  # served offline by routes/docs.py
     )
     app.state.settings = settings
     app.state.jobs = job_service

@@ -46,10 +46,12 @@ FIXES: dict[str, str] = {
     "unsupported_export": "Pick a format and options the detail lists; GGUF takes the "
     "architectures llama.cpp's converter knows, ONNX causal LMs and encoders.",
     "missing_tokenizer": "GGUF types that llama.cpp must run to check or quantize (the K-quants "
-    "and IQ4 types such as `Q4_K_M`) need the checkpoint's tokenizer: add `tokenizer.json` (a "
-    "fast tokenizer from `transformers`: BPE, SentencePiece/Llama or WordPiece) next to the "
-    "weights, or skip llama.cpp's checks with `\"verify\": false` on the job; f32, f16, bf16, "
-    "q8_0 and q4_0 need no tokenizer.",
+    "and IQ4 types such as `Q4_K_M`, or an `imatrix` from calibration text) need a tokenizer "
+    "llama.cpp can hold: BPE (`tokenizer.json` with a pre-tokenizer llama.cpp knows), "
+    "SentencePiece (`tokenizer.model`) or WordPiece (`vocab.txt`); a word-level vocabulary (the "
+    "one of `modelprep demo-model`) cannot be. Add the checkpoint's tokenizer, or skip "
+    "llama.cpp's checks with `\"verify\": false` on the GGUF export (without `imatrix`); f32, "
+    "f16, bf16, q8_0 and q4_0 need no tokenizer.",
     "unsupported_tokenizer": "llama.cpp does not know the checkpoint's BPE pre-tokenizer: accept "
     "its generic splitting with `\"pre_tokenizer_fallback\": \"default\"` on the GGUF export "
     "(recorded in the manifest), or export another format.",
@@ -117,7 +119,8 @@ FIXES: dict[str, str] = {
     "`MODELPREP_LLAMA_CPP_DIR` at them.",
     "verification_failed": "The export differs from the source beyond the dtype's tolerance: "
     "the manifest holds the errors; try a wider dtype, or `\"verify\": false` to skip.",
-    "verification_too_large": "Raise `MODELPREP_TRACT_MAX_MEMORY` / `MODELPREP_ORT_MAX_MEMORY`, "
+    "verification_too_large": "Raise `MODELPREP_TRACT_MAX_MEMORY` / `MODELPREP_ORT_MAX_MEMORY` "
+    "(or `MODELPREP_JOB_MEMORY`), "
     "or skip the check with `\"verify\": false` on that export.",
     "configuration_error": "The detail names the setting and an example value.",
     "internal_error": "A bug: the service's log has the traceback (search it for the "

@@ -12,7 +12,7 @@ from service.jobs.spec import JobSpec
 
 
 class JobCreate(JobSpec):
-    """Body of ``POST /v1/jobs``."""
+    """A job: the checkpoint to fetch (`source`) and what to make of it (`exports`)."""
 
 
 class ProgressOut(BaseModel):
@@ -170,7 +170,7 @@ def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 class MemoryReport(BaseModel):
-    """The memory the service lives under and how it is shared (``service.memory``)."""
+    """The memory the service lives under and how it is shared among the API and the jobs."""
 
     limit_bytes: int = Field(description="The limit the service lives under.")
     limit_source: str = Field(

@@ -29,7 +29,7 @@ AnyExportSpec = _export_union()
 
 
 class CallbackSpec(BaseModel):
-    """Where to POST the job's JSON when it ends (see service/jobs/callbacks.py)."""
+    """Where to POST the job's JSON when it ends, signed with HMAC-SHA256."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,16 +70,30 @@ class JobSpec(BaseModel):
         description="file:///abs/path, hf://org/repo or http(s)://host/file",
         examples=["file:///models/tiny-llama"],
     )
-    exports: list[AnyExportSpec] = Field(min_length=1, max_length=16)  # type: ignore[valid-type]
+    exports: list[AnyExportSpec] = Field(  # type: ignore[valid-type]
+        min_length=1, max_length=16,
+        description="What to make of the checkpoint, 1 to 16 specs, each picked by its "
+        '"format" (safetensors, gguf, nnef, onnx); one download, model build and offload '
+        "store serve them all.",
+    )
     revision: str | None = Field(default=None, description="hf:// branch, tag or commit")
-    sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+    sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-fA-F]{64}$",
+        description="Expected sha256 (hex) of an http(s):// weights file: checked after the "
+        "download (checksum_mismatch), and lets identical jobs share one result at once.",
+    )
     hf_token: SecretStr | None = Field(
         default=None, description="Per-job hub token; never stored, logged or returned."
     )
     max_memory: str | None = Field(
         default=None, description="CPU budget for the model's weights, e.g. 1GiB", examples=["1GiB"]
     )
-    verify: bool = True
+    verify: bool = Field(
+        default=True,
+        description="Check every export against the source (numerical comparison, read-back, "
+        "the consumer runtime); false skips the checks that run the model, e.g. for a "
+        "checkpoint without a tokenizer.",
+    )
     reuse: bool = Field(
         default=True,
         description="Share the artifacts of a succeeded job with the same resolved source and "

@@ -146,7 +146,9 @@ def test_the_docs_page_names_no_other_host(service: ServiceProcess) -> None:
             assert f"/docs/static/{asset}" in page.text
             assert client.get(f"/docs/static/{asset}").status_code == 200
         assert client.get("/docs/static/../../etc/passwd").status_code == 404
-        assert client.get("/redoc").status_code == 404
+        redoc = client.get("/redoc")
+        assert redoc.status_code == 200 and "/docs/static/redoc.standalone.js" in redoc.text
+        assert "https://" not in redoc.text and "http://" not in redoc.text
 
 
 # --- quiet logs and a prompt stop ----------------------------------------------------------

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Body, Query, Response, status
 
 from service.api.auth import PrincipalDep
 from service.api.deps import JobsDep
@@ -32,10 +32,55 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     return _EPOCH + timedelta(microseconds=int(micros)), job_id
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, responses={**PROBLEMS, **problems(415, 503)})
+_SOURCE = "file:///srv/models/tiny-llama"
+
+SUBMIT_EXAMPLES: dict[str, dict[str, Any]] = {
+    "safetensors": {
+        "summary": "safetensors, cast to bfloat16, in shards of at most 5 GB",
+        "value": {"source": _SOURCE, "exports": [
+            {"format": "safetensors", "dtype": "bfloat16", "max_shard_size": "5GB"}]},
+    },
+    "gguf": {
+        "summary": "GGUF for llama.cpp, Q4_K_M (llama-quantize's mixture)",
+        "value": {"source": "file:///srv/models/smollm2-135m",
+                  "exports": [{"format": "gguf", "type": "Q4_K_M"}]},
+    },
+    "nnef": {
+        "summary": "NNEF archive for tract, 4-bit weights",
+        "value": {"source": _SOURCE, "exports": [{"format": "nnef", "compression": "q4_0"}]},
+    },
+    "onnx": {
+        "summary": "ONNX with a KV cache (optimum's layout), float32",
+        "value": {"source": _SOURCE, "exports": [
+            {"format": "onnx", "dtype": "float32", "task": "text-generation-with-past"}]},
+    },
+    "several": {
+        "summary": "several exports of one download, a memory budget, a completion callback",
+        "value": {"source": "https://models.example.com/tiny/model.safetensors",
+                  "sha256": "0" * 64, "max_memory": "1GiB",
+                  "exports": [{"format": "safetensors"}, {"format": "gguf", "type": "q8_0"}],
+                  "callback": {"url": "https://platform.example.com/hooks/modelprep"}},
+    },
+}
+"""One request body per format, shown by /docs."""
+
+
+@router.post(
+    "", status_code=status.HTTP_202_ACCEPTED, responses={**PROBLEMS, **problems(415, 503)},
+    summary="Submit a job",
+)
 def submit_job(
-    body: JobCreate, jobs: JobsDep, principal: PrincipalDep, response: Response
+    body: Annotated[JobCreate, Body(openapi_examples=SUBMIT_EXAMPLES)],
+    jobs: JobsDep,
+    principal: PrincipalDep,
+    response: Response,
 ) -> JobOut:
+    """Queue a job that fetches `source` and makes each of `exports`; `202` with the job
+    and its `Location`. What can be known now is refused now (`422`: a source outside the
+    allowed roots, an unknown format, dtype or type, each named with the accepted values);
+    `429` with `Retry-After` when the queue or the tenant's limits are full. Follow the job
+    with `GET /v1/jobs/{id}` or its `/events` stream; download what its `artifacts`
+    list once it `succeeded`."""
     job = jobs.submit(body, tenant=principal.tenant)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut.from_job(job)
@@ -49,7 +94,7 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[
         str | None,
-        Query(pattern=CURSOR_PATTERN, description="``next_cursor`` of the previous page"),
+        Query(pattern=CURSOR_PATTERN, description="next_cursor of the previous page"),
     ] = None,
 ) -> JobPage:
     before = _decode_cursor(cursor) if cursor else None
@@ -70,9 +115,9 @@ async def get_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut
     summary="Cancel a queued or running job",
 )
 def cancel_job(job_id: str, jobs: JobsDep, principal: PrincipalDep) -> JobOut:
-    """Cancel a queued job at once, or ask a running one to stop (``cancel_requested``; its
-    process group is killed and its files removed). A finished job answers ``409 conflict``
-    and keeps its files: ``DELETE`` removes them."""
+    """Cancel a queued job at once, or ask a running one to stop (`cancel_requested`; its
+    process group is killed and its files removed). A finished job answers `409 conflict`
+    and keeps its files: `DELETE` removes them."""
     return JobOut.from_job(jobs.cancel(job_id, principal.scope))
 
 
