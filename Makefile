@@ -31,7 +31,8 @@ test: install chromium
 # tests/fixtures/fast_tier.py fails a test there that uses one. `make test` runs it too.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit -m 'not postgres and not container' \
-	  --ignore=tests/unit/exporters --ignore=tests/unit/verify
+	  --ignore=tests/unit/exporters/gguf --ignore=tests/unit/exporters/test_gguf.py \
+	  --ignore=tests/unit/exporters/test_gguf_quantize.py --ignore=tests/unit/exporters/test_gguf_stream.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check service tests bench
