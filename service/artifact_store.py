@@ -19,20 +19,31 @@ set is never mistaken for a published one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import obstore
 from obstore.store import S3Store
 
 from service.config import Settings
-from service.errors import ChecksumMismatch, Forbidden, PublishFailed, ServiceError
+from service.errors import (
+    ChecksumMismatch,
+    Forbidden,
+    ObjectNotFound,
+    PublishFailed,
+    ServiceError,
+)
 from service.objectstore import S3Location, call, store_for
 from service.stage import JobContext
+
+if TYPE_CHECKING:
+    from obstore import ObjectMeta
 
 MANIFEST = "manifest.json"
 PART_BYTES = 16 * 1024 * 1024
@@ -134,6 +145,30 @@ class ArtifactStore:
         except Exception:  # noqa: BLE001 - the store may be the reason publishing failed
             return
 
+    def copy(
+        self, source: S3Location, target: S3Location, names: list[str],
+        ctx: JobContext | None = None,
+    ) -> None:
+        """Server-side copies of ``source``'s published set under ``target``, manifest last
+        (result reuse: no byte passes through this process). A missing object is
+        :class:`ObjectNotFound` (the source set was removed meanwhile); what was copied is then
+        removed."""
+        store = self._store(source)
+        if source.bucket != target.bucket:
+            raise ObjectNotFound(f"{source.uri} and {target.uri} are in different buckets")
+        done: list[str] = []
+        order = sorted(n for n in names if n != MANIFEST) + [MANIFEST]
+        try:
+            for name in order:
+                src, dst = source.key(name), target.key(name)
+                call(functools.partial(obstore.copy, store, src, dst), source.uri, self.settings)
+                done.append(name)
+                if ctx is not None:
+                    ctx.advance(1)
+        except BaseException:
+            self._discard(store, target, done)
+            raise
+
     def published(self, location: S3Location) -> bool:
         """Whether the set at ``location`` is published (its manifest exists)."""
         store = self._store(location)
@@ -157,13 +192,20 @@ class ArtifactStore:
         seconds = self.settings.artifact_url_seconds
         return obstore.sign(store, "GET", location.key(name), timedelta(seconds=seconds))
 
+    def _objects(self, store: S3Store, location: S3Location) -> list[ObjectMeta]:
+        return call(lambda: [m for batch in obstore.list(store, location.prefix + "/")
+                             for m in batch], location.uri, self.settings)
+
+    def size(self, location: S3Location) -> int:
+        """Bytes of every object under ``location``."""
+        return sum(int(m["size"]) for m in self._objects(self._store(location), location))
+
     def remove(self, location: S3Location) -> int:
         """Unpublish (manifest first), then delete every object under ``location``; returns
         the bytes removed."""
         store = self._store(location)
         what = location.uri
-        objects = call(lambda: [m for batch in obstore.list(store, location.prefix + "/")
-                                for m in batch], what, self.settings)
+        objects = self._objects(store, location)
         manifest = location.key(MANIFEST)
         if any(m["path"] == manifest for m in objects):
             call(lambda: obstore.delete(store, manifest), what, self.settings)

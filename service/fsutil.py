@@ -16,17 +16,23 @@ _HASH_BLOCK = 8 * 1024 * 1024
 
 
 def atomic_write_json(path: Path, data: Any, *, compact: bool = False) -> str:
-    """Write ``data`` as JSON so that ``path`` holds either the old or the new content, never a
-    torn file; returns the sha256 of the bytes written (an export lists it without rereading).
-
-    Temp file in the same directory, fsync, ``os.replace``, fsync of the directory so that the
-    rename itself survives a crash. ``compact`` drops the indentation: for index files rewritten
-    often (the offload store's), where nobody reads them by eye. A full disk is
-    :class:`DiskFull`, with the temp file removed."""
+    """Write ``data`` as JSON with :func:`atomic_write_text`; returns its sha256. ``compact``
+    drops the indentation: for index files rewritten often (the offload store's), where nobody
+    reads them by eye."""
     if compact:
         text = json.dumps(data, separators=(",", ":"))
     else:
         text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return atomic_write_text(path, text)
+
+
+def atomic_write_text(path: Path, text: str) -> str:
+    """Write ``text`` (UTF-8) so that ``path`` holds either the old or the new content, never a
+    torn file; returns the sha256 of the bytes written (an export lists it without rereading).
+
+    Temp file in the same directory, fsync, ``os.replace``, fsync of the directory so that the
+    rename itself survives a crash. A full disk is :class:`DiskFull`, with the temp file
+    removed."""
     raw = text.encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -80,6 +80,10 @@ class JobLayout:
                 continue  # removed meanwhile
         return total
 
+    def remove_artifacts(self) -> None:
+        """Drop the local copy of artifacts published elsewhere (the artifact store)."""
+        shutil.rmtree(self.artifacts, ignore_errors=True)
+
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 

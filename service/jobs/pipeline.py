@@ -15,16 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from service.artifact_store import ArtifactStore
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import Checkpoint
 from service.config import Settings
 from service.errors import NoModelConfig, VerificationFailed
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec, Needs
-from service.fsutil import atomic_write_json, fsync_tree, sha256_file
+from service.fsutil import atomic_write_json, atomic_write_text, fsync_tree, sha256_file
 from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact
 from service.jobs.spec import JobSpec
+from service.jobs.versions import tool_versions
+from service.model_card import CARD
+from service.model_card import render as render_card
 from service.sources import (
     ResolvedSource,
     SourceIdentity,
@@ -99,15 +103,21 @@ class ReuseGate(Protocol):
 
 
 def run_pipeline(
-    spec: JobSpec, ctx: JobContext, layout: JobLayout, reuse: ReuseGate | None = None
+    spec: JobSpec,
+    ctx: JobContext,
+    layout: JobLayout,
+    reuse: ReuseGate | None = None,
+    tenant: str | None = None,
 ) -> list[Artifact]:
     """Run every phase of the job; returns the published artifacts.
 
     With ``reuse``, the source's identity is resolved first (before the download when it can
     be: hub commit, declared sha256, local content hash; after it otherwise), and a job whose
-    result already exists or is being computed shares it instead of running the phases."""
+    result already exists or is being computed shares it instead of running the phases.
+    With an artifact store (``MODELPREP_ARTIFACT_STORE``) the published files go to the
+    bucket, manifest last, and leave the local disk."""
     ctx.set_phase(Phase.DOWNLOAD, unit="bytes")
-    request = spec.source_request()
+    request = spec.source_request(tenant)
     identity = None
     if reuse is not None:
         identity = identify_source(request, ctx.settings, ctx)
@@ -126,7 +136,8 @@ def run_pipeline(
     with open_checkpoint(checkpoint_dir) as checkpoint:
         summaries, digests, model_info = _export_checkpoint(checkpoint, spec, ctx, layout)
     staged = sorted(p for p in layout.staging.rglob("*") if p.is_file())
-    ctx.set_phase(Phase.FINALIZE, total=len(staged) + 1, unit="files")  # + the manifest
+    # + the model card and the manifest
+    ctx.set_phase(Phase.FINALIZE, total=len(staged) + 2, unit="files")
     artifacts = _describe_files(layout.staging, staged, digests, ctx)
     manifest = {
         "job_id": ctx.job_id,
@@ -137,6 +148,11 @@ def run_pipeline(
         "memory": _memory_summary(ctx),
         "files": [a.__dict__ for a in artifacts],
     }
+    card = layout.staging / CARD
+    atomic_write_text(card, render_card(manifest, tool_versions()))
+    artifacts.append(Artifact(CARD, card.stat().st_size, sha256_file(card)))
+    manifest["files"] = [a.__dict__ for a in artifacts]
+    ctx.advance(1)
     atomic_write_json(layout.staging / MANIFEST, manifest)
     manifest_path = layout.staging / MANIFEST
     artifacts.append(
@@ -145,7 +161,31 @@ def run_pipeline(
     ctx.advance(1)
     fsync_tree(layout.staging)
     layout.publish()
+    publish_to_store(layout, artifacts, spec, ctx, tenant)
     return artifacts
+
+
+def publish_to_store(
+    layout: JobLayout,
+    artifacts: list[Artifact],
+    spec: JobSpec,
+    ctx: JobContext,
+    tenant: str | None,
+) -> None:
+    """With an artifact store: upload the published files (manifest last) to
+    ``<prefix>/<tenant>/<job id>/`` or the job's destination, record where in the job's
+    ``artifact_store`` section, and free the local copy (API and workers share no disk)."""
+    store = ArtifactStore.configured(ctx.settings)
+    if store is None:
+        return
+    location = store.location_for(ctx.job_id, tenant, spec.destination)
+    total = sum(a.size for a in artifacts)
+    ctx.set_phase(Phase.FINALIZE, total=total, unit="bytes")
+    digests = {a.path: a.sha256 for a in artifacts if a.path != MANIFEST}
+    etags = store.publish(layout.artifacts, location, digests, ctx)
+    ctx.set_detail("artifact_store", {"uri": location.uri, "objects": len(etags)})
+    ctx.add_metric("bytes_published", total)
+    layout.remove_artifacts()
 
 
 def _memory_summary(ctx: JobContext) -> dict[str, Any]:

@@ -43,7 +43,6 @@ drops what it linked and settles again (never a partial set).
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import logging
@@ -51,15 +50,17 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from service.artifact_store import ArtifactStore
 from service.config import Settings
+from service.errors import ObjectNotFound
 from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact, Job
 from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore, ReuseAction
-from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
+from service.jobs.versions import producers
+from service.objectstore import S3Location
 from service.sources import SourceIdentity
 from service.stage import JobContext, Phase
 
@@ -68,30 +69,11 @@ log = logging.getLogger(__name__)
 KEY_FORMAT = 2
 """Bump when what goes into a key changes meaning: older keys then match nothing."""
 
-PRODUCERS = (
-    "modelprep", "torch", "transformers", "safetensors", "gguf", "sentencepiece",
-    "torch-to-nnef", "tract", "onnx", "onnx-ir", "onnxscript", "onnxruntime",
-)
-"""Distributions whose version can change an artifact's bytes or its verification."""
-
 WAIT_POLL_SECONDS = 0.5
 """How often a job waiting for an identical running job looks at the store."""
 
 _LINK_FALLBACK = {errno.EXDEV, errno.EMLINK, errno.EPERM, errno.ENOTSUP}
 """link() failures that mean "cannot link here", not "the file is gone": copy instead."""
-
-
-@functools.cache
-def producers() -> dict[str, str | None]:
-    """Versions of what produces artifacts; looked up once per process."""
-    found: dict[str, str | None] = {}
-    for name in PRODUCERS:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    found["llama.cpp"] = LLAMA_CPP_PYTHON_VERSION
-    return found
 
 
 def recipe_of(spec: JobSpec) -> dict[str, Any]:
@@ -177,7 +159,11 @@ class StoreReuse:
             return artifacts
 
     def _share(self, other: Job, ctx: JobContext) -> list[Artifact]:
-        """Link ``other``'s artifacts into this job's staging, then publish them at once."""
+        """Link ``other``'s artifacts into this job's staging, then publish them at once; or,
+        when ``other`` published to the artifact store, copy its objects server-side."""
+        published = other.details.get("artifact_store")
+        if isinstance(published, dict) and published.get("uri"):
+            return self._share_objects(other, str(published["uri"]), ctx)
         source = JobLayout.for_job(self.settings, other.id).artifacts
         staging = self.layout.staging
         ctx.set_phase(Phase.FINALIZE, total=len(other.artifacts), unit="files")
@@ -206,4 +192,26 @@ class StoreReuse:
         self.layout.publish()
         ctx.set_metric("reused_bytes", linked + copied)
         ctx.set_metric("reused_bytes_copied", copied)
+        return list(other.artifacts)
+
+    def _share_objects(self, other: Job, uri: str, ctx: JobContext) -> list[Artifact]:
+        """Server-side copies of ``other``'s objects under this job's location, manifest last:
+        no byte passes through the job. Each job then owns its objects (DELETE and retention
+        of one never touch the other's)."""
+        store = ArtifactStore.configured(self.settings)
+        if store is None:
+            raise SharedArtifactsGone(f"{uri}: no artifact store is configured now")
+        job = self.store.get(ctx.job_id)
+        destination = job.spec.get("destination")
+        target = store.location_for(ctx.job_id, job.tenant,
+                                    destination if isinstance(destination, str) else None)
+        ctx.set_phase(Phase.FINALIZE, total=len(other.artifacts), unit="files")
+        try:
+            store.copy(S3Location.parse(uri), target, [a.path for a in other.artifacts], ctx)
+        except ObjectNotFound as exc:
+            raise SharedArtifactsGone(str(exc)) from exc
+        ctx.set_detail("artifact_store", {"uri": target.uri, "objects": len(other.artifacts),
+                                          "copied_from": uri})
+        ctx.set_metric("reused_bytes", sum(a.size for a in other.artifacts))
+        ctx.set_metric("reused_bytes_copied", 0)
         return list(other.artifacts)

@@ -171,7 +171,8 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
         spec = JobSpec.model_validate({**job.spec, **secrets})
         from service.jobs.reuse import StoreReuse
 
-        artifacts = run_pipeline(spec, ctx, layout, StoreReuse(store, layout, settings))
+        artifacts = run_pipeline(spec, ctx, layout, StoreReuse(store, layout, settings),
+                                 tenant=job.tenant)
         ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
         ctx.metrics["peak_rss_bytes"] = ctx.peak_rss_bytes()
         ctx.close_phase()

@@ -10,10 +10,17 @@ from typing import Any
 
 import anyio.to_thread
 
+from service.artifact_store import ArtifactStore, check_destination
 from service.checkpoint.consistency import check_config_matches_weights, safetensors_tensors
 from service.checkpoint.quantization import plan_quantization, without_quantization
 from service.config import Settings
-from service.errors import ArtifactGone, ArtifactNotFound, Conflict
+from service.errors import (
+    ArtifactGone,
+    ArtifactNotFound,
+    ConfigurationError,
+    Conflict,
+    InvalidRequest,
+)
 from service.jobs.callbacks import check_callback, waiting_callback
 from service.jobs.executors.base import Executor
 from service.jobs.layout import JobLayout
@@ -21,6 +28,7 @@ from service.jobs.model import Job, JobStatus, Phase
 from service.jobs.pipeline import check_spec
 from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore, utcnow
+from service.objectstore import S3Location
 from service.sources import LocalSource, local_source
 
 
@@ -43,6 +51,11 @@ class JobService:
             source_checked=local is not None,
         )
         check_callback(spec, self.settings, tenant)
+        if spec.destination is not None:
+            if ArtifactStore.configured(self.settings) is None:
+                raise InvalidRequest('"destination" needs an artifact store '
+                                     "(MODELPREP_ARTIFACT_STORE)")
+            check_destination(spec.destination, tenant, self.settings)
         job = Job(
             id=uuid.uuid4().hex,
             status=JobStatus.QUEUED,
@@ -143,12 +156,25 @@ class JobService:
 
         The row is marked first, so no client is handed a URL to a file being removed."""
         layout = JobLayout.for_job(self.settings, job_id)
+        location = published_location(self.store.get(job_id, tenant))
         freed = layout.disk_bytes()
+        if location is not None:
+            freed += self._artifact_store().size(location)
         job = self.store.mark_deleted(job_id, freed, tenant)
         if job is None:
             raise Conflict(f"job {job_id} is not finished; cancel it first")
+        if location is not None:
+            self._artifact_store().remove(location)
         layout.remove()
         return job
+
+    def _artifact_store(self) -> ArtifactStore:
+        store = ArtifactStore.configured(self.settings)
+        if store is None:
+            raise ConfigurationError(
+                "a job published to the artifact store, but MODELPREP_ARTIFACT_STORE is unset"
+            )
+        return store
 
     def expire_artifacts(self, batch: int = 100) -> list[str]:
         """Remove the files of jobs finished more than ``artifact_ttl`` ago; returns their ids.
@@ -171,4 +197,25 @@ class JobService:
             raise ArtifactNotFound(f"job {job_id} has no artifacts ({job.status.value})")
         return job, JobLayout.for_job(self.settings, job_id).artifact(path)
 
+    def artifact_url(self, job_id: str, path: str, tenant: str | None = None) -> str | None:
+        """A presigned URL of an artifact published to the artifact store (None: the job's
+        artifacts are on local disk; :meth:`artifact` serves them). Only paths the job lists."""
+        job = self.store.get(job_id, tenant)
+        location = published_location(job)
+        if location is None:
+            return None
+        if "deleted_at" in job.details:
+            raise ArtifactGone(f"the artifacts of job {job_id} were removed")
+        if path not in {a.path for a in job.artifacts}:
+            raise ArtifactNotFound(f"no artifact {path!r}")
+        return self._artifact_store().url(location, path)
 
+
+
+
+def published_location(job: Job) -> S3Location | None:
+    """Where the job's artifacts were published in the artifact store, if they were."""
+    section = job.details.get("artifact_store")
+    if isinstance(section, dict) and isinstance(section.get("uri"), str):
+        return S3Location.parse(section["uri"])
+    return None

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from service.exporters import registry
 from service.exporters.base import ExportSpec
+from service.objectstore import S3Location
 from service.sources.base import SourceRequest
 from service.units import parse_size
 
@@ -67,7 +68,8 @@ class JobSpec(BaseModel):
 
     source: str = Field(
         min_length=1,
-        description="file:///abs/path, hf://org/repo or http(s)://host/file",
+        description="file:///abs/path, hf://org/repo, http(s)://host/file or "
+        "s3://bucket/prefix",
         examples=["file:///models/tiny-llama"],
     )
     exports: list[AnyExportSpec] = Field(  # type: ignore[valid-type]
@@ -112,6 +114,21 @@ class JobSpec(BaseModel):
         "timed out), signed with HMAC-SHA256; retried with backoff.",
     )
 
+    destination: str | None = Field(
+        default=None,
+        description="s3://bucket/prefix to publish this job's artifacts under (then "
+        "<prefix>/<job id>/) instead of the artifact store's default; only under a prefix "
+        "granted to the tenant (MODELPREP_ARTIFACT_DESTINATIONS).",
+        examples=["s3://team-models/llama"],
+    )
+
+    @field_validator("destination")
+    @classmethod
+    def _s3_destination(cls, value: str | None) -> str | None:
+        if value is not None:
+            S3Location.parse(value)
+        return value
+
     @field_validator("max_memory")
     @classmethod
     def _valid_size(cls, value: str | None) -> str | None:
@@ -119,9 +136,11 @@ class JobSpec(BaseModel):
             parse_size(value)
         return value
 
-    def source_request(self) -> SourceRequest:
+    def source_request(self, tenant: str | None = None) -> SourceRequest:
+        """The source to fetch; ``tenant`` picks an s3:// source's credentials."""
         return SourceRequest(
-            uri=self.source, revision=self.revision, sha256=self.sha256, token=self.hf_token
+            uri=self.source, revision=self.revision, sha256=self.sha256, token=self.hf_token,
+            tenant=tenant,
         )
 
     def stored(self) -> dict[str, Any]:

@@ -91,3 +91,36 @@ def test_workers_are_probed_by_their_heartbeat_file_and_run_as_uid_1000() -> Non
     for name in ("modelprep-api", "modelprep-worker"):
         security = pod(name)["securityContext"]
         assert (security["runAsUser"], security["fsGroup"]) == (1000, 1000)
+
+
+OBJECT_STORE = K8S / "object-store"
+
+
+def object_store_documents() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(OBJECT_STORE.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_object_store_variant_is_valid_kubernetes(version: str) -> None:
+    docs = object_store_documents()
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "ServiceAccount"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_object_store_variant_shares_no_volume_and_publishes_to_the_bucket() -> None:
+    deployments = {d["metadata"]["name"]: d for d in object_store_documents()
+                   if d["kind"] == "Deployment"}
+    assert set(deployments) == {"modelprep-api", "modelprep-worker"}
+    for deployment in deployments.values():
+        spec = deployment["spec"]["template"]["spec"]
+        assert spec["serviceAccountName"] == "modelprep"  # web identity for the bucket
+        (volume,) = spec["volumes"]
+        assert "emptyDir" in volume and "persistentVolumeClaim" not in volume
+        (container,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["MODELPREP_ARTIFACT_STORE"].startswith("s3://")
+        assert env["MODELPREP_EXECUTOR"] == "procrastinate"
