@@ -73,6 +73,15 @@ class MissingTokenizer(UnsupportedExport):
     title = "Missing tokenizer"
 
 
+class PlanDoesNotFit(InvalidRequest):
+    """The job's plan (made from the checkpoint's headers before it runs) needs more memory
+    than a job's budget or more disk than the data directory has free; the message names both
+    numbers. ``"dry_run": true`` shows the whole plan."""
+
+    code = "plan_does_not_fit"
+    title = "The job does not fit this service"
+
+
 class ImatrixNotValid(InvalidRequest):
     """The file given as a GGUF export's ``imatrix.uri`` is not an importance matrix."""
 

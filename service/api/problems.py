@@ -122,6 +122,9 @@ FIXES: dict[str, str] = {
     "verification_too_large": "Raise `MODELPREP_TRACT_MAX_MEMORY` / `MODELPREP_ORT_MAX_MEMORY` "
     "(or `MODELPREP_JOB_MEMORY`), "
     "or skip the check with `\"verify\": false` on that export.",
+    "plan_does_not_fit": "Submit with `\"dry_run\": true` to see the plan: give the service "
+    "more memory (`MODELPREP_JOB_MEMORY`, fewer `MODELPREP_WORKERS`) or disk, skip a check "
+    "with `\"verify\": false`, or export fewer formats per job.",
     "configuration_error": "The detail names the setting and an example value.",
     "internal_error": "A bug: the service's log has the traceback (search it for the "
     "response's `X-Request-ID`).",

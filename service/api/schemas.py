@@ -9,10 +9,94 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.jobs.model import Job
 from service.jobs.spec import JobSpec
+from service.plan import JobPlan
 
 
 class JobCreate(JobSpec):
     """A job: the checkpoint to fetch (`source`) and what to make of it (`exports`)."""
+
+    dry_run: bool = Field(
+        default=False,
+        description="Plan the job instead of queueing it: answer 200 with its plan (peak "
+        "memory of the job and of each child, disk, verification mode, whether it fits), "
+        "made from the source's headers alone; no job is created.",
+    )
+
+    def spec(self) -> JobSpec:
+        """The job's spec, without what only the request carries."""
+        return JobSpec.model_validate(
+            {**self.model_dump(exclude={"dry_run"}), "hf_token": self.hf_token}
+        )
+
+
+class ChildPlanOut(BaseModel):
+    name: str = Field(description="onnxruntime, tract, llama-quantize, llama-perplexity...")
+    peak_rss_bytes: int
+
+
+class ExportPlanOut(BaseModel):
+    format: str
+    job_peak_rss_bytes: int = Field(description="The job process's peak during this export.")
+    job_rss_during_children_bytes: int
+    group_peak_bytes: int = Field(
+        description="The job's process group at its peak: the job, or the job beside its "
+        "largest child."
+    )
+    children: list[ChildPlanOut]
+    verification: str = Field(
+        description="whole, layerwise (the consumer runs the artifact whole or block by "
+        "block), read_back, layout (GGUF), reference (safetensors), none."
+    )
+    artifact_bytes: int
+    scratch_bytes: int
+    offload_bytes: int
+    notes: list[str] = Field(description="The formula and its terms, in words.")
+
+
+class DiskPlanOut(BaseModel):
+    download_bytes: int
+    offload_bytes: int
+    staging_bytes: int
+    artifact_bytes: int
+    total_bytes: int
+
+
+class SourcePlanOut(BaseModel):
+    format: str
+    files: int
+    weight_bytes: int
+    download_bytes: int
+    tensors: int
+    largest_tensor: str | None
+    largest_tensor_bytes: int
+
+
+class PlanOut(BaseModel):
+    """Answer of ``POST /v1/jobs`` with ``"dry_run": true``."""
+
+    fits: bool = Field(description="Whether the job would be accepted on this service.")
+    refusals: list[str] = Field(description="Why it would not, with the numbers.")
+    peak_rss_bytes: int
+    group_peak_bytes: int
+    memory_budget_bytes: int | None = Field(description="What one job may use.")
+    disk_free_bytes: int | None
+    disk: DiskPlanOut
+    exports: list[ExportPlanOut]
+    source: SourcePlanOut
+
+
+def plan_out(plan: JobPlan) -> PlanOut:
+    """The wire form of a job's plan."""
+    body = plan.as_dict()
+    headers = plan.headers
+    largest = headers.largest()
+    body["source"] = SourcePlanOut(
+        format=headers.format, files=len(headers.files), weight_bytes=headers.weight_bytes,
+        download_bytes=headers.download_bytes, tensors=len(headers.tensors),
+        largest_tensor=largest.name if largest else None,
+        largest_tensor_bytes=largest.nbytes if largest else 0,
+    )  # fmt: skip
+    return PlanOut.model_validate(body)
 
 
 class ProgressOut(BaseModel):

@@ -17,18 +17,23 @@ from service.config import Settings
 from service.errors import (
     ArtifactGone,
     ArtifactNotFound,
+    CheckpointError,
     ConfigurationError,
     Conflict,
     InvalidRequest,
+    PlanDoesNotFit,
+    SourceError,
 )
 from service.jobs.callbacks import check_callback, waiting_callback
 from service.jobs.executors.base import Executor
 from service.jobs.layout import JobLayout
 from service.jobs.model import Job, JobStatus, Phase
 from service.jobs.pipeline import check_spec
+from service.jobs.planning import plan_spec, source_headers
 from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore, utcnow
 from service.objectstore import S3Location
+from service.plan import JobPlan
 from service.sources import LocalSource, local_source
 
 
@@ -56,6 +61,8 @@ class JobService:
                 raise InvalidRequest('"destination" needs an artifact store '
                                      "(MODELPREP_ARTIFACT_STORE)")
             check_destination(spec.destination, tenant, self.settings)
+        if local is not None:
+            self._check_plan(spec)
         job = Job(
             id=uuid.uuid4().hex,
             status=JobStatus.QUEUED,
@@ -68,6 +75,32 @@ class JobService:
         )
         secrets = {"hf_token": spec.hf_token.get_secret_value()} if spec.hf_token else {}
         return self.executor.submit(job, secrets)
+
+    def _check_plan(self, spec: JobSpec) -> None:
+        """Refuse a job whose plan does not fit (:class:`PlanDoesNotFit`): a local checkpoint's
+        headers cost nothing to read, so a job that cannot fit is refused now, not OOM-killed
+        or out of disk after minutes of work. A checkpoint whose headers cannot be read is left
+        to the job, which names what is wrong with it (as it did before plans)."""
+        try:
+            headers = source_headers(spec, self.settings)
+        except (CheckpointError, SourceError, OSError):
+            return
+        plan = plan_spec(spec, headers, self.settings)
+        if not plan.fits:
+            raise PlanDoesNotFit("; ".join(plan.refusals) + ' (see "dry_run": true)')
+
+    def plan(self, spec: JobSpec, tenant: str | None = None) -> JobPlan:
+        """What the job would hold in memory and write to disk, and whether it fits, from the
+        source's headers (a remote source's too: range reads, never the weights); checked as
+        :meth:`submit` checks a job, but nothing is queued."""
+        local = local_source(spec.source_request(), self.settings)
+        config = self._check_local_weights(local) if local is not None else None
+        check_spec(
+            spec, self.settings, config, config_known=local is not None,
+            source_dir=local.directory if local is not None else None,
+            source_checked=local is not None,
+        )
+        return plan_spec(spec, source_headers(spec, self.settings), self.settings)
 
     def _reservation(self, spec: JobSpec, local: LocalSource | None) -> int:
         """The artifact bytes a job is expected to write, held against its tenant's limit

@@ -6,10 +6,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Response, status
+from fastapi.responses import JSONResponse
 
 from service.api.auth import PrincipalDep
 from service.api.deps import JobsDep
-from service.api.schemas import JobCreate, JobOut, JobPage, problems
+from service.api.schemas import JobCreate, JobOut, JobPage, PlanOut, plan_out, problems
 from service.jobs.model import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -66,22 +67,33 @@ SUBMIT_EXAMPLES: dict[str, dict[str, Any]] = {
 
 
 @router.post(
-    "", status_code=status.HTTP_202_ACCEPTED, responses={**PROBLEMS, **problems(415, 503)},
+    "",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobOut,
+    responses={
+        **PROBLEMS, **problems(415, 503),
+        200: {"model": PlanOut, "description": '"dry_run": true: the job\'s plan; no job.'},
+    },
     summary="Submit a job",
-)
+)  # fmt: skip
 def submit_job(
     body: Annotated[JobCreate, Body(openapi_examples=SUBMIT_EXAMPLES)],
     jobs: JobsDep,
     principal: PrincipalDep,
     response: Response,
-) -> JobOut:
+) -> JobOut | JSONResponse:
     """Queue a job that fetches `source` and makes each of `exports`; `202` with the job
     and its `Location`. What can be known now is refused now (`422`: a source outside the
     allowed roots, an unknown format, dtype or type, each named with the accepted values);
     `429` with `Retry-After` when the queue or the tenant's limits are full. Follow the job
     with `GET /v1/jobs/{id}` or its `/events` stream; download what its `artifacts`
-    list once it `succeeded`."""
-    job = jobs.submit(body, tenant=principal.tenant)
+    list once it `succeeded`. With `"dry_run": true`, `200` with the job's plan (predicted
+    peak memory of the job and each child, disk, verification mode, whether it fits) and no
+    job; a local job whose plan does not fit is refused `422 plan_does_not_fit`."""
+    if body.dry_run:
+        plan = jobs.plan(body.spec(), tenant=principal.tenant)
+        return JSONResponse(plan_out(plan).model_dump(mode="json"))
+    job = jobs.submit(body.spec(), tenant=principal.tenant)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut.from_job(job)
 

@@ -1,0 +1,307 @@
+"""What one export of each format holds in memory and writes to disk, from headers alone.
+
+One function per format; each names its formula and its terms in ``ExportPlan.notes``. The
+constants were measured on this machine with the service's own jobs (forked from the job
+forkserver, so a job starts with the imports it shares: ``JOB_BASE_BYTES``) on the real
+corpus (SmolLM2-135M, all-MiniLM-L6) and synthetic Llama-shaped checkpoints; the figures
+compared are the ones the job records (``metrics.peak_rss_bytes``, the consumers' peaks in the
+manifest). ``tests/e2e/test_plan.py`` holds predictions to within 25% of those figures and
+``bench/plan_accuracy.py`` prints the table.
+
+A child's peak is read from ``wait4`` of a process forked from the job: Linux counts the job's
+resident memory at the fork in it (the pre-``exec`` image's high-water mark), so the recorded
+figure is the larger of the job's resident memory and the child's own peak; plans predict the
+child's own peak and ``ExportPlan.job_rss_during_children_bytes``, and a comparison with a
+recorded figure takes the larger of the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from service.checkpoint.headers import ITEMSIZE, CheckpointHeaders, TensorHeader
+from service.plan import ChildPlan, ExportPlan, VerificationMode
+
+MiB = 1 << 20
+
+JOB_BASE_BYTES = 400 * MiB
+"""A job process before it reads a weight: the forkserver's imports (torch, transformers,
+the exporters' libraries) it shares, the checkpoint's directory, the meta build (measured:
+a job that failed before its first weight, 411 MiB)."""
+
+CHUNK_BYTES = 64 * MiB
+"""The GGUF writer's row block of float32 (``service.exporters.gguf_stream.CHUNK_BYTES``)."""
+
+GGUF_BASE_BYTES = 110 * MiB
+"""A GGUF job beyond its base and its row blocks: llama.cpp's converter classes, the
+vocabulary's metadata."""
+GGUF_BLOCKS: dict[str, float] = {"f32": 3.5, "f16": 2.8, "bf16": 2.8, "q8_0": 3.6, "q4_0": 3.6}
+"""Row blocks (``CHUNK_BYTES`` of float32 each) a GGUF job holds at its peak, by written type,
+with the read-back on: the source block, its cast or quantized copy and their temporaries,
+two output slots, the read-back's two blocks (SmolLM2: f16 691 MiB, q8_0 744 MiB)."""
+GGUF_READ_BACK_BLOCKS = 1.5
+"""Of those, what the read-back adds (a job with ``"verify": false`` holds that less)."""
+
+QUANTIZER_BASE_BYTES = 32 * MiB
+"""llama-quantize beyond its tensors (bench/export_gguf.py: Q + 7 L)."""
+
+LLAMA_CHECK_BASE_BYTES = 160 * MiB
+"""llama-perplexity and llama-tokenize beyond the mapped file: the context's buffers."""
+
+ORT_BASE_BYTES = 64 * MiB
+ORT_WEIGHT_FACTOR = 1.12
+"""onnxruntime (its own peak, measured in the child) holds every weight, plus pre-packed
+copies and the decode's buffers: MiniLM 139 MiB for 87, SmolLM2 768 MiB for 521,
+bench/export_onnx.py 1.21 GiB for 1.02 and 4.45 GiB for 3.9."""
+
+ONNX_BASE_BYTES = 128 * MiB
+"""The ONNX job beyond its base, the largest tensor and the graph: onnx, onnxscript, the
+exporter's tables (MiniLM 590 MiB, SmolLM2 888 MiB)."""
+ONNX_PER_LAYER_BYTES = int(4.5 * MiB)
+"""The captured graph, per decoder layer (README)."""
+
+TRACT_BASE_BYTES = 64 * MiB
+TRACT_WEIGHT_FACTOR = 1.35
+"""tract holds the whole archive in RAM (bench/export_nnef.py: 6.36 GiB for 4.70 GiB)."""
+
+NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
+"""torch-to-nnef's trace of the meta copy, per layer (MiniLM 570 MiB for 6 layers,
+SmolLM2 1043 MiB for 30, with twice the largest float32 tensor)."""
+
+SAFETENSORS_VERIFY_FACTOR = 2.1
+"""A verified safetensors export runs the source, then the export, through transformers in
+float32, the weights resident within ``max_memory``: both at the peak, and the outputs
+(MiniLM 601 MiB for 87 MiB of float32 weights, SmolLM2 1516 MiB for 513)."""
+
+GGUF_TYPE_BYTES: dict[str, float] = {
+    "f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
+    "q2_k": 2.63 / 8, "q3_k_s": 3.5 / 8, "q3_k_m": 3.91 / 8, "q3_k_l": 4.27 / 8,
+    "q4_k_s": 4.58 / 8, "q4_k_m": 4.89 / 8, "q5_k_s": 5.54 / 8, "q5_k_m": 5.69 / 8,
+    "q6_k": 6.56 / 8, "iq4_nl": 4.5 / 8, "iq4_xs": 4.25 / 8,
+}  # fmt: skip
+"""Bytes per weight of a matrix stored in each GGUF type (llama-quantize's averages for the
+K-quant mixtures); vectors (norms, biases) stay float32."""
+
+UNQUANTIZED_GGUF = frozenset({"f32", "f16", "bf16", "q8_0", "q4_0"})
+
+
+def _layers(headers: CheckpointHeaders) -> int:
+    config = headers.config or {}
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
+
+
+def _largest_bytes(headers: CheckpointHeaders, itemsize: float | None = None) -> int:
+    """Bytes of the largest tensor, stored (``itemsize`` None) or as ``itemsize`` per element."""
+    largest = headers.largest()
+    if largest is not None:
+        return int(largest.numel * (itemsize or ITEMSIZE[largest.dtype]))
+    config = headers.config or {}  # a pickle: the largest of what the config describes
+    hidden = int(config.get("hidden_size") or 0)
+    rows = max(int(config.get("vocab_size") or 0), int(config.get("intermediate_size") or 0))
+    return int(rows * hidden * (itemsize or 4))
+
+
+def _floating_elements(headers: CheckpointHeaders) -> int:
+    if headers.tensors:
+        return sum(t.numel for t in headers.tensors if t.floating)
+    return headers.weight_bytes // 2  # a pickle: assume 16-bit weights
+
+
+def _export_dtype_bytes(headers: CheckpointHeaders, asked: str | None) -> int:
+    """Bytes per weight of an ONNX or NNEF export: the asked dtype, else float16 stays
+    float16 and everything else becomes float32 (``export_dtype``)."""
+    if asked is not None:
+        return {"float32": 4, "float16": 2, "bfloat16": 2}[asked]
+    return 2 if headers.source_dtype == "F16" else 4
+
+
+def _ties(headers: CheckpointHeaders) -> int:
+    """Bytes of an output head the config ties to the input embedding, when both are stored."""
+    if not (headers.config or {}).get("tie_word_embeddings"):
+        return 0
+    names = {t.name: t for t in headers.tensors}
+    head = names.get("lm_head.weight")
+    return head.nbytes if head is not None and len(names) > 1 else 0
+
+
+# --- safetensors ------------------------------------------------------------------------------
+
+
+def plan_safetensors(
+    spec: Any, headers: CheckpointHeaders, max_memory: int, verify: bool
+) -> ExportPlan:
+    """Shards written tensor by tensor (a cast block at a time); verified by running the source
+    and the export in transformers with the weights resident within ``max_memory``."""
+    out_itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(spec.dtype), None)
+    artifact = 0
+    for t in headers.tensors:
+        size = ITEMSIZE[t.dtype] if out_itemsize is None or not t.floating else out_itemsize
+        artifact += t.numel * size
+    artifact = (artifact or headers.weight_bytes) - _ties(headers)
+    largest = _largest_bytes(headers)
+    writing = JOB_BASE_BYTES + 2 * largest
+    notes = [f"writing: base {JOB_BASE_BYTES >> 20} MiB + 2 x largest tensor ({largest >> 20} MiB)"]
+    verification: VerificationMode = "none"
+    peak = writing
+    if verify and headers.config is not None:
+        resident = min(max_memory, _floating_elements(headers) * 4)
+        peak = max(writing, JOB_BASE_BYTES + int(SAFETENSORS_VERIFY_FACTOR * resident))
+        verification = "reference"
+        notes.append(
+            f"verifying: base + {SAFETENSORS_VERIFY_FACTOR} x float32 weights resident within "
+            f"max_memory ({resident >> 20} MiB)"
+        )
+    return ExportPlan(
+        format="safetensors", job_peak_rss_bytes=peak, job_rss_during_children_bytes=peak,
+        verification=verification, artifact_bytes=artifact, notes=tuple(notes),
+    )  # fmt: skip
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+
+def _gguf_matrix(t: TensorHeader) -> bool:
+    return t.floating and len(t.shape) >= 2
+
+
+def _gguf_bytes(headers: CheckpointHeaders, type_name: str) -> int:
+    """The GGUF file's size: matrices in the type, vectors in float32, the vocabulary."""
+    per = GGUF_TYPE_BYTES.get(type_name.lower(), 2.0)
+    total = 0
+    for t in headers.tensors:
+        total += int(t.numel * (per if _gguf_matrix(t) else 4))
+    if not headers.tensors:
+        total = int(headers.weight_bytes / 2 * per)
+    total -= int(_ties(headers) / 4 * per) if _ties(headers) else 0
+    vocab = int((headers.config or {}).get("vocab_size") or 0)
+    return total + vocab * 24  # tokens, scores, types and merges
+
+
+def _transformed(headers: CheckpointHeaders) -> int:
+    """Float32 bytes of the largest tensor llama.cpp's converter evaluates whole: a q/k
+    projection it permutes (Llama-family classes); a MoE layer's experts stream one after the
+    other and are not counted."""
+    permuted = [
+        t for t in headers.tensors if t.name.endswith(("q_proj.weight", "k_proj.weight"))
+    ]
+    return max((t.numel * 4 for t in permuted), default=0)
+
+
+def plan_gguf(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
+    """B + G + C x m + T: the job's base, the converter and vocabulary, ``m`` row blocks of
+    ``C`` float32 bytes (by written type, less with the read-back off), and the largest tensor
+    llama.cpp's converter evaluates whole (a permuted q/k projection; a MoE layer's experts
+    stream one after the other and add nothing). A K-quant writes the f16 file that way, then
+    llama-quantize (Q + 7 L, L the largest tensor's elements) and, verified, llama.cpp's
+    perplexity and tokenizer checks, each mapping a file, run as children."""
+    type_name = str(spec.type).lower()
+    quantized = type_name not in UNQUANTIZED_GGUF
+    written = "f16" if quantized else type_name
+    largest = headers.largest()
+    chunk = min(CHUNK_BYTES, largest.numel * 4) if largest is not None else CHUNK_BYTES
+    blocks = GGUF_BLOCKS.get(written, 3.6) - (0 if spec.verify else GGUF_READ_BACK_BLOCKS)
+    transformed = _transformed(headers)
+    job = int(JOB_BASE_BYTES + GGUF_BASE_BYTES + chunk * blocks + transformed)
+    notes = [
+        (f"job: B {JOB_BASE_BYTES >> 20} MiB + G {GGUF_BASE_BYTES >> 20} MiB + {blocks} x C "
+        f"{chunk >> 20} MiB + T {transformed >> 20} MiB (the largest tensor the converter "
+        "evaluates whole; MoE experts stream)")
+    ]
+    artifact = _gguf_bytes(headers, type_name)
+    children: list[ChildPlan] = []
+    scratch = 0
+    if quantized:
+        f16 = _gguf_bytes(headers, "f16")
+        scratch = f16
+        elements = largest.numel if largest is not None else f16 // 2
+        children.append(ChildPlan("llama-quantize", QUANTIZER_BASE_BYTES + 7 * elements))
+        if spec.verify:
+            children.append(ChildPlan("llama-perplexity", LLAMA_CHECK_BASE_BYTES + f16))
+        notes.append(
+            f"llama-quantize: Q {QUANTIZER_BASE_BYTES >> 20} MiB + 7 x L ({elements} elements "
+            f"of the largest tensor); llama-perplexity maps the f16 file ({f16 >> 20} MiB)"
+        )
+    return ExportPlan(
+        format="gguf", job_peak_rss_bytes=job,
+        job_rss_during_children_bytes=JOB_BASE_BYTES + GGUF_BASE_BYTES,
+        children=tuple(children),
+        verification="read_back" if spec.verify else "layout",
+        artifact_bytes=artifact, scratch_bytes=scratch, notes=tuple(notes),
+    )  # fmt: skip
+
+
+# --- ONNX -------------------------------------------------------------------------------------
+
+
+def plan_onnx(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
+    """The job's base + 128 MiB + the largest tensor (twice when cast) + 4.5 MiB per layer;
+    onnxruntime holds every weight: 64 MiB + 1.12 x weights."""
+    itemsize = _export_dtype_bytes(headers, spec.dtype)
+    largest = _largest_bytes(headers, itemsize)
+    cast = headers.source_dtype not in (None, {4: "F32", 2: "F16"}[itemsize])
+    layers = _layers(headers)
+    job = (JOB_BASE_BYTES + ONNX_BASE_BYTES + largest * (2 if cast else 1)
+           + layers * ONNX_PER_LAYER_BYTES)
+    weights = _floating_elements(headers) * itemsize - _ties(headers) // 4 * itemsize
+    children = (
+        (ChildPlan("onnxruntime", ORT_BASE_BYTES + int(ORT_WEIGHT_FACTOR * weights)),)
+        if spec.verify else ()
+    )
+    return ExportPlan(
+        format="onnx", job_peak_rss_bytes=job, job_rss_during_children_bytes=job,
+        children=children, verification="whole" if spec.verify else "none",
+        artifact_bytes=weights, offload_bytes=0,
+        notes=((f"job: base + largest tensor {largest >> 20} MiB{' x 2 (cast)' if cast else ''} "
+               f"+ {layers} layers x 4.5 MiB; onnxruntime: 64 MiB + 1.12 x weights "
+               f"({weights >> 20} MiB)"),),
+    )  # fmt: skip
+
+
+# --- NNEF -------------------------------------------------------------------------------------
+
+
+def plan_nnef(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
+    """The job traces a meta copy (about 14.5 MiB per layer) and streams each weight from the
+    offload store (twice the largest, in float32); tract holds the whole archive
+    (64 MiB + 1.35 x archive) when it verifies it."""
+    itemsize = _export_dtype_bytes(headers, None)
+    weights = _floating_elements(headers) * itemsize - _ties(headers) // 4 * itemsize
+    compressed = getattr(spec, "compression", None) == "q4_0"
+    archive = int(weights * (18 / 32 / itemsize)) if compressed else weights
+    largest = _largest_bytes(headers, 4)
+    layers = _layers(headers)
+    job = JOB_BASE_BYTES + 2 * largest + layers * NNEF_PER_LAYER_BYTES
+    verify = bool(spec.verify) and not compressed
+    children = (
+        (ChildPlan("tract", TRACT_BASE_BYTES + int(TRACT_WEIGHT_FACTOR * archive)),)
+        if verify else ()
+    )
+    return ExportPlan(
+        format="nnef", job_peak_rss_bytes=job, job_rss_during_children_bytes=job,
+        children=children, verification="whole" if verify else "none",
+        artifact_bytes=archive,
+        notes=(
+            (f"job: base + 2 x largest tensor ({largest >> 20} MiB float32) + {layers} layers x "
+            f"14.5 MiB; tract: 64 MiB + 1.35 x archive ({archive >> 20} MiB)"),
+        ),
+    )  # fmt: skip
+
+
+def plan_export(
+    spec: Any, headers: CheckpointHeaders, max_memory: int, verify: bool = True
+) -> ExportPlan:
+    """The plan of one export spec (its ``format`` picks the formula); ``verify`` False (the
+    job's ``"verify": false``) turns every export's verification off."""
+    if not verify and getattr(spec, "verify", False):
+        spec = spec.model_copy(update={"verify": False})
+    if spec.format == "safetensors":
+        return plan_safetensors(spec, headers, max_memory, verify)
+    planner: Callable[[Any, CheckpointHeaders], ExportPlan] = {
+        "gguf": plan_gguf, "onnx": plan_onnx, "nnef": plan_nnef,
+    }[spec.format]  # fmt: skip
+    return planner(spec, headers)

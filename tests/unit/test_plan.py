@@ -1,0 +1,110 @@
+"""The plan's arithmetic on headers alone (no torch, no tools): what each format's formula
+grows with, how a job's exports add up, and when a job does not fit."""
+
+from __future__ import annotations
+
+from service.checkpoint.headers import CheckpointHeaders, TensorHeader
+from service.exporters.base import ExportSpec
+from service.jobs.spec import JobSpec
+from service.plan import ChildPlan, ExportPlan, plan_job
+from service.plan.formats import CHUNK_BYTES, plan_export
+
+GiB = 1 << 30
+
+
+def llama(layers: int, hidden: int = 2048, inter: int = 5632, vocab: int = 32000,
+          dtype: str = "F32", experts: int = 0) -> CheckpointHeaders:  # fmt: skip
+    """A Llama-shaped (Mixtral-shaped with ``experts``) checkpoint's headers."""
+    tensors = [TensorHeader("model.embed_tokens.weight", dtype, (vocab, hidden)),
+               TensorHeader("lm_head.weight", dtype, (vocab, hidden))]  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors += [TensorHeader(p + f"self_attn.{n}_proj.weight", dtype, (hidden, hidden))
+                    for n in "qkvo"]  # fmt: skip
+        mlp = [("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))]
+        if experts:
+            tensors += [
+                TensorHeader(p + f"block_sparse_moe.experts.{x}.{w}.weight", dtype, shape)
+                for x in range(experts)
+                for w, (_, shape) in zip(("w1", "w3", "w2"), mlp, strict=True)
+            ]
+        else:
+            tensors += [TensorHeader(p + f"mlp.{n}_proj.weight", dtype, s) for n, s in mlp]
+        tensors.append(TensorHeader(p + "input_layernorm.weight", dtype, (hidden,)))
+    config = {"num_hidden_layers": layers, "hidden_size": hidden, "vocab_size": vocab,
+              "architectures": ["MixtralForCausalLM" if experts else "LlamaForCausalLM"]}  # fmt: skip
+    files = {"model.safetensors": sum(t.nbytes for t in tensors)}
+    return CheckpointHeaders("safetensors", files, tuple(tensors), config, ("model.safetensors",))
+
+
+def spec(format: str, **fields: object) -> ExportSpec:
+    """An export spec as a request gives it."""
+    if format == "gguf":
+        fields.setdefault("type", "f16")
+    job = JobSpec.model_validate({"source": "file:///m", "exports": [{"format": format, **fields}]})
+    return job.export_specs()[0]
+
+
+def test_streaming_exports_do_not_grow_with_the_model_but_whole_model_consumers_do() -> None:
+    small, large = llama(3), llama(30)
+    assert large.weight_bytes > 5 * small.weight_bytes
+    for format in ("gguf", "safetensors"):
+        a = plan_export(spec(format), small, GiB, verify=False)
+        b = plan_export(spec(format), large, GiB, verify=False)
+        assert a.job_peak_rss_bytes == b.job_peak_rss_bytes, format
+    onnx_small, onnx_large = (plan_export(spec("onnx"), h, GiB) for h in (small, large))
+    (ort_small,), (ort_large,) = onnx_small.children, onnx_large.children
+    assert ort_large.peak_rss_bytes - ort_small.peak_rss_bytes > large.weight_bytes - small.weight_bytes
+    assert onnx_large.job_peak_rss_bytes - onnx_small.job_peak_rss_bytes < 200 << 20  # the graph
+
+
+def test_a_mixtral_gguf_plan_is_the_dense_formula_whatever_the_expert_stack() -> None:
+    """Experts stream one after the other: the stack (8 x 5632 x 2048 x 4 B = 369 MiB in
+    float32 per projection) is not a term; the q projection llama.cpp permutes is."""
+    dense = plan_export(spec("gguf", type="q8_0"), llama(4), GiB)
+    for experts in (8, 16):
+        moe = plan_export(spec("gguf", type="q8_0"), llama(4, experts=experts), GiB)
+        assert moe.job_peak_rss_bytes == dense.job_peak_rss_bytes
+        assert moe.artifact_bytes > dense.artifact_bytes * experts / 4  # the file does grow
+
+
+def test_a_k_quant_plans_the_quantizer_and_the_f16_scratch_file() -> None:
+    plan = plan_export(spec("gguf", type="Q4_K_M"), llama(3), GiB)
+    names = [c.name for c in plan.children]
+    assert names == ["llama-quantize", "llama-perplexity"]
+    f16 = plan_export(spec("gguf", type="f16"), llama(3), GiB)
+    assert plan.scratch_bytes == f16.artifact_bytes
+    assert plan.artifact_bytes < f16.artifact_bytes / 3
+
+
+def test_verify_false_plans_no_consumer_child() -> None:
+    for format in ("onnx", "nnef"):
+        plan = plan_export(spec(format), llama(3), GiB, verify=False)
+        assert plan.children == () and plan.verification == "none"
+    gguf = plan_export(spec("gguf"), llama(3), GiB, verify=False)
+    assert gguf.verification == "layout"
+    assert gguf.job_peak_rss_bytes < plan_export(spec("gguf"), llama(3), GiB).job_peak_rss_bytes
+
+
+def test_a_job_adds_its_exports_files_and_refuses_with_the_numbers() -> None:
+    headers = llama(3)
+    a = ExportPlan("gguf", 700 << 20, 500 << 20, (ChildPlan("llama-quantize", 300 << 20),),
+                   artifact_bytes=100, scratch_bytes=50)  # fmt: skip
+    b = ExportPlan("onnx", 900 << 20, 900 << 20, (ChildPlan("onnxruntime", 600 << 20),),
+                   artifact_bytes=200)  # fmt: skip
+    fits = plan_job(headers, [a, b], memory_budget_bytes=2 * GiB, disk_free_bytes=10**6)
+    assert fits.fits and fits.group_peak_bytes == (900 + 600) << 20
+    assert fits.peak_rss_bytes == 900 << 20
+    assert fits.disk.staging_bytes == 350 and fits.disk.artifact_bytes == 300
+    refused = plan_job(headers, [a, b], memory_budget_bytes=GiB, disk_free_bytes=100)
+    assert not refused.fits
+    memory, disk = refused.refusals
+    assert "1.46 GiB" in memory and "onnx export" in memory and "1.00 GiB budget" in memory
+    assert "data directory" in disk
+
+
+def test_the_gguf_plan_row_blocks_are_bounded_by_the_largest_tensor() -> None:
+    tiny = llama(1, hidden=64, inter=128, vocab=256)
+    plan = plan_export(spec("gguf"), tiny, GiB)
+    big = plan_export(spec("gguf"), llama(1), GiB)
+    assert big.job_peak_rss_bytes - plan.job_peak_rss_bytes > CHUNK_BYTES
