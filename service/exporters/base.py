@@ -59,6 +59,11 @@ class ExportInputs:
     reference: Any | None = None
     """The source model's outputs (float32 tensor) on :func:`service.exporters.common.parity.fixed_input_ids`,
     computed once when an export's :class:`Needs` asks for it and the model could be built."""
+    independent: Any | None = None
+    """The source as transformers' own ``from_pretrained`` computes it
+    (:class:`service.checkpoint.independent.IndependentReference`: outputs on the fixed input,
+    logits on the chunks of ``service.logits.FIXED_TEXT``), present whenever ``reference`` is;
+    ``reference`` holds its outputs."""
     max_memory: str | None = None
     """The job's RAM budget for a model's weights, for verifiers that stream a model."""
 

@@ -40,6 +40,7 @@ from service.sources import (
 from service.stage import JobContext, Phase
 
 if TYPE_CHECKING:
+    from service.checkpoint.independent import IndependentReference
     from service.offload.build import BuiltModel
     from service.offload.store import OffloadStore
 
@@ -262,6 +263,7 @@ def _export_checkpoint(
             skeleton=skeleton,
             store=session.store if session else None,
             reference=session.reference if session else None,
+            independent=session.independent if session else None,
             max_memory=spec.max_memory or ctx.settings.offload_memory,
         )
         summaries, digests = _export_all(specs, inputs, layout, ctx)
@@ -355,6 +357,8 @@ class _ModelSession:
     ctx: JobContext
     max_memory: str
     reference: Any = None
+    independent: Any = None
+    """transformers' reading of the source (:class:`service.checkpoint.independent.IndependentReference`)."""
 
     @classmethod
     def open(
@@ -389,9 +393,10 @@ class _ModelSession:
             # Verified exports that read the store (NNEF, ONNX) check their files against the
             # job's model: that model is checked here against transformers' reading first.
             ours = _reference(result.model, checkpoint, ctx)
-            session.reference = _independent_reference(
+            session.independent = _independent_reference(
                 checkpoint, type(built.model), ours, max_memory, ctx
             )
+            session.reference = session.independent.outputs
             publish_offload_metrics(store, ctx, result)
         return session
 
@@ -442,8 +447,8 @@ both sides (summation order only), or transformers' layer-by-layer pass in the m
 
 def _independent_reference(
     checkpoint: Checkpoint, model_class: Any, ours: Any, max_memory: str, ctx: JobContext
-) -> Any:
-    """transformers' own outputs on the fixed input (:mod:`service.checkpoint.independent`),
+) -> IndependentReference:
+    """transformers' reading of the source: its outputs on the fixed input (:mod:`service.checkpoint.independent`),
     after checking that the job's reader and offloaded model compute the same: what every
     check compares against from here on comes from an implementation that is not ours. The
     manifest's ``model.reference`` says which, how it ran and how close the job's model was."""
@@ -469,7 +474,7 @@ def _independent_reference(
             f"(relative error {agreement.get('max_rel_error', 'n/a')} > "
             f"{agreement.get('tolerance')}): {agreement.get('reason', 'outputs differ')}"
         )
-    return reference.outputs
+    return reference
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:

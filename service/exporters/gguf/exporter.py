@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.errors import MissingTokenizer, NoModelConfig
-from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, register
+from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
 from service.exporters.gguf.plan import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.quantize import QUANTIZER_TYPES
 from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
@@ -141,6 +141,31 @@ class GGUFSpec(ExportSpec):
 class GGUFExporter(Exporter):
     format: ClassVar[str] = "gguf"
     spec_type: ClassVar[type[ExportSpec]] = GGUFSpec
+
+    def needs(self, spec: ExportSpec) -> Needs:
+        """A verified GGUF is run by llama.cpp on the fixed text against the job's independent
+        reference (transformers' from_pretrained of the source): :meth:`verify`."""
+        assert isinstance(spec, GGUFSpec)
+        return Needs(reference=spec.verify)
+
+    def verify(
+        self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
+    ) -> dict[str, Any]:
+        """The file's logits in llama.cpp against transformers' on the fixed text
+        (``llama_check.check_logits``); VerificationFailed beyond the type's bounds."""
+        from service.exporters.gguf.llama_check import check_logits
+
+        assert isinstance(spec, GGUFSpec)
+        reference = inputs.independent
+        if reference is None or reference.chunks is None:
+            return {"logits": {"skipped": "no tokenizer: the fixed text cannot be tokenized"}}
+        files = sorted(out_dir.glob("*.gguf"))
+        work = ctx.work_dir / f"gguf-logits-{out_dir.name}"
+        work.mkdir(parents=True, exist_ok=True)
+        report = check_logits(
+            files[0], spec.type, reference, work, ctx.check_abort, ctx.settings.llama_cpp_dir
+        )
+        return {"logits": report}
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None

@@ -11,16 +11,21 @@ ratio beyond the type's bound (:data:`PPL_RATIO_BOUND`) fails the job. Each tool
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import run_child
 from service.llama_cpp import llama_cpp_tool
+from service.logits import LogitBounds, parse_llama_kl, scored, write_llama_base_logits
+
+if TYPE_CHECKING:
+    from service.checkpoint.independent import IndependentReference
 
 PROBES = (
     "Hello world! How are you today?",
@@ -181,3 +186,76 @@ def check_perplexity(type_name: str, ppl: float, ppl_f16: float) -> dict[str, An
             f"(bound {bound}x) on the fixed text"
         )
     return {"quantized": ppl, "f16": ppl_f16, "ratio": ratio, "bound": bound, "ctx": PPL_CTX}
+
+
+LOGIT_BOUNDS: dict[str, LogitBounds] = {
+    "f32": LogitBounds(kl_mean=0.002, kl_p99=0.02, top1=0.97, ppl_ratio=1.02),
+    "f16": LogitBounds(kl_mean=0.002, kl_p99=0.02, top1=0.97, ppl_ratio=1.02),
+    "bf16": LogitBounds(kl_mean=0.005, kl_p99=0.05, top1=0.95, ppl_ratio=1.03),
+    "q8_0": LogitBounds(kl_mean=0.01, kl_p99=0.1, top1=0.93, ppl_ratio=1.05),
+    "q4_0": LogitBounds(kl_mean=0.25, kl_p99=2.0, top1=0.7, ppl_ratio=1.5),
+    "Q4_K_M": LogitBounds(kl_mean=0.2, kl_p99=1.6, top1=0.72, ppl_ratio=1.4),
+}
+"""The worst logit figures a GGUF of each type may show against transformers' float32 run of
+the source on :data:`service.logits.FIXED_TEXT` (``bench/logit_bounds.py`` measures them on
+SmolLM2, Qwen2.5 and Gemma 3; README "GGUF logit bounds" has the table). Each bound is a few
+times the worst model's figure: a file read or written wrong lands at KL ~1-10, top-1 < 0.5."""
+PPL_JUDGED_BELOW = 1000.0
+"""The perplexity ratio is judged only when the reference itself predicts the text (its
+perplexity below this): llama.cpp keeps base log-probabilities down to max - 16 nats, so on a
+model that does not (a few layers of one, in tests) the ratio compares a floor with a value."""
+_PPL_BASE = re.compile(r"Mean PPL\(base\)\s*:\s*([-+0-9.eE]+|nan|inf)")
+
+
+def check_logits(
+    gguf_path: Path,
+    type_name: str,
+    reference: IndependentReference,
+    work: Path,
+    check_abort: Callable[[], None],
+    bin_dir: Path | None = None,
+) -> dict[str, Any]:
+    """The GGUF's logits in llama.cpp against transformers' on the fixed text
+    (``llama-perplexity --kl-divergence`` over a base file written from the reference): KL
+    mean and p99, top-1 agreement, perplexity ratio; VerificationFailed beyond the type's
+    bounds (:data:`LOGIT_BOUNDS`)."""
+    assert reference.chunks is not None
+    chunks = reference.chunks
+    logits = reference.chunk_logits()
+    base = work / "reference.logits"
+    write_llama_base_logits(base, chunks, int(logits[0].shape[-1]), logits)
+    n_ctx = int(chunks.shape[1])
+    window = scored(n_ctx)
+    positions = len(chunks) * (window.stop - window.start)
+    argv = [str(llama_cpp_tool("llama-perplexity", bin_dir)), "-m", str(gguf_path),
+            "--kl-divergence-base", str(base), "--kl-divergence",
+            "-c", str(n_ctx), "-b", str(n_ctx)]  # fmt: skip
+    out = ""
+    for _ in range(_ATTEMPTS):
+        out, _ = _tool_output(argv, work, "llama-kl-divergence", check_abort)
+        figures = parse_llama_kl(out, positions)
+        if figures is not None:
+            break
+    else:
+        raise VerificationFailed(f"llama-perplexity --kl-divergence gave no figures: {out[-300:]}")
+    found = _PPL_BASE.findall(out)
+    ppl_base = float(found[-1]) if found else math.inf
+    bounds = LOGIT_BOUNDS.get(type_name)
+    report: dict[str, Any] = {
+        "reference": reference.summary()["implementation"],
+        **figures.as_dict(),
+        "reference_perplexity": ppl_base,
+        "bounds": None if bounds is None else dataclasses.asdict(bounds),
+    }
+    if bounds is None:
+        return report
+    failed = bounds.violations(figures)
+    if not ppl_base < PPL_JUDGED_BELOW:
+        failed = [f for f in failed if not f.startswith("perplexity")]
+        report["ppl_ratio_judged"] = False
+    if failed:
+        raise VerificationFailed(
+            f"{type_name} GGUF run by llama.cpp is too far from transformers' run of the source "
+            f"on the fixed text: {'; '.join(failed)}"
+        )
+    return report

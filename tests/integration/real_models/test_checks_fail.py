@@ -3,7 +3,12 @@ it touches, with no artifact published.
 
 * The reader drops the FP8 scales (its weights become the raw codes, max |w| 448): caught by the
   job's independent reference, transformers' own ``from_pretrained`` of the source, which the
-  job's model must match before any artifact is judged (``model.reference`` in the manifest).
+  job's model must match before any artifact is judged (``model.reference`` in the manifest),
+  whatever the format.
+* The GGUF writer flips a tensor's rows: caught by the read-back of the written file.
+* The GGUF converter skips the q/k permutation llama.cpp's Llama needs: the read-back undoes
+  the same (missing) permutation and passes; llama.cpp's logits against transformers' on the
+  fixed text (``gguf.llama_check.check_logits``) catch it.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from service.jobs.pipeline import run_pipeline
 from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
 from tests.fixtures.quantized import real_fp8
+from tests.fixtures.real_models import Variant, real_variant
 
 LAYERS = 2
 EXPORTS: dict[str, dict[str, Any]] = {
     "safetensors": {"format": "safetensors"},
     "nnef": {"format": "nnef", "decode_steps": 3},
     "onnx": {"format": "onnx", "decode_steps": 3},
+    "gguf": {"format": "gguf", "type": "q8_0"},
 }
 
 
@@ -56,3 +63,35 @@ def test_a_reader_that_drops_the_fp8_scales_fails_the_job(
         _run(tmp_path, real_fp8("smollm2", LAYERS), EXPORTS[fmt])
     layout = JobLayout.for_job(Settings(data_dir=tmp_path / "data"), "f" * 32)
     assert not layout.artifacts.exists()
+
+
+def test_a_gguf_writer_that_flips_a_tensors_rows_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.exporters.gguf import stream
+
+    blocks = stream.RowBlockReader.blocks
+
+    def flipped(self: Any, t: Any, permuted: bool = True) -> Any:
+        for block in blocks(self, t, permuted):
+            yield block[::-1].copy() if permuted and t.name == "blk.0.ffn_down.weight" else block
+
+    monkeypatch.setattr(stream.RowBlockReader, "blocks", flipped)
+    with pytest.raises(VerificationFailed, match="blk.0.ffn_down.weight"):
+        _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)), {"format": "gguf", "type": "f16"})
+
+
+def test_a_gguf_converter_that_skips_the_qk_permutation_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    from service.adapters.llama_cpp_convert import load_converter
+
+    load_converter()  # llama.cpp's conversion package, where LlamaModel.permute lives
+    llama = importlib.import_module("conversion.llama")
+    monkeypatch.setattr(
+        llama.LlamaModel, "permute", staticmethod(lambda weights, n_head, n_head_kv=None: weights)
+    )
+    with pytest.raises(VerificationFailed, match="too far from transformers"):
+        _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)), {"format": "gguf", "type": "f16"})
