@@ -382,6 +382,13 @@ class _ModelSession:
         if not (needs_reference or needs_store):
             return session
         ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
+        # Verified exports that read the store (NNEF, ONNX) check their files against the
+        # job's model: that model is checked against transformers' reading first. transformers
+        # runs (within max_memory) and lets go before the job's model is dispatched (within
+        # max_memory): never both at once.
+        independent = None
+        if needs_reference or spec.verify:
+            independent = _independent_reference(checkpoint, type(built.model), max_memory, ctx)
         store = open_job_store(ctx.settings, ctx.job_id, checkpoint.root)
         session.store = store
         result = dispatch_model(
@@ -389,14 +396,10 @@ class _ModelSession:
             max_memory=max_memory if needs_reference else ALL_ON_DISK,
         )  # fmt: skip
         publish_offload_metrics(store, ctx, result)
-        if needs_reference or spec.verify:
-            # Verified exports that read the store (NNEF, ONNX) check their files against the
-            # job's model: that model is checked here against transformers' reading first.
+        if independent is not None:
             ours = _reference(result.model, checkpoint, ctx)
-            session.independent = _independent_reference(
-                checkpoint, type(built.model), ours, max_memory, ctx
-            )
-            session.reference = session.independent.outputs
+            _check_agreement(independent, ours, ctx)
+            session.independent, session.reference = independent, independent.outputs
             publish_offload_metrics(store, ctx, result)
         return session
 
@@ -446,14 +449,16 @@ both sides (summation order only), or transformers' layer-by-layer pass in the m
 
 
 def _independent_reference(
-    checkpoint: Checkpoint, model_class: Any, ours: Any, max_memory: str, ctx: JobContext
+    checkpoint: Checkpoint, model_class: Any, max_memory: str, ctx: JobContext
 ) -> IndependentReference:
-    """transformers' reading of the source: its outputs on the fixed input (:mod:`service.checkpoint.independent`),
-    after checking that the job's reader and offloaded model compute the same: what every
-    check compares against from here on comes from an implementation that is not ours. The
-    manifest's ``model.reference`` says which, how it ran and how close the job's model was."""
+    """transformers' reading of the source (:mod:`service.checkpoint.independent`): its outputs
+    on the fixed input and its logits on the fixed text, what every check compares against.
+    Its model is gone (and its pages returned) when this returns."""
+    import gc
+
     from service.checkpoint.independent import independent_reference
-    from service.exporters.common.parity import compare_outputs, fixed_input_ids
+    from service.exporters.common.parity import fixed_input_ids
+    from service.libc import malloc_trim
     from service.logits import FIXED_TEXT
     from service.units import parse_size
 
@@ -463,6 +468,17 @@ def _independent_reference(
         checkpoint.root, model_class, fixed_input_ids(vocab), FIXED_TEXT, parse_size(max_memory),
         ctx.work_dir / "reference",
     )  # fmt: skip
+    gc.collect()
+    malloc_trim()
+    return reference
+
+
+def _check_agreement(reference: IndependentReference, ours: Any, ctx: JobContext) -> None:
+    """The job's reader and offloaded model must compute what transformers computes on the
+    fixed input (:data:`REFERENCE_AGREEMENT`), or the job fails before any artifact is judged.
+    The manifest's ``model.reference`` says which implementation, how it ran, how close."""
+    from service.exporters.common.parity import compare_outputs
+
     agreement = compare_outputs(reference.outputs, ours, REFERENCE_AGREEMENT[reference.mode])
     ctx.set_detail("model", {
         **ctx.details.get("model", {}),
@@ -474,7 +490,6 @@ def _independent_reference(
             f"(relative error {agreement.get('max_rel_error', 'n/a')} > "
             f"{agreement.get('tolerance')}): {agreement.get('reason', 'outputs differ')}"
         )
-    return reference
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
