@@ -40,6 +40,24 @@ def _format_required(schema: dict[str, Any]) -> None:
         required.insert(0, "format")
 
 
+FLOAT_DTYPE_SPELLINGS = {
+    "f32": "float32", "fp32": "float32", "float": "float32",
+    "f16": "float16", "fp16": "float16", "half": "float16",
+    "bf16": "bfloat16",
+}  # fmt: skip
+"""Short names of the float dtypes, accepted wherever a spec takes ``float32``, ``float16`` or
+``bfloat16`` (GGUF's own types are spelled the short way: see its spec)."""
+
+
+def float_dtype_name(value: object) -> object:
+    """A dtype field's value with its spelling normalised (``"BF16"`` -> ``"bfloat16"``);
+    anything else unchanged, for the field's own validation to judge."""
+    if not isinstance(value, str):
+        return value
+    low = value.strip().lower()
+    return FLOAT_DTYPE_SPELLINGS.get(low, low)
+
+
 class ExportSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_format_required)
     format: str

@@ -353,3 +353,15 @@ def test_version_and_help_for_every_option() -> None:
     url_help = subprocess.run([sys.executable, "-m", "service.cli", "jobs", "--help"],
                               capture_output=True, text=True, timeout=60, check=False).stdout
     assert "MODELPREP_URL" in url_help and "MODELPREP_API_KEY" in url_help
+
+
+def test_the_same_spellings_are_accepted_everywhere(service: ServiceProcess, root: Path) -> None:
+    """``safetensors:bf16`` as GGUF takes ``bf16``; ``gguf:q4_k_m`` as the schema's Q4_K_M."""
+    short = modelprep("submit", str(root / "llama"), "-e", "safetensors:bf16", "--wait", "-q",
+                      url=service.url)
+    assert short.returncode == 0, short.stderr
+    job = json.loads(modelprep("status", short.stdout.strip(), url=service.url).stdout)
+    assert job["request"]["exports"][0]["dtype"] == "bfloat16"
+    # refused for its source, after the export spec was accepted as it is spelled
+    lower = modelprep("submit", "file:///elsewhere/model", "-e", "gguf:q4_k_m", url=service.url)
+    assert lower.returncode == 2 and "source_not_allowed" in one_line(lower.stderr)

@@ -76,6 +76,7 @@ def test_a_quantized_gguf_of_a_checkpoint_without_tokenizer_says_what_works(
     assert response.status_code == 422
     problem = response.json()
     assert problem["type"] == "/problems/missing_tokenizer"
+    assert '"verify": false' in problem["detail"] and "q8_0" in problem["detail"]
     page = httpx.get(urljoin(str(response.url), problem["type"]), timeout=30)
     assert page.status_code == 200
     assert '"verify": false' in page.text.replace("&quot;", '"')
@@ -149,6 +150,32 @@ def test_the_docs_page_names_no_other_host(service: ServiceProcess) -> None:
         redoc = client.get("/redoc")
         assert redoc.status_code == 200 and "/docs/static/redoc.standalone.js" in redoc.text
         assert "https://" not in redoc.text and "http://" not in redoc.text
+
+
+def test_every_request_field_has_a_description(service: ServiceProcess) -> None:
+    with service.client() as client:
+        document = client.get("/openapi.json").json()
+    schemas = document["components"]["schemas"]
+    submit = document["paths"]["/v1/jobs"]["post"]
+    assert submit.get("description") and submit["requestBody"]["content"][
+        "application/json"].get("examples"), "POST /v1/jobs needs a description and examples"
+    request_schemas = ["JobCreate", "CallbackSpec", "GGUFImatrix"] + [
+        name for name in schemas if name.endswith("Spec") and name != "ExportSpec"
+    ]
+    missing = [
+        f"{name}.{field}"
+        for name in request_schemas if name in schemas
+        for field, prop in schemas[name].get("properties", {}).items()
+        if field != "format" and not prop.get("description")
+    ]
+    assert not missing, f"request fields without a description: {missing}"
+
+
+def test_the_schema_documents_the_spellings_it_accepts(service: ServiceProcess) -> None:
+    with service.client() as client:
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    assert "bf16" in schemas["SafetensorsSpec"]["properties"]["dtype"]["description"]
+    assert "q4_k_m is Q4_K_M" in schemas["GGUFSpec"]["properties"]["type"]["description"]
 
 
 # --- quiet logs and a prompt stop ----------------------------------------------------------

@@ -52,15 +52,23 @@ GGUFType = OutType | Literal[
 
 class GGUFImatrix(BaseModel):
     """An importance matrix for llama-quantize: computed by llama-imatrix in the job from
-    ``calibration`` text, or an existing imatrix file fetched from ``uri``."""
+    calibration text, or an existing imatrix file fetched from a URI; exactly one of the two."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    calibration: str | None = Field(default=None, min_length=1, max_length=4 * 1024**2)
-    """Text run through the f16 model; a few thousand tokens of the model's kind of text."""
-    uri: str | None = Field(default=None, min_length=1, max_length=4096)
-    """An imatrix GGUF (llama-imatrix's output) as a source: file://, http(s):// or hf://."""
-    sha256: str | None = None
-    """Expected digest of the file at ``uri`` (and the download cache's key)."""
+    calibration: str | None = Field(
+        default=None, min_length=1, max_length=4 * 1024**2,
+        description="Text run through the f16 model by llama-imatrix; a few thousand tokens "
+        "of the model's kind of text.",
+    )
+    uri: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="An imatrix GGUF (llama-imatrix's output) as a source: file://, http(s):// "
+        "or hf://, fetched like a model source (same roots, egress policy and cache).",
+    )
+    sha256: str | None = Field(
+        default=None,
+        description="Expected sha256 of the file at uri (and the download cache's key).",
+    )
 
     @model_validator(mode="after")
     def _one_origin(self) -> GGUFImatrix:
@@ -77,8 +85,19 @@ class GGUFImatrix(BaseModel):
 
 class GGUFSpec(ExportSpec):
     format: Literal["gguf"] = "gguf"
-    type: GGUFType = "f16"
-    imatrix: GGUFImatrix | None = None
+    type: GGUFType = Field(
+        default="f16",
+        description="f32, f16, bf16, q8_0, q4_0 are written directly; the K-quants and IQ4 "
+        "types (Q4_K_M...) are llama-quantize's, made from the f16 file and checked by "
+        "llama.cpp (which needs the checkpoint's tokenizer unless verify is false). Any case: "
+        "q4_k_m is Q4_K_M; float16, bfloat16 and float32 name f16, bf16 and f32.",
+        examples=["Q4_K_M"],
+    )
+    imatrix: GGUFImatrix | None = Field(
+        default=None,
+        description="An importance matrix for a llama-quantize type (better low-bit quality): "
+        "computed in the job from calibration text, or fetched from a uri.",
+    )
     verify: bool = Field(
         default=True,
         description="Read the written file back and compare every tensor with the source "
@@ -115,7 +134,8 @@ class GGUFSpec(ExportSpec):
         """``"q4_k_m"``, ``"Q4_K_M"`` and ``"F16"`` all name a type: normalise the spelling."""
         if not isinstance(value, str):
             return value
-        low = value.lower()
+        low = value.strip().lower()
+        low = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(low, low)
         return QUANTIZER_TYPES.get(low, low)
 
     @model_validator(mode="after")
@@ -200,7 +220,8 @@ class GGUFExporter(Exporter):
             raise MissingTokenizer(
                 f"{what} needs the checkpoint's tokenizer (llama.cpp runs the model on text) and "
                 "the checkpoint has none (no tokenizer.json, tokenizer.model, vocab.json/txt); "
-                'add it, or ask for "verify": false without "imatrix"'
+                'add it, or set "verify": false on this GGUF export (without "imatrix") to skip '
+                "llama.cpp's checks; f32, f16, bf16, q8_0 and q4_0 need no tokenizer"
             )
 
     def export(
@@ -239,7 +260,11 @@ class GGUFExporter(Exporter):
         if spec.runs_llama_cpp and tokenizer["model"] == "none":
             raise MissingTokenizer(
                 f"{spec.type} runs llama.cpp on text (imatrix or verification) and the GGUF can "
-                f"hold no vocabulary: {plan.no_vocab_reason}"
+                f"hold no vocabulary: {plan.no_vocab_reason}. llama.cpp holds BPE (tokenizer.json "
+                "with a pre-tokenizer it knows), SentencePiece (tokenizer.model) and WordPiece "
+                '(vocab.txt) tokenizers, not a word-level one; set "verify": false on this GGUF '
+                "export (without \"imatrix\") to skip llama.cpp's checks, or use f32, f16, bf16, "
+                "q8_0 or q4_0, which need no tokenizer"
             )
 
         name = f"model-{spec.type}.gguf"

@@ -107,7 +107,7 @@ def installed_tract_version() -> str:
 
 
 class NNEFSpec(ExportSpec):
-    """``{"format": "nnef", "compression": null | "q4_0", ...}``."""
+    """An NNEF archive for tract, through torch-to-nnef, run by tract and compared with PyTorch."""
 
     format: Literal["nnef"] = "nnef"
     compression: Literal["q4_0"] | None = Field(
@@ -125,7 +125,9 @@ class NNEFSpec(ExportSpec):
     sequence_length: int = Field(default=8, ge=1, le=512, description="Encoders: input length")
     verify: bool = Field(default=True, description="Run the archive in tract and compare")
     atol: float | None = Field(default=None, gt=0, description="Default by dtype/compression")
-    rtol: float | None = Field(default=None, ge=0)
+    rtol: float | None = Field(
+        default=None, ge=0, description="Relative tolerance (of max |reference|); default by weights"
+    )
 
 
 class NNEFExporter(Exporter):

@@ -51,10 +51,18 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
-from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.exporters.base import (
+    Exporter,
+    ExportInputs,
+    ExportResult,
+    ExportSpec,
+    Needs,
+    float_dtype_name,
+    register,
+)
 from service.stage import Phase
 from service.tensors import dtype_name
 
@@ -84,14 +92,21 @@ TOLERANCES: dict[str, tuple[float, float]] = {"float32": (1e-3, 1e-3), "float16"
 
 
 class ONNXSpec(ExportSpec):
-    """``{"format": "onnx", "dtype": null | "float32" | "float16", "task": ...}``."""
+    """ONNX for onnxruntime: `model.onnx` + `model.onnx_data`, run and compared with PyTorch."""
 
     format: Literal["onnx"] = "onnx"
     dtype: Literal["float32", "float16"] | None = Field(
         default=None,
-        description="Weights and compute dtype; default float16 for a float16 checkpoint, "
-        "else float32 (onnxruntime's CPU kernels have no bfloat16 matmul)",
+        description="Weights and compute dtype (also spelled f32, f16; any case); default "
+        "float16 for a float16 checkpoint, else float32 (onnxruntime's CPU kernels have no "
+        "bfloat16 matmul)",
     )
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _short_spellings(cls, value: object) -> object:
+        return float_dtype_name(value)
+
     task: Task | None = Field(
         default=None,
         description="Default from the architecture: text-generation-with-past for causal "
@@ -104,7 +119,9 @@ class ONNXSpec(ExportSpec):
     sequence_length: int = Field(default=8, ge=1, le=512, description="Encoders: input length")
     verify: bool = Field(default=True, description="Run the model in onnxruntime and compare")
     atol: float | None = Field(default=None, gt=0, description="Default by dtype")
-    rtol: float | None = Field(default=None, ge=0)
+    rtol: float | None = Field(
+        default=None, ge=0, description="Relative tolerance (of max |reference|); default by dtype"
+    )
 
 
 def resolve_task(config: dict[str, Any], task: Task | None) -> Task:

@@ -27,9 +27,19 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from pydantic import Field, field_validator
+
 from service.checkpoint.base import Checkpoint
 from service.errors import InvalidRequest
-from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.exporters.base import (
+    Exporter,
+    ExportInputs,
+    ExportResult,
+    ExportSpec,
+    Needs,
+    float_dtype_name,
+    register,
+)
 from service.stage import JobContext
 from service.tensors import dtype_name
 from service.units import parse_size
@@ -42,10 +52,23 @@ OutDtype = Literal["float32", "float16", "bfloat16"]
 
 class SafetensorsSpec(ExportSpec):
     format: Literal["safetensors"] = "safetensors"
-    dtype: OutDtype | None = None
-    """Cast floating tensors to this dtype; None keeps each tensor's own dtype."""
-    max_shard_size: str | int = "5GB"
-    """Largest shard file: bytes, or "5GB" (10^9), "500MB", "1GiB" (2^30)."""
+    dtype: OutDtype | None = Field(
+        default=None,
+        description="Cast floating tensors to this dtype (also spelled f32, f16, bf16; any "
+        "case); integer and bool tensors keep theirs. null keeps each tensor's own dtype.",
+        examples=["bfloat16"],
+    )
+    max_shard_size: str | int = Field(
+        default="5GB",
+        description="Largest shard file: bytes, or \"5GB\" (10^9), \"500MB\", \"1GiB\" (2^30); "
+        "a larger model is written as model-0000i-of-0000N.safetensors with an index.",
+        examples=["5GB"],
+    )
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _short_spellings(cls, value: object) -> object:
+        return float_dtype_name(value)
 
 
 class SafetensorsExporter(Exporter):
