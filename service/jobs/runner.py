@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import tempfile
 import time
 import traceback
@@ -26,6 +27,8 @@ from service.jobs.model import JobError, JobStatus, Progress
 from service.jobs.store import JobStore
 from service.libc import set_parent_death_signal
 from service.memory import JobCgroup, peak_rss, reset_peak_rss
+from service.offload.paths import job_store_dir
+from service.offload.usage import store_usage
 from service.stage import InMemoryContext
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,11 @@ def memory_details(settings: Settings, cgroup: JobCgroup | None) -> dict[str, ob
     }
 
 
+OFFLOAD_REPORT_SECONDS = 5.0
+"""How often a job walks its offload store to report its figures (a walk per progress write
+would cost more than the write)."""
+
+
 @dataclass(kw_only=True)
 class StoreContext(InMemoryContext):
     """A :class:`JobContext` that reports to the job store, throttled so that byte-level
@@ -83,6 +91,14 @@ class StoreContext(InMemoryContext):
     _last_flush: float = 0.0
     _earlier_peak: int = 0
     """This process's peak RSS before the last per-phase reset."""
+    _last_offload_report: float = 0.0
+
+    def _report_offload(self) -> None:
+        """The job's offload-store figures in ``details["offload_usage"]``: the API reads them
+        from the database for ``/v1/offload`` when the store is on a worker's own disk."""
+        root = job_store_dir(self.settings.jobs_dir, self.job_id)
+        if root.is_dir():
+            self.details["offload_usage"] = {**store_usage(root), "host": socket.gethostname()}
 
     def peak_rss_bytes(self) -> int:
         return peak_rss_bytes(self._earlier_peak)
@@ -116,6 +132,9 @@ class StoreContext(InMemoryContext):
             return
         self._last_flush = now
         self.metrics["peak_rss_bytes"] = self.peak_rss_bytes()
+        if force or now - self._last_offload_report >= OFFLOAD_REPORT_SECONDS:
+            self._last_offload_report = now
+            self._report_offload()
         still_running = self.store.report(
             self.job_id,
             phase=self.phase,

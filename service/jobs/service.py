@@ -33,6 +33,7 @@ from service.jobs.planning import plan_spec, source_headers
 from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore, utcnow
 from service.objectstore import S3Location
+from service.offload.usage import OFFLOAD_COUNTERS, offload_usage
 from service.plan import JobPlan
 from service.sources import LocalSource, local_source
 
@@ -230,6 +231,24 @@ class JobService:
             raise ArtifactNotFound(f"job {job_id} has no artifacts ({job.status.value})")
         return job, JobLayout.for_job(self.settings, job_id).artifact(path)
 
+    def offload_usage(self) -> dict[str, Any]:
+        """``/v1/offload``: the stores on this host's disk, plus those running jobs report
+        through the database from other hosts (workers with no shared volume)."""
+        usage = offload_usage(self.settings)
+        reported = False
+        for job in self.store.page(status=JobStatus.RUNNING, limit=1000):
+            figures = job.details.get("offload_usage")
+            if job.id not in usage["jobs"] and isinstance(figures, dict):
+                usage["jobs"][job.id] = {**figures, "reported": True}
+                reported = True
+        if reported:
+            jobs = usage["jobs"].values()
+            usage["total"] = {
+                **{key: sum(int(j.get(key, 0)) for j in jobs) for key in OFFLOAD_COUNTERS},
+                "stores": len(usage["jobs"]),
+            }
+        return usage
+
     def artifact_url(self, job_id: str, path: str, tenant: str | None = None) -> str | None:
         """A presigned URL of an artifact published to the artifact store (None: the job's
         artifacts are on local disk; :meth:`artifact` serves them). Only paths the job lists."""
@@ -237,13 +256,11 @@ class JobService:
         location = published_location(job)
         if location is None:
             return None
-        if "deleted_at" in job.details:
+        if job.deleted_at is not None:
             raise ArtifactGone(f"the artifacts of job {job_id} were removed")
         if path not in {a.path for a in job.artifacts}:
             raise ArtifactNotFound(f"no artifact {path!r}")
         return self._artifact_store().url(location, path)
-
-
 
 
 def published_location(job: Job) -> S3Location | None:

@@ -16,7 +16,7 @@ from service.config import Settings
 from service.errors import PathOutsideRoot
 from service.offload.paths import INDEX_NAME, METRICS_NAME, job_store_dir
 
-_COUNTERS = (
+OFFLOAD_COUNTERS = (
     "bytes_on_disk",
     "files",
     "tensors_offloaded",
@@ -84,7 +84,7 @@ def offload_usage(settings: Settings) -> dict[str, Any]:
                 continue  # a link out of the jobs directory is nobody's store
             if store.is_dir() and not store.is_symlink():
                 jobs[job_dir.name] = store_usage(store)
-    total: dict[str, Any] = {key: sum(j[key] for j in jobs.values()) for key in _COUNTERS}
+    total: dict[str, Any] = {key: sum(j[key] for j in jobs.values()) for key in OFFLOAD_COUNTERS}
     total["stores"] = len(jobs)
     probe = jobs_dir if jobs_dir.exists() else settings.data_dir
     while not probe.exists() and probe != probe.parent:

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import obstore
 import pytest
+from gguf import GGUFReader
 from obstore.store import S3Store
 
 from tests.fixtures.postgres import fresh_database
@@ -146,6 +147,19 @@ def test_smollm2_from_s3_published_to_the_bucket_reused_and_deleted_without_shar
                 assert _sha256(via_api.content) == _sha256(direct) == artifact["sha256"]
                 if artifact["path"] != "manifest.json":
                     assert listed[artifact["path"]] == artifact["sha256"]
+        gguf_name = next(n for n in names if n.endswith(".gguf"))
+        local_gguf = tmp_path / "model.gguf"
+        local_gguf.write_bytes(bytes(obstore.get(store, f"{prefix}/{gguf_name}").bytes()))
+        fields = GGUFReader(local_gguf).fields
+
+        def text(key: str) -> str:
+            field = fields[key]
+            return bytes(field.parts[field.data[0]]).decode()
+
+        assert text("general.quantized_by") == "modelprep"
+        assert text("general.source.url") == "s3://e2e-models/smollm2"
+        assert '"type":"f16"' in text("general.description")
+        assert first["source"]["digest"] in text("general.description")
         card = bytes(obstore.get(store, f"{prefix}/README.md").bytes()).decode()
         assert card.startswith("---\n") and 'library_name: "gguf"' in card
         assert first["source"]["digest"] in card

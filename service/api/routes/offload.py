@@ -7,14 +7,14 @@ from typing import Any
 from fastapi import APIRouter
 
 from service.api.auth import AdminDep
-from service.api.deps import SettingsDep
+from service.api.deps import JobsDep
 from service.api.schemas import problems
-from service.offload.usage import offload_usage
 
 router = APIRouter(prefix="/v1", tags=["offload"])
 
 
 @router.get("/offload", responses=problems(401, 403))
-def get_offload(settings: SettingsDep, _admin: AdminDep) -> dict[str, Any]:
-    """Admin keys only: the figures name every tenant's jobs."""
-    return offload_usage(settings)
+def get_offload(jobs: JobsDep, _admin: AdminDep) -> dict[str, Any]:
+    """Admin keys only: the figures name every tenant's jobs. Stores on other hosts (workers
+    with no shared volume) are those their running jobs report through the database."""
+    return jobs.offload_usage()

@@ -25,6 +25,7 @@ tokenizer stack load inside :meth:`GGUFExporter.export`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
@@ -280,6 +281,7 @@ class GGUFExporter(Exporter):
 
         def metadata(writer: Any) -> None:
             add_metadata(writer, plan)
+            add_provenance(writer, spec, ctx.details.get("source", {}))
 
         extra: dict[str, Any] = {}
         if spec.quantized:
@@ -421,3 +423,24 @@ def _tokenizer_summary(plan: GGUFPlan) -> dict[str, Any]:
 
 
 register(GGUFExporter())
+
+
+def add_provenance(writer: Any, spec: GGUFSpec, source: dict[str, Any]) -> None:
+    """The recipe and provenance in llama.cpp's own ``general.*`` keys (the model card says the
+    same beside the file): ``general.quantized_by``, ``general.source.url`` (the source as the
+    job stored it: no query string, no secret) and ``general.description`` holding the
+    validated export spec and the resolved commit or digest. llama-quantize copies these keys
+    into the files it writes. Keys the converter already set are left as they are."""
+    present = set(writer.kv_data[0])
+    resolved = source.get("revision") or source.get("digest") or source.get("sha256")
+    recipe = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    description = f"modelprep recipe {recipe}" + (f"; source at {resolved}" if resolved else "")
+    values = {
+        "general.quantized_by": "modelprep",
+        "general.source.url": source.get("uri"),
+        "general.description": description,
+    }
+    for key, value in values.items():
+        if isinstance(value, str) and value and key not in present:
+            writer.add_string(key, value)
+
