@@ -105,29 +105,53 @@ def safetensors_shapes(checkpoint_dir: Path) -> dict[str, list[int]] | None:
     return None if tensors is None else {n: shape for n, (_, shape) in tensors.items()}
 
 
+def _safetensors_files(checkpoint_dir: Path) -> list[Path] | None:
+    """The safetensors files of a local checkpoint directory (its index's, or the single
+    ``model.safetensors``), or None: no safetensors, an odd index, a file outside the directory."""
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict):
+            return None
+        files = sorted({str(f) for f in weight_map.values()})
+    elif (checkpoint_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    root = checkpoint_dir.resolve()
+    paths = [(checkpoint_dir / fname).resolve() for fname in files]
+    return None if any(not p.is_relative_to(root) for p in paths) else paths
+
+
 def safetensors_tensors(checkpoint_dir: Path) -> dict[str, tuple[str, list[int]]] | None:
     """Tensor name -> (header dtype such as ``"BF16"``, shape) from the safetensors headers of a
     local checkpoint directory, or None as :func:`safetensors_shapes` says."""
-    index = checkpoint_dir / "model.safetensors.index.json"
     try:
-        if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-            if not isinstance(weight_map, dict):
-                return None
-            files = sorted({str(f) for f in weight_map.values()})
-        elif (checkpoint_dir / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
+        files = _safetensors_files(checkpoint_dir)
+        if files is None:
             return None
         tensors: dict[str, tuple[str, list[int]]] = {}
-        root = checkpoint_dir.resolve()
-        for fname in files:
-            path = (checkpoint_dir / fname).resolve()
-            if not path.is_relative_to(root):
-                return None
+        for path in files:
             tensors.update(_header_tensors(path))
         return tensors
     except (OSError, ValueError, RecursionError, struct.error, AttributeError, TypeError):
+        return None
+
+
+def safetensors_weight_bytes(checkpoint_dir: Path) -> int | None:
+    """Bytes of tensor data in a local checkpoint's safetensors files (each file's size less its
+    header), read from the headers' lengths alone; None as :func:`safetensors_shapes` says."""
+    try:
+        files = _safetensors_files(checkpoint_dir)
+        if files is None:
+            return None
+        total = 0
+        for path in files:
+            with path.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+            total += path.stat().st_size - 8 - length
+        return total
+    except (OSError, ValueError, struct.error, AttributeError, TypeError):
         return None
 
 

@@ -152,6 +152,20 @@ class NNEFExporter(Exporter):
                 f"tract {nspec.tract_version} requested, this service runs tract {installed}"
             )
 
+    def check_files(
+        self, spec: ExportSpec, config: dict[str, Any] | None, root: Path, settings: Settings
+    ) -> None:
+        """:meth:`check`, then refuse at submission a verification tract cannot hold (it holds
+        every weight of the archive in RAM), naming the numbers, rather than in the job."""
+        from service.checkpoint.consistency import safetensors_weight_bytes
+        from service.exporters.nnef.verify import ensure_tract_fits
+
+        self.check(spec, config, settings)
+        nspec = _nnef_spec(spec)
+        weight_bytes = safetensors_weight_bytes(root)
+        if nspec.verify and nspec.compression is None and weight_bytes is not None:
+            ensure_tract_fits(weight_bytes, settings.tract_max_memory)
+
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> ExportResult:

@@ -482,9 +482,12 @@ def _save(model: ir.Model, out_dir: Path) -> None:
         onnxscript.optimizer.optimize_ir(model, should_fold=should_fold)
     except Exception as exc:  # the optimizer wraps its passes' errors in PassError
         raise ExportFailed(f"onnxscript could not optimize the graph: {exc}") from exc
+    from service.exporters.onnx.mapped import ALIGNMENT, weights_read_in_place
+
+    weights_read_in_place(model.graph)
     ir.save(
         model, out_dir / MODEL_NAME, external_data=DATA_NAME,
-        max_workers=1, max_in_flight_bytes=1,
+        max_workers=1, max_in_flight_bytes=1, alignment=ALIGNMENT,
     )  # fmt: skip
 
 
