@@ -230,8 +230,8 @@ class Settings(BaseSettings):
     )
     ort_max_memory: str | None = Field(
         default=None,
-        description="RAM an ONNX verification may give onnxruntime, which reads every weight "
-        "into memory; default: the job's budget (job_memory) less the job process's own share.",
+        description="RAM an ONNX verification may give onnxruntime, whose weights are "
+        "memory-mapped; default: the job's budget (job_memory) less the job process's own share.",
     )
 
     # the memory budget (service/memory.py)

@@ -42,12 +42,6 @@ def peak_rss_bytes(earlier: int = 0) -> int:
     return max(own * 1024, children * 1024, earlier)
 
 
-def _children_peak_rss() -> int:
-    """The largest peak resident set of the children this job waited for (tract,
-    onnxruntime, llama.cpp's tools)."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-
-
 def _enter_job_cgroup(job_id: str) -> JobCgroup | None:
     """Move this process into the memory cgroup the executor made for the job, before it
     allocates anything: every byte of the job and of what it starts is charged there."""
@@ -117,9 +111,6 @@ class StoreContext(InMemoryContext):
             self.phases[-1] = dataclasses.replace(
                 self.phases[-1], peak_rss_bytes=peak, cgroup_peak_bytes=cgroup_peak
             )
-            memory = self.details.get("memory")
-            if isinstance(memory, dict):
-                memory["children_peak_rss_bytes"] = _children_peak_rss()
             reset_peak_rss()
         super().close_phase()
 
