@@ -318,7 +318,10 @@ class ModelprepClient:
             # If-Range: resume only if the file is still the one we started; else a full 200.
             headers = {"Range": f"bytes={offset}-", "If-Range": f'"{artifact["sha256"]}"'}
         try:
-            with self._http.stream("GET", artifact["url"], headers=headers) as response:
+            # An artifact store answers with a redirect to a presigned URL; httpx drops the
+            # Authorization header when the redirect leaves the API's origin.
+            with self._http.stream("GET", artifact["url"], headers=headers,
+                                   follow_redirects=True) as response:
                 if not response.is_success:
                     response.read()
                     _raise_for_problem(response)

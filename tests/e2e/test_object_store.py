@@ -24,6 +24,7 @@ import pytest
 from gguf import GGUFReader
 from obstore.store import S3Store
 
+from service.client import ModelprepClient
 from tests.fixtures.postgres import fresh_database
 from tests.fixtures.real_models import COVERING_VARIANTS, real_variant
 from tests.fixtures.seaweedfs import S3Server, seaweedfs  # noqa: F401  (fixture)
@@ -172,6 +173,10 @@ def test_smollm2_from_s3_published_to_the_bucket_reused_and_deleted_without_shar
         assert second["metrics"]["reused_bytes_copied"] == 0
         second_prefix = f"jobs/_/{second['id']}"
         assert c.keys(second_prefix) == sorted(f"{second_prefix}/{n}" for n in names)
+
+        with ModelprepClient(c.api.url) as api_client:  # the CLI's client follows the redirect
+            files = api_client.download(second, tmp_path / "cli")
+        assert sorted(p.relative_to(tmp_path / "cli").as_posix() for p in files) == names
 
         with c.api.client() as client:
             assert client.delete(f"/v1/jobs/{first['id']}").status_code == 200
