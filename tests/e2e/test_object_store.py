@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -25,6 +27,7 @@ from gguf import GGUFReader
 from obstore.store import S3Store
 
 from service.client import ModelprepClient
+from tests.fixtures.models import build_checkpoint
 from tests.fixtures.postgres import fresh_database
 from tests.fixtures.real_models import COVERING_VARIANTS, real_variant
 from tests.fixtures.seaweedfs import S3Server, seaweedfs  # noqa: F401  (fixture)
@@ -204,3 +207,43 @@ def test_retention_removes_the_objects_of_expired_jobs(
         assert f"{prefix}/manifest.json" in c.keys(prefix)
         eventually(lambda: c.keys(prefix) == [], what="the expired job's objects removed",
                    timeout=60, context=c.api.logs)
+
+
+@pytest.mark.timeout(300)
+def test_object_server_stopped_during_publication_fails_the_job_typed_with_no_manifest(
+    tmp_path: Path, seaweedfs: S3Server,  # noqa: F811
+) -> None:
+    """The source is local, so the job runs while the S3 server is stopped (SIGSTOP: it
+    accepts connections and never answers) and fails only when it publishes."""
+    root = tmp_path / "models"
+    build_checkpoint(root / "llama", "llama", "safetensors")
+    seaweedfs.create_bucket("e2e-stopped")
+    with ExitStack() as stack:
+        url = stack.enter_context(fresh_database())
+        env = {
+            "MODELPREP_EXECUTOR": "procrastinate",
+            "MODELPREP_WORKER_POLL_SECONDS": "0.5",
+            "MODELPREP_DATABASE_URL": url,
+            "MODELPREP_ARTIFACT_STORE": "s3://e2e-stopped/jobs",
+            "MODELPREP_S3_ENDPOINT": seaweedfs.endpoint,
+            "MODELPREP_DOWNLOAD_STALL_SECONDS": "3",
+            "MODELPREP_DOWNLOAD_RETRIES": "1",
+            "MODELPREP_DOWNLOAD_BACKOFF_SECONDS": "0.1",
+            "AWS_ACCESS_KEY_ID": seaweedfs.access_key,
+            "AWS_SECRET_ACCESS_KEY": seaweedfs.secret_key,
+        }
+        api = stack.enter_context(running_service(tmp_path / "api", [root], env=env))
+        stack.enter_context(running_worker(tmp_path / "worker", url, [root], env=env))
+        os.kill(seaweedfs.pid, signal.SIGSTOP)
+        try:
+            with api.client() as client:
+                response = client.post("/v1/jobs", json={
+                    "source": (root / "llama").as_uri(), "exports": [{"format": "safetensors"}]})
+            assert response.status_code == 202, response.text
+            done = api.wait_for(response.json()["id"], timeout=240)
+        finally:
+            os.kill(seaweedfs.pid, signal.SIGCONT)
+        assert done["status"] == "failed"
+        assert done["error"]["type"].endswith("publish_failed"), done["error"]
+        keys = Cluster(api, [], seaweedfs, "e2e-stopped").keys(f"jobs/_/{done['id']}")
+        assert f"jobs/_/{done['id']}/manifest.json" not in keys
