@@ -396,6 +396,30 @@ class ConfigMismatch(WeightsMismatch):
     title = "config.json and the weights disagree"
 
 
+class AdapterError(CheckpointError):
+    """The job's ``adapter`` cannot be applied to its source."""
+
+    code = "adapter_error"
+    title = "Invalid adapter"
+
+
+class UnsupportedAdapter(AdapterError):
+    """The adapter is no PEFT LoRA adapter, or one that cannot be merged exactly (DoRA, LoRA on
+    embeddings, ``modules_to_save`` copies, a target tied to another weight)."""
+
+    code = "unsupported_adapter"
+    title = "Unsupported adapter"
+
+
+class AdapterMismatch(AdapterError):
+    """The adapter was trained on another base: a module it targets is missing from the source,
+    or its ``lora_B @ lora_A`` has another shape than the source's weight. The detail names the
+    first such module."""
+
+    code = "adapter_mismatch"
+    title = "Adapter does not match the source"
+
+
 # --- access control and tenants ------------------------------------------------------------------
 
 

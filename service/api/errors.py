@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
 from service.errors import (
+    AdapterError,
     ArtifactGone,
     CheckpointError,
     Conflict,
@@ -56,6 +57,7 @@ HTTP_STATUS: dict[type[ServiceError], int] = {
     SourceNotFound: 422,
     EgressRefused: 422,
     CheckpointError: 422,
+    AdapterError: 422,  # the adapter does not fit the source: a request fault
     UnsupportedQuantization: 422,  # a request fault: the readers implement a list of methods
     ToolMissing: 503,  # a deployment fault (llama.cpp not built here), not the request's
     # Refused at submission: what was asked cannot fit the memory one job has here.

@@ -106,6 +106,11 @@ FIXES: dict[str, str] = {
     "weights_mismatch": "The weights do not fit the architecture of `config.json`: check both "
     "come from the same model.",
     "config_mismatch": "The detail names the `config.json` key and tensor that disagree.",
+    "adapter_error": "Check that `adapter` is a PEFT LoRA adapter trained on `source`.",
+    "unsupported_adapter": "Only plain LoRA on linear layers is merged: merge other adapters "
+    "with PEFT first.",
+    "adapter_mismatch": "The detail names the first module the source lacks or whose shape "
+    "differs: pass the adapter's base model as `source`.",
     "job_cancelled": "The job was cancelled (`POST /v1/jobs/{id}/cancel` or `DELETE`).",
     "job_timeout": "The job ran longer than its `timeout` or `MODELPREP_JOB_TIMEOUT`.",
     "worker_crashed": "The job's process died (often the kernel's OOM killer): lower "

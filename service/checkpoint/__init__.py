@@ -55,10 +55,13 @@ AUX_PATTERNS = (
     "sentencepiece.bpe.model",
     "chat_template.jinja",
     "chat_template.json",
+    "adapter_config.json",
 )
 """Files that travel with the weights (exports carry them over), top level only, as fnmatch
 patterns. The one list: a hub download fetches exactly these (service/sources/hub.py) and
-open_checkpoint hands exactly these to the exporters, so nothing downloaded is dropped."""
+open_checkpoint hands exactly these to the exporters, so nothing downloaded is dropped.
+``adapter_config.json`` is here so that a job's ``adapter`` (``checkpoint.lora``), fetched like a
+source, arrives with its config beside ``adapter_model.safetensors``."""
 
 
 def aux_files_in(root: Path) -> list[Path]:
@@ -66,6 +69,7 @@ def aux_files_in(root: Path) -> list[Path]:
     return sorted(
         p for p in root.iterdir()
         if p.is_file() and any(fnmatch.fnmatchcase(p.name, pat) for pat in AUX_PATTERNS)
+        and p.name != "adapter_config.json"  # beside full weights it would make them an adapter
     )  # fmt: skip
 
 

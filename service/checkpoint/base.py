@@ -102,6 +102,9 @@ class Checkpoint:
     """How the readers handled config.json's ``quantization_config`` (dequantized, ignored as
     contradicted by the tensors), for the manifest; None for a plain float checkpoint. ``config``
     no longer holds the ``quantization_config`` once handled: what the readers serve is float."""
+    adapter_root: Path | None = None
+    """The PEFT LoRA adapter the reader merges into the weights (``checkpoint.lora``), if any:
+    the independent reference merges it too."""
 
     def close(self) -> None:
         self.reader.close()

@@ -94,10 +94,12 @@ def independent_reference(
     text: str,
     max_memory_bytes: int,
     work: Path,
+    adapter_dir: Path | None = None,
 ) -> IndependentReference:
     """transformers' outputs for ``input_ids`` and, for a causal LM, its logits on ``text``,
     within the budget; ``model_class`` the transformers class the job built (the one
-    config.json names), loaded by its own ``from_pretrained``."""
+    config.json names), loaded by its own ``from_pretrained``; with ``adapter_dir``, the PEFT
+    LoRA adapter there merged into it by PEFT."""
     import torch
     import transformers
     from transformers import AutoConfig
@@ -118,6 +120,8 @@ def independent_reference(
             f"transformers' from_pretrained, the job's independent reference, cannot load the "
             f"source: {type(exc).__name__}: {exc}"
         ) from exc
+    if adapter_dir is not None:
+        model = _merged_with_peft(model, adapter_dir)
     if whole:
         model = model.float()
     model.eval()
@@ -152,6 +156,20 @@ def independent_reference(
         vocab_size=int(getattr(config, "vocab_size", 0) or 0),
         info={"compute_dtype": "float32" if whole else str(getattr(config, "dtype", "")).removeprefix("torch.")},
     )
+
+
+def _merged_with_peft(model: Any, adapter_dir: Path) -> Any:
+    """``model`` with the LoRA adapter in ``adapter_dir`` merged by PEFT's own
+    ``merge_and_unload``: the reference for a job that merges it while reading."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+        raise VerificationFailed(
+            f"PEFT, the job's independent reference for the adapter, cannot merge it: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _parameter_count(source_dir: Path) -> int:

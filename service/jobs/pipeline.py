@@ -119,23 +119,32 @@ def run_pipeline(
     bucket, manifest last, and leave the local disk."""
     ctx.set_phase(Phase.DOWNLOAD, unit="bytes")
     request = spec.source_request(tenant)
+    adapter_request = spec.adapter_request(tenant)
     identity = None
     if reuse is not None:
-        identity = identify_source(request, ctx.settings, ctx)
+        identity, adapter_request = _identify(request, adapter_request, ctx)
         if identity is not None:
             request = identity.request  # a hub branch pinned to the commit it resolved to
             shared = reuse.settle(identity, spec, ctx)
             if shared is not None:
                 return shared
     checkpoint_dir, source_info, resolved = _download(request, ctx)
+    adapter = _download_adapter(adapter_request, ctx) if adapter_request else None
     if reuse is not None and identity is None:
-        identity = identify_source(request, ctx.settings, ctx, fetched=resolved)
+        identity, _ = _identify(
+            request, adapter_request, ctx, fetched=resolved,
+            adapter_fetched=adapter[1] if adapter else None,
+        )  # fmt: skip
         shared = reuse.settle(identity, spec, ctx) if identity is not None else None
         if shared is not None:
             return shared
     ctx.set_phase(Phase.READ, unit="tensors")
     with open_checkpoint(checkpoint_dir) as checkpoint:
+        if adapter is not None:
+            _merge_adapter(checkpoint, adapter[0], ctx)
         summaries, digests, model_info = _export_checkpoint(checkpoint, spec, ctx, layout)
+    if adapter is not None:
+        source_info = {**source_info, "adapter": ctx.details["source"]["adapter"]}
     staged = sorted(p for p in layout.staging.rglob("*") if p.is_file())
     # + the model card and the manifest
     ctx.set_phase(Phase.FINALIZE, total=len(staged) + 2, unit="files")
@@ -217,6 +226,61 @@ def _download(
     ctx.set_detail("source", source_info)
     ctx.check_abort()
     return resolved.path, source_info, resolved
+
+
+def _identify(
+    request: SourceRequest,
+    adapter_request: SourceRequest | None,
+    ctx: JobContext,
+    fetched: ResolvedSource | None = None,
+    adapter_fetched: ResolvedSource | None = None,
+) -> tuple[SourceIdentity | None, SourceRequest | None]:
+    """The identity of what the job reads: the source's, and with an adapter both (``<source
+    key>+adapter:<adapter key>``, so result reuse keys on the adapter too), or None while one
+    of them is known only once downloaded; and the adapter's request pinned as identified."""
+    identity = identify_source(request, ctx.settings, ctx, fetched=fetched)
+    if adapter_request is None or identity is None:
+        return identity, adapter_request
+    adapter = identify_source(adapter_request, ctx.settings, ctx, fetched=adapter_fetched)
+    if adapter is None:
+        return None, adapter_request
+    combined = SourceIdentity(f"{identity.key}+adapter:{adapter.key}", identity.request)
+    return combined, adapter.request
+
+
+def _download_adapter(
+    request: SourceRequest, ctx: JobContext
+) -> tuple[Path, ResolvedSource]:
+    """DOWNLOAD of the job's adapter: its local directory, recorded in the ``source`` section's
+    ``adapter``."""
+    source = dict(ctx.details.get("source", {}))
+    resolved = fetch_source(request, ctx.settings, ctx)
+    info: dict[str, Any] = {"uri": resolved.uri, "cache_hit": resolved.cache_hit}
+    if resolved.revision:
+        info["revision"] = resolved.revision
+    ctx.set_detail("source", {**source, "adapter": info})
+    ctx.check_abort()
+    path = resolved.path if resolved.path.is_dir() else resolved.path.parent
+    return path, resolved
+
+
+def _merge_adapter(checkpoint: Checkpoint, adapter_dir: Path, ctx: JobContext) -> None:
+    """READ: the checkpoint's reader serves the adapter merged into every weight it targets
+    (``service.checkpoint.lora``); the independent reference merges it with PEFT."""
+    from service.checkpoint.lora import LoraMergeReader, open_adapter
+
+    adapter = open_adapter(adapter_dir)
+    checkpoint.reader = LoraMergeReader(checkpoint.reader, adapter)
+    checkpoint.adapter_root = adapter_dir
+    ctx.set_detail("adapter", {
+        "peft_type": "LORA",
+        "merged": True,
+        "modules": len(adapter.factors),
+        "r": adapter.plan.config.get("r"),
+        "lora_alpha": adapter.plan.config.get("lora_alpha"),
+        "use_rslora": bool(adapter.plan.config.get("use_rslora", False)),
+        "base_model": adapter.plan.config.get("base_model_name_or_path"),
+    })  # fmt: skip
 
 
 def _export_checkpoint(
@@ -466,7 +530,7 @@ def _independent_reference(
     ctx.check_abort()
     reference = independent_reference(
         checkpoint.root, model_class, fixed_input_ids(vocab), FIXED_TEXT, parse_size(max_memory),
-        ctx.work_dir / "reference",
+        ctx.work_dir / "reference", adapter_dir=checkpoint.adapter_root,
     )  # fmt: skip
     gc.collect()
     malloc_trim()

@@ -12,6 +12,7 @@ import anyio.to_thread
 
 from service.artifact_store import ArtifactStore, check_destination
 from service.checkpoint.consistency import check_config_matches_weights, safetensors_tensors
+from service.checkpoint.lora import check_adapter_matches, plan_adapter
 from service.checkpoint.quantization import plan_quantization, without_quantization
 from service.config import Settings
 from service.errors import (
@@ -35,7 +36,7 @@ from service.jobs.store import JobStore, utcnow
 from service.objectstore import S3Location
 from service.offload.usage import OFFLOAD_COUNTERS, offload_usage
 from service.plan import JobPlan
-from service.sources import LocalSource, local_source
+from service.sources import LocalSource, check_source, local_source
 
 
 @dataclass
@@ -56,6 +57,8 @@ class JobService:
             source_dir=local.directory if local is not None else None,
             source_checked=local is not None,
         )
+        if spec.adapter is not None:
+            self._check_adapter(spec, local)
         check_callback(spec, self.settings, tenant)
         if spec.destination is not None:
             if ArtifactStore.configured(self.settings) is None:
@@ -101,7 +104,24 @@ class JobService:
             source_dir=local.directory if local is not None else None,
             source_checked=local is not None,
         )
+        if spec.adapter is not None:
+            self._check_adapter(spec, local)
         return plan_spec(spec, source_headers(spec, self.settings), self.settings)
+
+    def _check_adapter(self, spec: JobSpec, local: LocalSource | None) -> None:
+        """The adapter's source is allowed; a local adapter is a LoRA adapter that can be
+        merged, and on a local safetensors source it is checked against the source's headers:
+        a module it targets missing or of another shape is refused now (adapter_mismatch)."""
+        request = spec.adapter_request()
+        assert request is not None
+        adapter = local_source(request, self.settings)
+        if adapter is None:
+            check_source(request, self.settings)
+            return
+        plan = plan_adapter(adapter.directory)
+        tensors = safetensors_tensors(local.directory) if local is not None else None
+        if tensors is not None:
+            check_adapter_matches(plan, {n: shape for n, (_, shape) in tensors.items()})
 
     def _reservation(self, spec: JobSpec, local: LocalSource | None) -> int:
         """The artifact bytes a job is expected to write, held against its tenant's limit

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from service.exporters import registry
 from service.exporters.base import ExportSpec
@@ -79,6 +79,19 @@ class JobSpec(BaseModel):
         "store serve them all.",
     )
     revision: str | None = Field(default=None, description="hf:// branch, tag or commit")
+    adapter: str | None = Field(
+        default=None, min_length=1,
+        description="A PEFT LoRA adapter trained on `source` (a directory holding "
+        "adapter_config.json and adapter_model.safetensors): file:///abs/path, hf://org/repo "
+        "or s3://bucket/prefix. Refused (adapter_mismatch) when a module it targets is missing "
+        "from the source or has another shape.",
+        examples=["file:///models/tiny-llama-lora"],
+    )
+    merge: bool = Field(
+        default=True,
+        description="With `adapter`: merge it into the source's weights tensor by tensor "
+        "(W + alpha/r * B @ A, as PEFT's merge_and_unload), so every export is the merged model.",
+    )
     sha256: str | None = Field(
         default=None, pattern=r"^[0-9a-fA-F]{64}$",
         description="Expected sha256 (hex) of an http(s):// weights file: checked after the "
@@ -135,6 +148,28 @@ class JobSpec(BaseModel):
         if value is not None:
             parse_size(value)
         return value
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter_directory(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme in ("http", "https"):
+            raise ValueError(
+                "an adapter is two files (adapter_config.json, adapter_model.safetensors): "
+                "give its directory as file://, hf:// or s3://"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _merge_needs_adapter(self) -> JobSpec:
+        if self.adapter is not None and not self.merge:
+            raise ValueError('"merge": false is not implemented: an adapter is merged')
+        return self
+
+    def adapter_request(self, tenant: str | None = None) -> SourceRequest | None:
+        """The adapter to fetch, None without one (a hub adapter at its default branch)."""
+        if self.adapter is None:
+            return None
+        return SourceRequest(uri=self.adapter, token=self.hf_token, tenant=tenant)
 
     def source_request(self, tenant: str | None = None) -> SourceRequest:
         """The source to fetch; ``tenant`` picks an s3:// source's credentials."""

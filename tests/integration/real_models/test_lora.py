@@ -1,0 +1,175 @@
+"""A PEFT LoRA adapter on real SmolLM2 (its first 2 layers), merged while the weights stream.
+
+The adapter is PEFT's own (``tests/fixtures/lora.py``: non-zero factors, so the merged model
+differs from the base); the judge is PEFT's ``merge_and_unload``: each merged weight the reader
+serves, and a safetensors export made by a real job (offload, transformers+PEFT as the job's
+independent reference, the exporter's own check) that transformers reloads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from service.api.app import create_app
+from service.checkpoint import open_checkpoint
+from service.checkpoint.lora import LoraMergeReader, open_adapter
+from service.config import Settings
+from service.jobs.layout import JobLayout
+from service.jobs.pipeline import _identify, run_pipeline
+from service.jobs.spec import JobSpec
+from service.sources import SourceRequest
+from service.stage import InMemoryContext
+from tests.fixtures.lora import peft_adapter, peft_merged
+from tests.fixtures.real_models import Variant, real_variant
+
+LAYERS = 2
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def base() -> Path:
+    return real_variant("smollm2", Variant(layers=LAYERS))
+
+
+@pytest.fixture(scope="module")
+def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``plain`` (r 8, alpha 16) and ``patterned`` (rsLoRA, a rank and an alpha pattern),
+    beside each other (the job's local root)."""
+    root = tmp_path_factory.mktemp("adapters")
+    peft_adapter(base, root / "plain")
+    peft_adapter(base, root / "patterned", seed=1, use_rslora=True,
+                 rank_pattern={"down_proj": 4}, alpha_pattern={"v_proj": 32})  # fmt: skip
+    return root
+
+
+@pytest.mark.parametrize("name", ["plain", "patterned"])
+def test_each_merged_weight_equals_peft_merge_and_unload(
+    base: Path, adapters: Path, name: str
+) -> None:
+    theirs = peft_merged(base, adapters / name, torch.bfloat16).state_dict()
+    with open_checkpoint(base) as checkpoint:
+        reader = LoraMergeReader(checkpoint.reader, open_adapter(adapters / name))
+        assert len(reader.adapter.factors) == 4 * LAYERS
+        for weight in reader.adapter.factors:
+            ours = reader.read(weight)
+            assert ours.dtype == theirs[weight].dtype == torch.bfloat16
+            # bfloat16 on both sides: at most one rounding step apart (PEFT rounds the delta).
+            torch.testing.assert_close(ours, theirs[weight], rtol=2**-7, atol=1e-6)
+            moved = (ours.float() - checkpoint.reader.read(weight).float()).abs().max()
+            assert moved > 0.01, f"{weight}: the adapter did not change it"
+            # The streamed paths the writers use serve the same merged rows.
+            assert torch.equal(
+                torch.cat(list(reader.iter_chunks(weight, 40_000))), ours.reshape(-1)
+            )
+            part = torch.empty(777, dtype=torch.bfloat16)
+            reader.read_into(weight, 1001, part)
+            assert torch.equal(part, ours.reshape(-1)[1001:1778])
+        untouched = "model.layers.0.self_attn.k_proj.weight"
+        assert torch.equal(reader.read(untouched), checkpoint.reader.read(untouched))
+
+
+def test_a_safetensors_export_of_a_merged_job_reloads_with_peft_merged_logits(
+    base: Path, adapters: Path, tmp_path: Path
+) -> None:
+    settings = Settings(data_dir=tmp_path / "data", local_roots=[base.parent, adapters])
+    layout = JobLayout.for_job(settings, "a" * 32)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="a" * 32)
+    spec = JobSpec.model_validate({
+        "source": base.as_uri(), "adapter": (adapters / "patterned").as_uri(),
+        "exports": [{"format": "safetensors"}],
+    })  # fmt: skip
+    run_pipeline(spec, ctx, layout)
+    manifest = json.loads((layout.artifacts / "manifest.json").read_text())
+    assert manifest["source"]["adapter"]["uri"] == (adapters / "patterned").as_uri()
+    assert manifest["model"]["reference"]["job_model_agreement"]["passed"]
+    assert not (layout.artifacts / "safetensors" / "adapter_config.json").exists()
+
+    ids = AutoTokenizer.from_pretrained(base)(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = peft_merged(base, adapters / "patterned", torch.bfloat16).float()(ids).logits
+        exported = AutoModelForCausalLM.from_pretrained(
+            layout.artifacts / "safetensors", dtype=torch.float32
+        )
+        got = exported(ids).logits
+        unmerged = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(ids).logits
+    scale = want.abs().max()
+    assert (got - want).abs().max() / scale < 1e-2
+    assert (unmerged - want).abs().max() / scale > 0.1, "the adapter changes nothing visible"
+
+
+def test_an_adapter_trained_on_another_base_is_refused_at_submission_naming_the_module(
+    base: Path, tmp_path: Path
+) -> None:
+    config = LlamaConfig.from_pretrained(base)
+    config.update({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                   "num_key_value_heads": 1, "head_dim": 16})  # fmt: skip
+    torch.manual_seed(0)
+    other = peft_adapter(LlamaForCausalLM(config), tmp_path / "other-base")
+    deeper = tmp_path / "deeper"
+    config = LlamaConfig.from_pretrained(base)
+    config.update(
+        {
+            "num_hidden_layers": LAYERS + 1,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+        }
+    )
+    peft_adapter(LlamaForCausalLM(config), deeper, target_modules=["layers.2.self_attn.q_proj"])
+    settings = Settings(data_dir=tmp_path / "data", local_roots=[base.parent, tmp_path])
+    app = create_app(settings)
+    app.state.jobs.store.create_schema()
+    try:
+        client = TestClient(app)
+        for adapter, detail in [
+            (
+                other,
+                (
+                    "the adapter's 'model.layers.0.mlp.down_proj' is 64x128 (lora_B @ lora_A), "
+                    "but the source's 'model.layers.0.mlp.down_proj.weight' is 576x1536"
+                ),
+            ),
+            (
+                deeper,
+                (
+                    "the adapter targets 'model.layers.2.self_attn.q_proj', but the source has "
+                    "no tensor 'model.layers.2.self_attn.q_proj.weight'"
+                ),
+            ),
+        ]:
+            response = client.post("/v1/jobs", json={
+                "source": base.as_uri(), "adapter": adapter.as_uri(),
+                "exports": [{"format": "safetensors"}],
+            })  # fmt: skip
+            assert response.status_code == 422, response.text
+            body = response.json()
+            assert body["type"].endswith("/adapter_mismatch"), body
+            assert detail in body["detail"], body["detail"]
+    finally:
+        app.state.jobs.store.dispose()
+
+
+def test_result_reuse_keys_on_the_adapter(base: Path, adapters: Path, tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "data", local_roots=[base.parent, adapters])
+    ctx = InMemoryContext(settings=settings, work_dir=tmp_path, job_id="b" * 32)
+    source = SourceRequest(base.as_uri())
+
+    def key(adapter: str | None) -> str:
+        request = SourceRequest((adapters / adapter).as_uri()) if adapter else None
+        identity, _ = _identify(source, request, ctx)
+        assert identity is not None
+        return identity.key
+
+    plain, patterned, none = key("plain"), key("patterned"), key(None)
+    assert len({plain, patterned, none}) == 3
+    assert plain == key("plain")
+    assert plain.startswith(none + "+adapter:files:")
