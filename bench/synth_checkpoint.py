@@ -80,6 +80,9 @@ class SyntheticReader:
     def aliases(self) -> dict[str, str]:
         return {}
 
+    def add_alias(self, alias: str, canonical: str) -> None:
+        raise TypeError("a synthetic checkpoint has no tied names to serve")
+
     def read(self, name: str) -> torch.Tensor:
         info = self._infos[self._index[name]]
         return torch.cat(list(self.iter_chunks(name, 64 << 20))).reshape(info.shape)

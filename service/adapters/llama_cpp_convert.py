@@ -21,7 +21,10 @@ names each assumption):
 * ``get_vocab_base_pre(tokenizer)`` calling ``tokenizer.encode(chktxt)`` once, hashing ``str()`` of the
   ids with sha256 and raising ``NotImplementedError`` for an unknown hash;
 * ``LazyTorchTensor(meta=..., args=..., func=...)`` and ``LazyTorchTensor.to_eager``, whose evaluation
-  caches data in the graph (so a tensor's graph is evaluated once, then dropped).
+  caches data in the graph (so a tensor's graph is evaluated once, then dropped);
+* a lazy operation recording its function and arguments in ``_func``/``_args``/``_kwargs``
+  (``data[:n]`` as ``torch.Tensor.__getitem__``, a MoE layer's ``torch.stack(experts, dim=0)``
+  as ``torch.stack``), read by :func:`leading_rows` and :func:`stacked_rows`.
 
 The converter needs the gguf-py of the same llama.cpp, which is newer than PyPI's ``gguf`` of the
 same version string; :func:`load_converter` makes it *the* ``gguf`` module of the process that
@@ -197,6 +200,60 @@ def leading_rows(tensor: Any, data: Any) -> int | None:
     return key.stop if key.stop >= 0 else None
 
 
+def stacked_rows(tensor: Any, leaves: dict[int, str]) -> tuple[str, ...] | None:
+    """The checkpoint tensors, in order, when ``tensor`` is upstream's lazy
+    ``torch.stack([...], dim=0)`` of tensors it was given unchanged (``leaves``: id of each lazy
+    tensor handed to upstream -> its checkpoint name), else None.
+
+    Why: a MoE layer's converter class (Mixtral's and Qwen2-MoE's ``modify_tensors``) stacks
+    every expert of the layer into one 3-D tensor; evaluated through the lazy graph that is all
+    of the layer's experts in float32 at once (8 x 14336 x 4096 x 4 = 1.9 GB per projection on
+    Mixtral 8x7B). Stacked on the first dimension, the result's rows are the experts' rows one
+    expert after the other: each is read as a copied tensor, in row blocks. Relies on gguf-py's
+    lazy ``__torch_function__`` recording ``_func`` (``torch.stack``), ``_args``
+    (``(tensors,)``) and ``_kwargs`` (``{"dim": 0}``): a test names it.
+    """
+    import torch
+
+    if getattr(tensor, "_func", None) is not torch.stack:
+        return None
+    args: tuple[Any, ...] = tuple(getattr(tensor, "_args", ()))
+    kwargs: dict[str, Any] = dict(getattr(tensor, "_kwargs", {}) or {})
+    if not args or not isinstance(args[0], (list, tuple)) or not args[0]:
+        return None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if dim != 0 or len(args) > 2 or set(kwargs) - {"dim"}:
+        return None
+    names = [_leaf_name(part, leaves) for part in args[0]]
+    if any(name is None for name in names):
+        return None
+    return tuple(str(name) for name in names)
+
+
+def _leaf_name(tensor: Any, leaves: dict[int, str]) -> str | None:
+    """The checkpoint name of a lazy tensor handed to upstream, seen through upstream's
+    widening to float32 (``prepare_tensors`` does ``data_torch.to(torch.float32)`` to every
+    tensor that is neither float16 nor float32: a bfloat16 expert arrives as that, values
+    unchanged). gguf-py records a method call as a lambda over ``(tensor, *args)``, so the cast
+    is recognised by what it is: one float32 argument, the leaf's shape, a float32 result
+    from a narrower dtype (a ``view`` of another width would change the shape)."""
+    import torch
+
+    name = leaves.get(id(tensor))
+    if name is not None:
+        return name
+    args: tuple[Any, ...] = tuple(getattr(tensor, "_args", ()))
+    if len(args) != 2 or args[1] is not torch.float32 or getattr(tensor, "_kwargs", None):
+        return None
+    leaf, meta = args[0], getattr(tensor, "_meta", None)
+    name = leaves.get(id(leaf))
+    leaf_meta = getattr(leaf, "_meta", None)
+    if name is None or meta is None or leaf_meta is None:
+        return None
+    widened = meta.dtype == torch.float32 and leaf_meta.dtype.itemsize < 4
+    return name if widened and tuple(meta.shape) == tuple(leaf_meta.shape) else None
+
+
 def _head_of(source: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     """Whether ``shape`` is the source's shape or its first rows (see :func:`leading_rows`)."""
     return shape == source or (
@@ -215,7 +272,10 @@ class PlannedTensor:
     """The checkpoint tensor it is a plain copy of (values unchanged; ``shape`` may keep only
     its first rows), else None."""
     compute: Callable[[], np.ndarray] | None
-    """Float32 values of a tensor upstream transforms (permutes, stacks, offsets): one shot."""
+    """Float32 values of a tensor upstream transforms (permutes, offsets): one shot."""
+    parts: tuple[str, ...] = ()
+    """The checkpoint tensors whose rows, one after the other, are this tensor's (a MoE
+    layer's experts stacked on a new first dimension); ``source`` and ``compute`` are None."""
 
 
 @dataclass
@@ -327,16 +387,24 @@ def plan_conversion(
             infos[alias] = infos[canonical]
     renamed: dict[str, str] = {}
     produced: dict[str, tuple[str, bool, Any]] = {}
+    leaves: dict[int, str] = {}
+    """id of every lazy tensor handed to upstream -> its checkpoint name (kept alive in
+    ``handed``, so that no id is reused while planning)."""
+    handed: list[Any] = []
+    stacked: dict[str, tuple[str, ...]] = {}
     seen: set[str] = set()
     unknown_hash: list[str] = []
 
     def lazy(name: str) -> Any:
         info = infos[name]
-        return lazy_type(
+        leaf = lazy_type(
             meta=lazy_type.meta_with_dtype_and_shape(info.dtype, tuple(info.shape)),
             args=(name,),
             func=reader.read,
         )
+        leaves[id(leaf)] = name
+        handed.append(leaf)
+        return leaf
 
     def index_tensors(self: Any, remote_hf_model_id: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -353,6 +421,9 @@ def plan_conversion(
         for new_name, tensor in outputs:
             copied = tensor is data or leading_rows(tensor, data) is not None
             produced[new_name] = (renamed.get(name, name), copied and name in renamed, tensor)
+            parts = stacked_rows(tensor, leaves)
+            if parts is not None:
+                stacked[new_name] = parts
         return outputs
 
     def get_vocab_base_pre(self: Any, tokenizer: Any) -> str:
@@ -435,6 +506,12 @@ def plan_conversion(
         shape = tuple(int(d) for d in tensor.shape)
         if plain and _head_of(tuple(infos[origin].shape), shape):
             tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), origin, None))
+        elif name in stacked and all(
+            tuple(infos[p].shape) == shape[1:] for p in stacked[name]
+        ) and len(stacked[name]) == shape[0]:
+            tensors.append(
+                PlannedTensor(name, shape, qtype, int(info.nbytes), None, None, stacked[name])
+            )
         else:
             if not isinstance(tensor, (lazy_type, torch.Tensor)):
                 raise UnsupportedExport(f"{name}: upstream made a {type(tensor).__name__}")
@@ -442,6 +519,9 @@ def plan_conversion(
             tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), None, compute))
     model.gguf_writer.tensors.clear()  # its lazy graphs would keep evaluated tensors alive
     produced.clear()
+    stacked.clear()
+    leaves.clear()
+    handed.clear()
     kv = list(model.gguf_writer.kv_data[0].items()) if metadata else []
     return Conversion(
         hf_architecture=arch,

@@ -6,7 +6,8 @@ service's reader, so every architecture and pre-tokenizer the pinned llama.cpp c
 written, with its tensor names, transforms (q/k permutation, stacked experts, norm offsets),
 storage types and hyperparameter/tokenizer keys. This module turns that answer into the writer's
 :class:`GGUFPlan`: a tensor upstream copies unchanged is streamed from the checkpoint in row
-blocks (``source``); a tensor upstream transforms is evaluated once, whole (``compute``).
+blocks (``source``), and so is a stack of a MoE layer's experts, one expert after the other
+(``parts``); a tensor upstream transforms is evaluated once, whole (``compute``).
 
 Measured on SmolLM2-135M (f16, same machine): hand-written Llama table vs upstream's classes gave
 byte-identical tensor data; upstream also gives Gemma 1-3, Mixtral, Qwen2-MoE, Phi-3, BERT and ~250
@@ -96,6 +97,9 @@ class TensorPlan:
     """Bytes per element in the checkpoint, to ask the reader for block-sized chunks."""
     compute: Callable[[], np.ndarray] | None = field(default=None, compare=False, repr=False)
     """Float32 values of a tensor llama.cpp's converter transforms; callable once per plan."""
+    parts: tuple[str, ...] = ()
+    """Checkpoint tensors whose rows, one after the other, are this tensor's (a MoE layer's
+    experts, stacked by the converter on a new first dimension): each streamed like a copy."""
 
     @property
     def type_name(self) -> str:
@@ -209,6 +213,8 @@ def plan_gguf(
         if qtype == t.ggml_type and nbytes != t.nbytes:
             raise UnsupportedExport(f"{t.name}: {t.nbytes} bytes planned upstream, {nbytes} here")
         source = aliases.get(t.source, t.source) if t.source else None
+        parts = tuple(aliases.get(p, p) for p in t.parts)
+        first = source or (parts[0] if parts else None)
         tensors.append(
             TensorPlan(
                 t.name,
@@ -216,8 +222,9 @@ def plan_gguf(
                 t.shape,
                 int(qtype),
                 nbytes,
-                source_itemsize=itemsize.get(source, 4) if source else 4,
+                source_itemsize=itemsize.get(first, 4) if first else 4,
                 compute=t.compute,
+                parts=parts,
             )
         )
     kv = tuple(conversion.metadata)

@@ -65,6 +65,45 @@ def block_rows(t: TensorPlan, chunk_bytes: int) -> tuple[int, int, int]:
     return per, nrows, ncols
 
 
+def block_spans(t: TensorPlan, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each row block of ``t``, in order; the writer, the source reader
+    and the read-back all cut a tensor the same way.
+
+    A stack of experts (``t.parts``) is cut so that no block straddles two experts unless it
+    holds whole ones: a block then reads from one expert, or from several whole ones."""
+    per, nrows, _ = block_rows(t, chunk_bytes)
+    if not t.parts:
+        return [(start, min(per, nrows - start)) for start in range(0, nrows, per)]
+    part_rows = nrows // len(t.parts)
+    if per >= part_rows:
+        whole = per // part_rows
+        return [
+            (i * part_rows, min(whole, len(t.parts) - i) * part_rows)
+            for i in range(0, len(t.parts), whole)
+        ]
+    return [
+        (p * part_rows + start, min(per, part_rows - start))
+        for p in range(len(t.parts))
+        for start in range(0, part_rows, per)
+    ]
+
+
+def _pieces(t: TensorPlan, start: int, rows: int, ncols: int) -> list[tuple[str, int, int]]:
+    """(checkpoint tensor, first element, elements) that make up rows ``[start, start+rows)``."""
+    if not t.parts:
+        assert t.source is not None
+        return [(t.source, start * ncols, rows * ncols)]
+    part_rows = math.prod(t.shape[1:]) // ncols
+    out = []
+    row = start
+    while row < start + rows:
+        index, offset = divmod(row, part_rows)
+        take = min(part_rows - offset, start + rows - row)
+        out.append((t.parts[index], offset * ncols, take * ncols))
+        row += take
+    return out
+
+
 def _permute_block(block: np.ndarray, t: TensorPlan, inverse: bool = False) -> np.ndarray:
     """Apply (or undo) the q/k permutation to a block of whole heads."""
     assert t.permute_heads is not None
@@ -94,6 +133,9 @@ def source_blocks(
             yield whole[start : start + per]
         del whole
         return
+    if tensor.parts:
+        yield from _part_blocks(reader, tensor, chunk_bytes)
+        return
     assert tensor.source is not None
     permute = permuted and tensor.permute_heads is not None
     want = per * ncols
@@ -122,6 +164,30 @@ def source_blocks(
             raise ExportFailed(f"{tensor.source}: reader returned {held} stray elements")
         block = buf.reshape(-1, ncols)
         yield _permute_block(block, tensor) if permute else block
+
+
+def _part_blocks(
+    reader: WeightReader, tensor: TensorPlan, chunk_bytes: int
+) -> Iterator[np.ndarray]:
+    """A stack of experts in row blocks, for readers without ``read_into``: one expert read
+    (as float32) at a time, never the stack."""
+    import numpy as np
+    import torch
+
+    _, _, ncols = block_rows(tensor, chunk_bytes)
+    held: tuple[str, np.ndarray] | None = None
+    for start, rows in block_spans(tensor, chunk_bytes):
+        out = np.empty((rows, ncols), dtype=np.float32)
+        flat = out.reshape(-1)
+        pos = 0
+        for name, first, count in _pieces(tensor, start, rows, ncols):
+            if held is None or held[0] != name:
+                held = None  # the previous expert goes before the next is read
+                held = (name, reader.read(name).reshape(-1).to(torch.float32).numpy())
+            flat[pos : pos + count] = held[1][first : first + count]
+            pos += count
+        yield out
+        del out, flat
 
 
 def encode(rows: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -173,12 +239,13 @@ class RowBlockReader:
 
     def fast(self, t: TensorPlan) -> bool:
         """Whether ``t`` is read with ``read_into`` (a plain renamed checkpoint tensor)."""
+        names = t.parts or ((t.source,) if t.source is not None else ())
         return (
             self._into
-            and t.source is not None
+            and bool(names)
             and t.values is None
             and getattr(t, "compute", None) is None
-            and t.source in self._dtypes
+            and all(n in self._dtypes for n in names)
         )
 
     def blocks(self, t: TensorPlan, permuted: bool = True) -> Iterator[np.ndarray]:
@@ -188,20 +255,21 @@ class RowBlockReader:
         if not self.fast(t):
             yield from source_blocks(self.reader, t, self.chunk_bytes, permuted)
             return
-        assert t.source is not None
-        per, nrows, ncols = block_rows(t, self.chunk_bytes)
-        dtype = self._dtypes[t.source]
+        _, _, ncols = block_rows(t, self.chunk_bytes)
         permute = permuted and t.permute_heads is not None
-        for start in range(0, nrows, per):
-            rows = min(per, nrows - start)
+        for start, rows in block_spans(t, self.chunk_bytes):
             n = rows * ncols
             f32 = self._buffer("f32", torch.float32, n)
-            if dtype == torch.float32:
-                self.reader.read_into(t.source, start * ncols, f32)  # type: ignore[attr-defined]
-            else:
-                raw = self._buffer("raw", dtype, n)
-                self.reader.read_into(t.source, start * ncols, raw)  # type: ignore[attr-defined]
-                f32.copy_(raw)
+            pos = 0
+            for name, first, count in _pieces(t, start, rows, ncols):
+                dtype = self._dtypes[name]
+                if dtype == torch.float32:
+                    self.reader.read_into(name, first, f32[pos : pos + count])  # type: ignore[attr-defined]
+                else:
+                    raw = self._buffer("raw", dtype, count)
+                    self.reader.read_into(name, first, raw)  # type: ignore[attr-defined]
+                    f32[pos : pos + count].copy_(raw)
+                pos += count
             block = f32.numpy().reshape(rows, ncols)
             yield _permute_block(block, t) if permute else block
 
@@ -579,11 +647,10 @@ class _StoredBlocks:
         import torch
         from gguf import GGMLQuantizationType, quants
 
-        per, nrows, ncols = block_rows(t, self.chunk_bytes)
+        _, nrows, ncols = block_rows(t, self.chunk_bytes)
         row_bytes = t.nbytes // nrows
         qtype = GGMLQuantizationType(t.ggml_type)
-        for start in range(0, nrows, per):
-            rows = min(per, nrows - start)
+        for start, rows in block_spans(t, self.chunk_bytes):
             pos, length = offset + start * row_bytes, rows * row_bytes
             if self._raw is None or self._raw.numel() < length:
                 self._raw = torch.empty(length, dtype=torch.uint8)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib
 import inspect
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from service.adapters import llama_cpp_convert as conv
@@ -100,3 +102,58 @@ def test_the_converter_runs_on_gguf_py_of_its_own_llama_cpp() -> None:
     assert hasattr(gguf, "LazyChunkedTensor"), (
         "the converter uses gguf.LazyChunkedTensor, absent from PyPI's gguf of the same version"
     )
+
+
+def _lazy(lazy_type: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+    return lazy_type(meta=lazy_type.meta_with_dtype_and_shape(dtype, shape), args=(name,),
+                     func=lambda n: torch.zeros(shape, dtype=dtype))  # fmt: skip
+
+
+def test_a_stack_of_lazy_experts_is_recognised_as_their_rows_in_order() -> None:
+    """Why a MoE layer's experts stream: ``torch.stack(experts, dim=0)`` records its tensors."""
+    conv.load_converter()
+    lazy_type = importlib.import_module("conversion.base").LazyTorchTensor
+    a, b = (_lazy(lazy_type, n, (4, 2), torch.float32) for n in ("e0", "e1"))
+    c = _lazy(lazy_type, "e2", (4, 2), torch.bfloat16)
+    leaves = {id(a): "e0", id(b): "e1", id(c): "e2"}
+    assert conv.stacked_rows(torch.stack([a, b], dim=0), leaves) == ("e0", "e1"), (
+        "assumption broken: gguf-py's lazy __torch_function__ records _func=torch.stack, "
+        "_args=(tensors,) and _kwargs={'dim': 0}"
+    )
+    # upstream's prepare_tensors widens bfloat16 to float32 before modify_tensors stacks it
+    prepare = inspect.getsource(importlib.import_module("conversion.base").ModelBase.prepare_tensors)
+    assert "data_torch = data_torch.to(torch.float32)" in prepare, (
+        "assumption broken: prepare_tensors widens other dtypes with data_torch.to(torch.float32)"
+    )
+    assert conv.stacked_rows(torch.stack([c.to(torch.float32), a]), leaves) == ("e2", "e0")
+    others = (torch.stack([a, b], dim=1), torch.stack([a * 2, b]), torch.cat([a, b]),
+              torch.stack([c.view(torch.float16), a]), torch.stack([a.to(torch.float32), b]))
+    for other in others:
+        assert conv.stacked_rows(other, leaves) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixtral_experts_are_planned_as_their_checkpoint_tensors_not_computed(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from service.checkpoint import open_checkpoint
+
+    config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    MixtralForCausalLM(config).to(dtype).save_pretrained(tmp_path)
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.config is not None
+        plan = conv.plan_conversion(tmp_path, ckpt.config, ckpt.reader, "f16", vocab=False)
+    experts = {t.name: t for t in plan.tensors if "_exps" in t.name}
+    assert len(experts) == 2 * 3
+    for bid in range(2):
+        for gguf_name, hf_name in (("gate", "w1"), ("down", "w2"), ("up", "w3")):
+            t = experts[f"blk.{bid}.ffn_{gguf_name}_exps.weight"]
+            assert t.compute is None and t.source is None
+            assert t.parts == tuple(
+                f"model.layers.{bid}.block_sparse_moe.experts.{x}.{hf_name}.weight"
+                for x in range(4)
+            )
