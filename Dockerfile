@@ -50,8 +50,13 @@ RUN pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS $TORCH_PIP_ARGS 
 COPY pyproject.toml README.md ./
 COPY service ./service
 # No build isolation: the build backend is the pinned setuptools already installed with torch.
+# Then the one `gguf`: the gguf-py of the llama.cpp built above (scripts/install_gguf_py.sh).
+COPY --from=llama-cpp /opt/llama.cpp/convert/gguf-py /src/gguf-py
+COPY scripts/install_gguf_py.sh ./scripts/
 RUN pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS -c constraints.txt \
         --no-build-isolation . \
+    && scripts/install_gguf_py.sh /opt/modelprep/bin/pip /src/gguf-py \
+         ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS \
     && pip check
 
 FROM python:3.11-slim

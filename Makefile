@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: serve test test-fast install lint openapi llama-cpp chromium container-test docker-engine
+.PHONY: serve test test-fast install lint openapi llama-cpp gguf-py chromium container-test docker-engine
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -19,7 +19,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 llama-cpp:
 	scripts/build_llama_cpp.sh
 
-install: $(VENV)/.installed llama-cpp
+# the venv's one `gguf`: the gguf-py of that llama.cpp (its converter needs it; PyPI's is older)
+gguf-py: $(VENV)/.installed llama-cpp
+	scripts/install_gguf_py.sh $(PIP)
+
+install: $(VENV)/.installed llama-cpp gguf-py
 
 serve: install
 	$(VENV)/bin/modelprep serve

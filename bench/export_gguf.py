@@ -150,7 +150,7 @@ def child_base(ckpt: Path) -> None:
     with open_checkpoint(ckpt) as c:
         assert c.config is not None
         plan = plan_gguf(ckpt, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
-        import gguf  # after planning: llama.cpp's gguf-py (service/adapters/llama_cpp_convert.py)
+        import gguf
 
         writer = gguf.GGUFWriter(None, plan.arch_name)
         add_metadata(writer, plan)

@@ -4,14 +4,14 @@
 # Why from source: llama-quantize (K-quants, imatrix mixtures), llama-imatrix, llama-perplexity and
 # llama-tokenize are what the GGUF exporter and its tests run as the real consumer of a GGUF file;
 # no registry ships them as binaries. The source is the llama.cpp that the PyPI sdist
-# llama-cpp-python==$VERSION vendors (the same gguf-py as the `gguf` package we pin), fetched
-# with pip like every other dependency.
+# llama-cpp-python==$VERSION vendors, fetched with pip like every other dependency.
 #
 # Usage: scripts/build_llama_cpp.sh [VERSION]   (default: the version service/llama_cpp.py pins)
 # Output: $MODELPREP_CACHE_HOME/llama.cpp/$VERSION/bin/llama-*  (MODELPREP_CACHE_HOME defaults to
 #         ${XDG_CACHE_HOME:-~/.cache}/modelprep), and .../$VERSION/convert/{conversion,gguf-py}: the
-#         same llama.cpp's HF->GGUF converter classes and the gguf-py they need (newer than PyPI's
-#         gguf of the same version string), used as a library by service/adapters/llama_cpp_convert.py.
+#         same llama.cpp's HF->GGUF converter classes, used as a library by
+#         service/adapters/llama_cpp_convert.py, and the gguf-py they need (newer than PyPI's gguf
+#         of the same version string), which scripts/install_gguf_py.sh makes the venv's `gguf`.
 #         A second run with everything present does nothing.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)

@@ -16,7 +16,8 @@ from pathlib import Path
 from service.errors import ToolMissing
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-"""The sdist whose vendored llama.cpp is built; its gguf-py is the ``gguf`` version we pin."""
+"""The sdist whose vendored llama.cpp is built; its gguf-py is the venv's ``gguf``
+(``scripts/install_gguf_py.sh``)."""
 
 TOOLS = (
     "llama-quantize",

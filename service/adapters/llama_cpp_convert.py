@@ -24,11 +24,14 @@ names each assumption):
   caches data in the graph (so a tensor's graph is evaluated once, then dropped);
 * a lazy operation recording its function and arguments in ``_func``/``_args``/``_kwargs``
   (``data[:n]`` as ``torch.Tensor.__getitem__``, a MoE layer's ``torch.stack(experts, dim=0)``
-  as ``torch.stack``), read by :func:`leading_rows` and :func:`stacked_rows`.
+  as ``torch.stack``), read by :func:`leading_rows` and :func:`stacked_rows`;
+* ``conversion/base.py`` leaving ``sys.path`` alone when ``NO_LOCAL_GGUF`` is set.
 
 The converter needs the gguf-py of the same llama.cpp, which is newer than PyPI's ``gguf`` of the
-same version string; :func:`load_converter` makes it *the* ``gguf`` module of the process that
-converts (a job process), so the writer and the planner agree on every enum and constant.
+same version string. It is the venv's one ``gguf`` package (``make install``, the image and CI
+install it with ``scripts/install_gguf_py.sh``), so the writer, the planner and the offload
+store's GGML blocks agree on every enum and constant; :func:`load_converter` refuses to run on
+any other ``gguf`` rather than swap modules under the process.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ import ast
 import importlib
 import importlib.util
 import logging
+import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from hashlib import sha256
@@ -113,9 +118,9 @@ def supported_architectures(bin_dir: Path | None = None) -> dict[str, str]:
 def _import_package(name: str, directory: Path) -> ModuleType:
     """Import the package ``directory`` as ``name`` without putting its parent on ``sys.path``.
 
-    Why not ``sys.path``: gguf-py's directory also holds ``tests`` and ``examples`` packages,
-    and ``sys.path`` is inherited by every process this one starts (multiprocessing children
-    rebuild it from the parent's): a child would import gguf-py's ``tests`` for ours."""
+    Why not ``sys.path``: the converter's directory also holds ``gguf-py``, whose own directory
+    holds ``tests`` and ``examples`` packages, and ``sys.path`` is inherited by every process
+    this one starts (multiprocessing children rebuild it from the parent's)."""
     spec = importlib.util.spec_from_file_location(
         name, directory / "__init__.py", submodule_search_locations=[str(directory)]
     )
@@ -131,18 +136,53 @@ def _import_package(name: str, directory: Path) -> ModuleType:
     return module
 
 
+@contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """``values`` set in ``os.environ`` for the duration, the previous values restored."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def gguf_py_mismatch(bin_dir: Path | None = None) -> str | None:
+    """Why the importable ``gguf`` is not the pinned llama.cpp's gguf-py, or None when it is
+    (every module of llama.cpp's ``gguf-py/gguf`` installed, byte for byte)."""
+    import gguf
+
+    pinned = converter_dir(bin_dir) / "gguf-py" / "gguf"
+    installed = Path(str(gguf.__file__)).parent
+    for source in sorted(pinned.rglob("*.py")):
+        rel = source.relative_to(pinned)
+        target = installed / rel
+        if not target.is_file() or target.read_bytes() != source.read_bytes():
+            return f"{installed / rel} is not {source}"
+    return None
+
+
 def load_converter(bin_dir: Path | None = None) -> ModuleType:
-    """Import upstream's ``conversion`` package, with the gguf-py it was written for as ``gguf``."""
+    """Import upstream's ``conversion`` package; :class:`ToolMissing` unless the ``gguf`` it
+    imports is the gguf-py of the same llama.cpp."""
     root = converter_dir(bin_dir).resolve()
-    gguf_py = (root / "gguf-py").resolve()
-    current = sys.modules.get("gguf")
-    if current is None or not Path(str(current.__file__)).resolve().is_relative_to(gguf_py):
-        for name in [n for n in sys.modules if n == "gguf" or n.startswith("gguf.")]:
-            del sys.modules[name]
-        _import_package("gguf", gguf_py / "gguf")
+    mismatch = gguf_py_mismatch(bin_dir)
+    if mismatch is not None:
+        raise ToolMissing(
+            f"the installed gguf package is not llama.cpp {LLAMA_CPP_PYTHON_VERSION}'s gguf-py "
+            f"({mismatch}); install it with `make install` (scripts/install_gguf_py.sh)"
+        )
     loaded = sys.modules.get("conversion")
     if loaded is None:
-        loaded = _import_package("conversion", root / "conversion")
+        # conversion/base.py puts its gguf-py on sys.path at import (a second gguf, and gguf-py's
+        # ``tests`` package, for this process and its children) unless NO_LOCAL_GGUF is set.
+        with _environ(NO_LOCAL_GGUF="1"):
+            loaded = _import_package("conversion", root / "conversion")
+            importlib.import_module("conversion.base")
     if not Path(str(loaded.__file__)).resolve().is_relative_to(root):
         raise ToolMissing(f"another 'conversion' package is imported: {loaded.__file__}")
     # upstream logs every tensor at INFO; keep the job log to what the service says

@@ -312,7 +312,6 @@ class GGUFExporter(Exporter):
         size = sum((out_dir / n).stat().st_size for n in files)
         ctx.add_metric("bytes_written", size)
 
-        # after planning, so this is llama.cpp's gguf-py (see service/adapters/llama_cpp_convert)
         from gguf import GGMLQuantizationType
 
         types: dict[str, int] = {}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from service.adapters import llama_cpp_convert as conv
+from service.errors import ToolMissing
 from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 
 
@@ -97,8 +100,10 @@ def test_the_converter_runs_on_gguf_py_of_its_own_llama_cpp() -> None:
     conv.load_converter()
     import gguf
 
-    root = conv.converter_dir() / "gguf-py"
-    assert Path(str(gguf.__file__)).resolve().is_relative_to(root.resolve())
+    assert conv.gguf_py_mismatch() is None
+    assert not any(Path(p or ".").name == "gguf-py" for p in sys.path), (
+        "assumption broken: conversion/base.py leaves sys.path alone when NO_LOCAL_GGUF is set"
+    )
     assert hasattr(gguf, "LazyChunkedTensor"), (
         "the converter uses gguf.LazyChunkedTensor, absent from PyPI's gguf of the same version"
     )
@@ -157,3 +162,19 @@ def test_mixtral_experts_are_planned_as_their_checkpoint_tensors_not_computed(
                 f"model.layers.{bid}.block_sparse_moe.experts.{x}.{hf_name}.weight"
                 for x in range(4)
             )
+
+
+def test_the_converter_refuses_a_gguf_that_is_not_its_llama_cpps(tmp_path: Path) -> None:
+    """A llama.cpp whose gguf-py differs from the installed ``gguf`` is refused, not patched in."""
+    other = tmp_path / "llama.cpp"
+    (other / "bin").mkdir(parents=True)
+    (other / "convert" / "conversion").mkdir(parents=True)
+    (other / "convert" / "conversion" / "__init__.py").write_text("")
+    gguf_py = other / "convert" / "gguf-py" / "gguf"
+    shutil.copytree(conv.converter_dir() / "gguf-py" / "gguf", gguf_py)
+    constants = gguf_py / "constants.py"
+    constants.write_text(constants.read_text() + "\nGGUF_MAGIC_OF_ANOTHER_RELEASE = 1\n")
+    mismatch = conv.gguf_py_mismatch(other / "bin")
+    assert mismatch is not None and "constants.py" in mismatch
+    with pytest.raises(ToolMissing, match="not llama.cpp .*'s gguf-py"):
+        conv.load_converter(other / "bin")
