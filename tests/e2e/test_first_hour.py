@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urljoin
 
@@ -190,15 +191,18 @@ def test_the_log_has_no_plugin_chatter_nor_terminal_colours(service: ServiceProc
     assert "\x1b[" not in logs and "\\u001b" not in logs
 
 
-def _serve(data: Path, roots: list[Path]) -> tuple[subprocess.Popen[bytes], str]:
+@contextmanager
+def _serve(data: Path, roots: list[Path]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``modelprep serve`` on a free port, ready; killed on the way out if still running, so a
+    failed test leaves no service behind."""
     port = free_port()
     env = service_env(data, roots, None)
     data.mkdir(parents=True, exist_ok=True)
-    log = (data / "service.log").open("ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
-        env=env, cwd=data, stdout=log, stderr=subprocess.STDOUT,
-    )
+    with (data / "service.log").open("ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+            env=env, cwd=data, stdout=log, stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -208,8 +212,13 @@ def _serve(data: Path, roots: list[Path]) -> tuple[subprocess.Popen[bytes], str]
         except httpx.HTTPError:
             return False
 
-    eventually(ready, what="the service answers /readyz", timeout=120)
-    return process, url
+    try:
+        eventually(ready, what="the service answers /readyz", timeout=120)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def _stop_seconds(process: subprocess.Popen[bytes]) -> float:
@@ -222,11 +231,11 @@ def _stop_seconds(process: subprocess.Popen[bytes]) -> float:
 def test_sigterm_stops_an_idle_service_in_under_a_second(tmp_path: Path) -> None:
     """At once after it is ready (the job process server may still be importing torch) and
     once it has settled."""
-    process, _ = _serve(tmp_path / "a", [])
-    assert _stop_seconds(process) < 1.0
-    process, _ = _serve(tmp_path / "b", [])
-    time.sleep(3)
-    assert _stop_seconds(process) < 1.0
+    with _serve(tmp_path / "a", []) as (process, _):
+        assert _stop_seconds(process) < 1.0
+    with _serve(tmp_path / "b", []) as (process, _):
+        time.sleep(3)
+        assert _stop_seconds(process) < 1.0
 
 
 def test_sigterm_with_a_running_job_stops_it_and_a_restart_runs_it_again(
@@ -238,17 +247,17 @@ def test_sigterm_with_a_running_job_stops_it_and_a_restart_runs_it_again(
     source = http_server.add("/slow/model.safetensors",
                              Route(body=weights, bytes_per_second=40_000))
     data = tmp_path / "data"
-    process, url = _serve(data, [root])
-    job_id = httpx.post(f"{url}/v1/jobs", json={
-        "source": source, "exports": [{"format": "safetensors"}]}, timeout=30).json()["id"]
-    eventually(lambda: httpx.get(f"{url}/v1/jobs/{job_id}", timeout=5).json()["phase"]
-               == "download", what="the job runs (downloading)", timeout=180)
-    assert _stop_seconds(process) < 5.0
+    with _serve(data, [root]) as (process, url):
+        job_id = httpx.post(f"{url}/v1/jobs", json={
+            "source": source, "exports": [{"format": "safetensors"}]}, timeout=30).json()["id"]
+        eventually(lambda: httpx.get(f"{url}/v1/jobs/{job_id}", timeout=5).json()["phase"]
+                   == "download", what="the job runs (downloading)", timeout=180)
+        assert _stop_seconds(process) < 5.0
     leftovers = subprocess.run(["pgrep", "-f", f"modelprep-job-{job_id}"], capture_output=True,
                                text=True, check=False).stdout
     assert not leftovers.strip(), "the job's process outlived the service"
-    process, url = _serve(data, [root])
-    try:
+    with _serve(data, [root]) as (process, url):
+
         def ended() -> bool:
             job = httpx.get(f"{url}/v1/jobs/{job_id}", timeout=5).json()
             return bool(job["status"] in ("succeeded", "failed", "cancelled"))
@@ -256,6 +265,5 @@ def test_sigterm_with_a_running_job_stops_it_and_a_restart_runs_it_again(
         eventually(ended, what="the re-queued job ends", timeout=240)
         job = httpx.get(f"{url}/v1/jobs/{job_id}", timeout=5).json()
         assert job["status"] == "succeeded" and job["attempts"] == 2, job
-    finally:
         _stop_seconds(process)
     assert os.path.exists(data / "modelprep.db")
