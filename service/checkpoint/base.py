@@ -98,6 +98,9 @@ class Checkpoint:
     config: dict[str, Any] | None = None
     aux_files: list[Path] = field(default_factory=list)
     """config.json, generation_config.json, tokenizer files: carried over to exports."""
+    rewritten: list[Path] = field(default_factory=list)
+    """Entries of ``aux_files`` the job rewrote into its own work directory (config.json without
+    a handled ``quantization_config``): trusted although outside ``root``."""
     quantization: dict[str, Any] | None = None
     """How the readers handled config.json's ``quantization_config`` (dequantized, ignored as
     contradicted by the tensors), for the manifest; None for a plain float checkpoint. ``config``

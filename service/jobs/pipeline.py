@@ -352,6 +352,7 @@ def _present_config(checkpoint: Checkpoint, layout: JobLayout) -> None:
             presented.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_json(presented, checkpoint.config)
             checkpoint.aux_files[i] = presented
+            checkpoint.rewritten.append(presented)
 
 
 def _job_needs(needs: Needs, spec: JobSpec) -> Needs:

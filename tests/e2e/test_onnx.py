@@ -18,7 +18,7 @@ from tests.e2e.test_service import PROBLEM, download_all, submit
 from tests.fixtures.models import build_checkpoint, copy_tree
 from tests.fixtures.real_models import Variant, real_variant
 from tests.fixtures.service import ServiceProcess, running_service
-from tests.unit.exporters.test_onnx import _decode_in_ort, minilm_dir
+from tests.integration.exporters.test_onnx import _decode_in_ort, minilm_dir
 
 
 @pytest.fixture(scope="module")

@@ -499,12 +499,14 @@ def _io_spec(
 
 
 def copy_aux_files(checkpoint: Checkpoint, out_dir: Path) -> list[str]:
-    """Config and tokenizer files travel with the archive; only regular files inside the root."""
+    """Config and tokenizer files travel with the archive; only regular files inside the root
+    (or rewritten by the job: ``Checkpoint.rewritten``)."""
     root = checkpoint.root.resolve()
     copied = []
     for path in checkpoint.aux_files:
         src = path.resolve()
-        if not src.is_relative_to(root) or not src.is_file() or (out_dir / src.name).exists():
+        trusted = src.is_relative_to(root) or path in checkpoint.rewritten
+        if not trusted or not src.is_file() or (out_dir / src.name).exists():
             continue
         shutil.copyfile(src, out_dir / src.name)
         copied.append(src.name)

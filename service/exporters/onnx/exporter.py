@@ -39,6 +39,7 @@ Output directory::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import math
@@ -230,6 +231,11 @@ def export_onnx(
             timings["verify"] = time.monotonic()
             if spec.verify:
                 report = _verify(spec, task, weights.module, dtype, out_dir, work, ctx)
+                independent = inputs.independent
+                causal = task == "text-generation-with-past"
+                if causal and independent is not None and independent.chunks is not None:
+                    figures = _check_logits(independent, dtype, out_dir, work, ctx)
+                    report = dataclasses.replace(report, logits=figures)
             timings["end"] = time.monotonic()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -520,6 +526,16 @@ def _verify(
     )  # fmt: skip
     ctx.advance(1)
     return report
+
+
+def _check_logits(
+    reference: Any, dtype: torch.dtype, out_dir: Path, work: Path, ctx: JobContext
+) -> dict[str, Any]:
+    from service.exporters.onnx import verify as ver
+
+    return ver.check_logits(
+        out_dir / MODEL_NAME, dtype_name(dtype), reference, work / "verify", ctx.check_abort
+    )
 
 
 def _module_inputs(module: nn.Module) -> list[str]:

@@ -95,6 +95,28 @@ class AnonymousPeak:
             time.sleep(self._every)
 
 
+def run_chunks(session: Any, request: dict[str, np.ndarray]) -> np.ndarray:
+    """Each chunk of ``request["chunks"]`` run from an empty cache; the logits of positions
+    ``[first, last)`` of each, ``(n_chunk, last - first, vocab)``."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    first, last = int(request["first"]), int(request["last"])
+    found = []
+    for chunk in np.asarray(request["chunks"], dtype=np.int64):
+        feeds: dict[str, np.ndarray] = {
+            name: np.zeros((1, int(i.shape[1]), 0, int(i.shape[3])),
+                           dtype=_ORT_DTYPES.get(i.type, np.float32))
+            for name, i in inputs.items() if name.startswith("past_key_values.")
+        }  # fmt: skip
+        feeds["input_ids"] = np.ascontiguousarray(chunk[None])
+        if "attention_mask" in inputs:
+            feeds["attention_mask"] = np.ones((1, len(chunk)), dtype=np.int64)
+        if "position_ids" in inputs:
+            feeds["position_ids"] = np.arange(len(chunk), dtype=np.int64)[None]
+        (logits,) = session.run(["logits"], feeds)
+        found.append(np.asarray(logits, dtype=np.float32)[0, first:last])
+    return np.stack(found)
+
+
 def peak_rss_bytes() -> int:
     """This process's resident high-water mark since ``exec`` (``VmHWM``)."""
     with open("/proc/self/status", encoding="ascii") as status:
@@ -107,14 +129,21 @@ def peak_rss_bytes() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: exit status 2 and one line on stderr for a wrong invocation."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 4 or args[1] not in ("run", "decode"):
-        print("usage: ort_cli.py MODEL.onnx run|decode REQUEST.npz OUTPUTS.npz", file=sys.stderr)
+    if len(args) != 4 or args[1] not in ("run", "decode", "logits"):
+        print("usage: ort_cli.py MODEL.onnx run|decode|logits REQUEST.npz OUTPUTS.npz", file=sys.stderr)
         return 2
     model, command, request_path, outputs_path = Path(args[0]), args[1], args[2], args[3]
     anonymous = AnonymousPeak()
     session = open_session(model)
     with np.load(request_path) as bundle:
         request = {k: bundle[k] for k in bundle.files}
+    if command == "logits":
+        logits = run_chunks(session, request)
+        np.savez(
+            outputs_path, logits=logits, peak_rss_bytes=np.int64(peak_rss_bytes()),
+            peak_anon_bytes=np.int64(anonymous.peak),
+        )  # fmt: skip
+        return 0
     if command == "decode":
         logits = run_decode(session, request)
         np.savez(

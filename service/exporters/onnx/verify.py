@@ -27,6 +27,7 @@ import numpy as np
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import compare_outputs, ensure_fits, run_child
 from service.exporters.onnx import ort_cli
+from service.logits import LogitBounds, compare_logits, scored
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,6 +57,9 @@ class ParityReport:
     """The whole model in one onnxruntime session."""
     weights: str = "mapped"
     """How onnxruntime holds the weights: memory-mapped from the external data file."""
+    logits: dict[str, Any] | None = None
+    """onnxruntime's logits on the fixed text against the job's independent reference
+    (:func:`check_logits`), causal LMs with a tokenizer."""
 
     def summary(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,3 +194,47 @@ def verify_encoder(
             f"(tolerance {tol:.3g})"
         )
     return report
+
+
+LOGIT_BOUNDS: dict[str, LogitBounds] = {
+    "float32": LogitBounds(kl_mean=0.002, kl_p99=0.02, top1=0.97, ppl_ratio=1.02),
+    "float16": LogitBounds(kl_mean=0.005, kl_p99=0.05, top1=0.95, ppl_ratio=1.03),
+}
+"""Per export dtype, as the GGUF check's for f32/f16 (``gguf.llama_check.LOGIT_BOUNDS``)."""
+
+
+def check_logits(
+    model_path: Path,
+    dtype: str,
+    reference: Any,
+    work: Path,
+    check_abort: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """onnxruntime's logits on each chunk of the fixed text against transformers' (the job's
+    independent reference, :class:`service.checkpoint.independent.IndependentReference`): KL,
+    top-1, perplexity ratio (``service.logits``); VerificationFailed beyond the dtype's bounds."""
+    chunks = reference.chunks
+    window = scored(int(chunks.shape[1]))
+    request: dict[str, np.ndarray] = {
+        "chunks": np.asarray(chunks, dtype=np.int64),
+        "first": np.asarray(window.start, dtype=np.int64),
+        "last": np.asarray(window.stop, dtype=np.int64),
+    }
+    run = run_ort(model_path, "logits", request, work / "logits", check_abort)
+    found = run.outputs["logits"]
+
+    def placed(rows: np.ndarray) -> np.ndarray:
+        full = np.zeros((int(chunks.shape[1]), rows.shape[-1]), dtype=np.float32)
+        full[window] = rows
+        return full
+
+    figures = compare_logits(reference.chunk_logits(), [placed(r) for r in found], chunks)
+    bounds = LOGIT_BOUNDS.get(dtype, LOGIT_BOUNDS["float16"])
+    failed = bounds.violations(figures)
+    if failed:
+        raise VerificationFailed(
+            f"onnxruntime's run of the ONNX is too far from transformers' run of the source on "
+            f"the fixed text: {'; '.join(failed)}"
+        )
+    return {"reference": reference.summary()["implementation"], **figures.as_dict(),
+            "bounds": asdict(bounds)}  # fmt: skip

@@ -28,7 +28,7 @@ from service.jobs.spec import JobSpec
 from service.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
 from tests.fixtures.real_models import REAL_MODELS, real_model
-from tests.unit.exporters.test_nnef import _reference, scale_weight
+from tests.integration.exporters.test_nnef import _reference, scale_weight
 
 PROBES = {
     "ascii": "The quick brown fox jumps over the lazy dog. It was 3:45pm, 12% done.",

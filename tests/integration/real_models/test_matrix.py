@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from tests.fixtures.real_models import COVERING_VARIANTS, REAL_MODELS, Variant, real_variant
+from tests.integration.exporters.test_onnx import _decode_in_ort
 from tests.integration.real_models.test_consumers import (
     PROBES,
     assert_same_continuation,
@@ -39,7 +40,6 @@ from tests.integration.real_models.test_consumers import (
     llama_tokenize,
     run_job,
 )
-from tests.unit.exporters.test_onnx import _decode_in_ort
 
 LAYERS = 2
 NEW_TOKENS = 4
