@@ -5,8 +5,8 @@ llama.cpp's own converter, which evaluates each layer's expert stack whole.
                                        [--skip-upstream] [--json bench-moe-gguf.json]
 
 For each expert count, a synthetic float32 Mixtral checkpoint in the Hub's layout
-(``tests/fixtures/moe.py``: hidden 2048, intermediate 5632, vocabulary 32000, ``--layers``
-layers; the expert stack of one projection is ``experts x 5632 x 2048 x 4`` bytes: 369 MB at
+(``tests/fixtures/moe.py``: hidden 2048, intermediate 5632, SmolLM2's real 49152-token
+tokenizer, which llama.cpp's converter needs, ``--layers`` layers; the expert stack of one projection is ``experts x 5632 x 2048 x 4`` bytes: 369 MB at
 8 experts, 1.1 GB at 24), then, each in its own child measured by ``bench/measure.py``:
 
 * ``ours``: the GGUF exporter as a job runs it, f16, with the read-back (``verify`` on);
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 GIB = 1024**3
-HIDDEN, INTER, VOCAB = 2048, 5632, 32000
+HIDDEN, INTER, VOCAB = 2048, 5632, 49152
 
 
 def predicted(ckpt: Path) -> int:
@@ -54,16 +54,19 @@ def main() -> None:
     parser.add_argument("--skip-upstream", action="store_true")
     parser.add_argument("--json", type=Path, default=Path("bench-moe-gguf.json"))
     args = parser.parse_args()
-    from bench.export_gguf import run_measured, upstream_converter, warm
+    from bench.export_gguf import run_measured, smollm2_tokenizer, upstream_converter, warm
     from tests.fixtures.moe import write_mixtral
 
     work = Path(tempfile.mkdtemp(prefix="modelprep-moe-bench-", dir=args.dir))
     rows: list[dict[str, Any]] = []
     try:
         converter = None if args.skip_upstream else upstream_converter(work)
+        smollm2_tokenizer(work / "tokenizer")
         for experts in (int(x) for x in args.experts.split(",")):
             ckpt = work / f"mixtral-{experts}"
             summary = write_mixtral(ckpt, args.layers, experts, HIDDEN, INTER, VOCAB)
+            for f in (work / "tokenizer").iterdir():
+                shutil.copy(f, ckpt / f.name)
             row: dict[str, Any] = {**summary, "predicted_peak": predicted(ckpt)}
             out = work / f"ours-{experts}"
             warm(ckpt)
