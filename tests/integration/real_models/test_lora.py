@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -20,16 +22,26 @@ from service.api.app import create_app
 from service.checkpoint import open_checkpoint
 from service.checkpoint.lora import LoraMergeReader, open_adapter
 from service.config import Settings
+from service.exporters.gguf.llama_check import PPL_CTX, PPL_TEXT
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import _identify, run_pipeline
 from service.jobs.spec import JobSpec
+from service.logits import LogitBounds, chunk_tokens, write_llama_base_logits
 from service.sources import SourceRequest
 from service.stage import InMemoryContext
 from tests.fixtures.lora import peft_adapter, peft_merged
 from tests.fixtures.real_models import Variant, real_variant
+from tests.integration.real_models.test_quantized import (
+    FloatReference,
+    assert_within,
+    llama_figures,
+)
 
 LAYERS = 2
 PROMPT = "The capital of France is"
+MERGED_GGUF_BOUNDS = LogitBounds(kl_mean=0.002, kl_p99=0.02, top1=0.97, ppl_ratio=1.05)
+"""f16 GGUF of the merged model against PEFT's merged model in float32: only f16 and bfloat16
+rounding separate them (the bounds of an unquantized export in test_quantized.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -74,34 +86,70 @@ def test_each_merged_weight_equals_peft_merge_and_unload(
         assert torch.equal(reader.read(untouched), checkpoint.reader.read(untouched))
 
 
-def test_a_safetensors_export_of_a_merged_job_reloads_with_peft_merged_logits(
-    base: Path, adapters: Path, tmp_path: Path
-) -> None:
-    settings = Settings(data_dir=tmp_path / "data", local_roots=[base.parent, adapters])
+@pytest.fixture(scope="module")
+def merged_job(base: Path, adapters: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real job (offload, PEFT as the independent reference, each exporter's own check) of
+    the base with the ``patterned`` adapter, as safetensors and f16 GGUF; its artifacts."""
+    tmp = tmp_path_factory.mktemp("merged-job")
+    settings = Settings(data_dir=tmp / "data", local_roots=[base.parent, adapters])
     layout = JobLayout.for_job(settings, "a" * 32)
     layout.prepare()
     ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="a" * 32)
     spec = JobSpec.model_validate({
         "source": base.as_uri(), "adapter": (adapters / "patterned").as_uri(),
-        "exports": [{"format": "safetensors"}],
+        "exports": [{"format": "safetensors"}, {"format": "gguf", "type": "f16"}],
     })  # fmt: skip
     run_pipeline(spec, ctx, layout)
-    manifest = json.loads((layout.artifacts / "manifest.json").read_text())
+    return layout.artifacts
+
+
+def test_the_merged_job_records_the_adapter_and_peft_agrees_with_its_model(
+    merged_job: Path, adapters: Path
+) -> None:
+    manifest = json.loads((merged_job / "manifest.json").read_text())
     assert manifest["source"]["adapter"]["uri"] == (adapters / "patterned").as_uri()
     assert manifest["model"]["reference"]["job_model_agreement"]["passed"]
-    assert not (layout.artifacts / "safetensors" / "adapter_config.json").exists()
+    assert not (merged_job / "safetensors" / "adapter_config.json").exists()
 
+
+def test_a_safetensors_export_of_a_merged_job_reloads_with_peft_merged_logits(
+    base: Path, adapters: Path, merged_job: Path
+) -> None:
     ids = AutoTokenizer.from_pretrained(base)(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         want = peft_merged(base, adapters / "patterned", torch.bfloat16).float()(ids).logits
         exported = AutoModelForCausalLM.from_pretrained(
-            layout.artifacts / "safetensors", dtype=torch.float32
+            merged_job / "safetensors", dtype=torch.float32
         )
         got = exported(ids).logits
         unmerged = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(ids).logits
     scale = want.abs().max()
     assert (got - want).abs().max() / scale < 1e-2
     assert (unmerged - want).abs().max() / scale > 0.1, "the adapter changes nothing visible"
+
+
+def _reference(model: Any, chunks: np.ndarray, out: Path) -> FloatReference:
+    with torch.no_grad():
+        logits = [
+            model(torch.from_numpy(c[None].astype(np.int64))).logits[0].numpy() for c in chunks
+        ]
+    write_llama_base_logits(out, chunks, int(model.config.vocab_size), logits)
+    return FloatReference(chunks, logits, out)
+
+
+def test_llama_cpp_runs_the_merged_gguf_like_peft_merged_model(
+    base: Path, adapters: Path, merged_job: Path, tmp_path: Path
+) -> None:
+    ids = AutoTokenizer.from_pretrained(base)(PPL_TEXT, add_special_tokens=False)["input_ids"]
+    chunks = chunk_tokens(ids, PPL_CTX)  # SmolLM2's GGUF adds no BOS
+    merged = _reference(peft_merged(base, adapters / "patterned"), chunks, tmp_path / "m.logits")
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    unmerged = _reference(plain, chunks, tmp_path / "u.logits")
+    gguf = next((merged_job / "gguf").glob("*.gguf"))
+    against_peft, against_base = llama_figures(gguf, merged), llama_figures(gguf, unmerged)
+    # 2 layers put perplexity below llama.cpp's floor: its ratio says nothing (test_quantized).
+    assert_within(against_peft, MERGED_GGUF_BOUNDS, "merged f16 GGUF against PEFT", ppl=False)
+    assert against_base.kl_mean > 10 * against_peft.kl_mean, (against_base, against_peft)
 
 
 def test_an_adapter_trained_on_another_base_is_refused_at_submission_naming_the_module(
