@@ -1,0 +1,202 @@
+"""A real ``modelprep serve`` inside a memory cgroup, as a container or a pod runs it.
+
+The checkpoint is a Llama-shaped float32 more than twice the cgroup's limit (SmolLM2's real
+tokenizer, random weights written one chunk at a time, so this test never holds it either). The
+service reads the limit it lives under, keeps its own share and gives each job the rest, in a
+memory cgroup of the job's own. Every export, verify on, goes through: separately and all in
+one job. Each either succeeds with its consumer's check in the manifest, figures included, or
+is refused at submission naming the numbers; a job that asks for more than its budget fails
+typed (``memory_budget_exceeded``), never through the container's OOM killer. Meanwhile the API
+answers every poll in under a second, and the service's cgroup never runs into its own limit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.cgroups import MemoryCgroup, memory_cgroup
+from tests.fixtures.service import Poller, ServiceProcess, running_service
+
+GiB = 2**30
+MiB = 2**20
+LIMIT = 1280 * MiB
+"""The service's cgroup: API share 512 MiB, so one worker's job gets 768 MiB."""
+HIDDEN, INTERMEDIATE, LAYERS = 1536, 4096, 19
+"""float32 with SmolLM2's 49152-token vocabulary: 2 x 302 MB of embedding and head, 19 layers
+of 113 MB: 2.76 GB, twice LIMIT."""
+
+REFUSALS = ("verification_too_large", "plan_does_not_fit")
+"""What a job its budget cannot hold is refused with at submission: a consumer's check too big
+(tract), or the job's plan over the budget."""
+
+EXPORTS: dict[str, dict[str, Any]] = {
+    "safetensors": {"format": "safetensors", "dtype": "bfloat16"},
+    "gguf-q8_0": {"format": "gguf", "type": "q8_0"},
+    "gguf-Q4_K_M": {"format": "gguf", "type": "Q4_K_M"},
+    "onnx": {"format": "onnx"},
+    "nnef": {"format": "nnef"},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from bench.export_gguf import smollm2_tokenizer
+    from bench.synth_checkpoint import write_checkpoint
+
+    root = tmp_path_factory.mktemp("models")
+    out = root / "llama-2x"
+    write_checkpoint(out, LAYERS, HIDDEN, INTERMEDIATE, vocab=49152)
+    smollm2_tokenizer(root / "tokenizer")
+    for f in (root / "tokenizer").iterdir():
+        shutil.copy(f, out / f.name)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert size >= 2 * LIMIT, f"checkpoint of {size} bytes is not twice the {LIMIT} limit"
+    return out
+
+
+@pytest.fixture(scope="module")
+def cgroup() -> Iterator[MemoryCgroup]:
+    with memory_cgroup(LIMIT) as cg:
+        yield cg
+
+
+@pytest.fixture(scope="module")
+def service(
+    checkpoint: Path, cgroup: MemoryCgroup, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    env = {"MODELPREP_WORKERS": "1"}
+    with running_service(
+        tmp_path_factory.mktemp("data"), [checkpoint.parent], env=env, cgroup=cgroup.path
+    ) as svc:
+        yield svc
+
+
+def _manifest(service: ServiceProcess, job: dict[str, Any]) -> dict[str, Any]:
+    with service.client() as client:
+        answer = client.get(f"/v1/jobs/{job['id']}/artifacts/manifest.json")
+        answer.raise_for_status()
+        manifest: dict[str, Any] = answer.json()
+        return manifest
+
+
+def _consumer_check(export: dict[str, Any]) -> dict[str, Any]:
+    """The figures of the consumer's check an export's manifest entry records."""
+    checks = {k: v for k, v in export.items() if k in ("verify", "verification", "llama_cpp")}
+    assert checks, f"no consumer check recorded for {export['format']}: {sorted(export)}"
+    return checks
+
+
+def _run(service: ServiceProcess, poller: Poller, checkpoint: Path,
+         exports: list[dict[str, Any]], extra: dict[str, Any] | None = None,
+         ) -> dict[str, Any]:  # fmt: skip
+    """Submit one job; its finished JSON, or the problem+json of a refusal at submission."""
+    body = {"source": checkpoint.as_uri(), "exports": exports, **(extra or {})}
+    with service.client() as client:
+        answer = client.post("/v1/jobs", json=body)
+    if answer.status_code == 422:
+        problem: dict[str, Any] = answer.json()
+        assert problem["type"].endswith(REFUSALS), problem
+        assert "GiB" in problem["detail"], problem  # the numbers are named
+        return {"refused": problem}
+    assert answer.status_code == 202, answer.text
+    job = answer.json()
+    poller.jobs.append(job["id"])
+    done = service.wait_for(job["id"], timeout=1500)
+    poller.jobs.remove(job["id"])
+    return done
+
+
+@pytest.mark.timeout(1800)
+def test_every_export_of_a_checkpoint_twice_the_limit_fits_its_job_budget_and_polls_stay_fast(
+    service: ServiceProcess, cgroup: MemoryCgroup, checkpoint: Path
+) -> None:
+    with service.client() as client:
+        ready = client.get("/readyz").json()
+    memory = ready["memory"]
+    assert memory["limit_bytes"] == LIMIT
+    assert memory["limit_source"] == f"cgroup{cgroup.version}:{cgroup.path}"
+    assert memory["job_budget_bytes"] == LIMIT - memory["api_share_bytes"]
+
+    outcomes: dict[str, dict[str, Any]] = {}
+    with Poller(service) as poller:
+        for label, export in EXPORTS.items():
+            outcomes[label] = _run(service, poller, checkpoint, [export])
+        # One job with every export its budget holds (what was refused alone stays refused).
+        accepted = [EXPORTS[label] for label, done in outcomes.items() if "refused" not in done]
+        outcomes["all-in-one"] = _run(service, poller, checkpoint, accepted)
+    report = {label: {k: done.get(k) for k in ("status", "error", "metrics")}
+              for label, done in outcomes.items()}  # fmt: skip
+    print(json.dumps(report, indent=1))
+
+    assert "refused" not in outcomes["gguf-q8_0"]  # llama.cpp maps the file: it always fits
+    for label, done in outcomes.items():
+        if "refused" in done:
+            continue
+        assert done["status"] == "succeeded", (label, done["error"], service.logs()[-3000:])
+        manifest = _manifest(service, done)
+        figures = manifest["memory"]
+        assert figures["limit_bytes"] == LIMIT
+        assert figures["job_budget_bytes"] == memory["job_budget_bytes"]
+        assert figures["confinement"] == f"cgroup{cgroup.version}"
+        assert all("peak_rss_bytes" in phase for phase in figures["phases"]), figures
+        for export in manifest["exports"]:
+            check = _consumer_check(export)
+            if export["format"] == "onnx":  # onnxruntime ran with its weights memory-mapped
+                assert check["verify"]["weights"] == "mapped", check
+                assert check["verify"]["ort_peak_anon_bytes"] < memory["job_budget_bytes"] / 2
+        # the job cgroup's charge, page cache and children included, within the budget
+        cgroup_peaks = [phase.get("cgroup_peak_bytes") or 0 for phase in figures["phases"]]
+        assert max(cgroup_peaks) <= memory["job_budget_bytes"], figures
+
+    assert not poller.failures, poller.failures[:5]
+    path, slowest = poller.slowest()
+    assert slowest < 1.0, f"{path} took {slowest:.2f} s"
+    assert cgroup.oom_kills() == 0
+    assert cgroup.children() == [], "a job's memory cgroup outlived its job"
+
+
+@pytest.mark.timeout(600)
+def test_a_job_asking_for_more_than_its_budget_fails_typed_and_the_api_keeps_answering(
+    service: ServiceProcess, cgroup: MemoryCgroup, checkpoint: Path
+) -> None:
+    # Verifying a safetensors export with every weight kept in RAM ("max_memory" beyond the
+    # job's budget) fills the job's cgroup: the job is stopped, the service is not.
+    with Poller(service) as poller:
+        done = _run(service, poller, checkpoint, [{"format": "safetensors"}],
+                    {"max_memory": "8GiB"})  # fmt: skip
+    if "refused" not in done:  # else its plan already said it would not fit, numbers named
+        assert done["status"] == "failed"
+        assert done["error"]["type"] == "memory_budget_exceeded", done["error"]
+        assert "GiB" in done["error"]["message"]
+    path, slowest = poller.slowest()
+    assert slowest < 1.0, f"{path} took {slowest:.2f} s"
+    assert cgroup.oom_kills() == 0
+    with service.client() as client:
+        assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.timeout(600)
+def test_without_a_cgroup_the_pool_accounts_for_a_jobs_memory_and_stops_it_typed(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    # A limit given as a setting (no cgroup to live under, none to make): the pool sums the
+    # private resident bytes of the job's process group instead.
+    env = {"MODELPREP_WORKERS": "1", "MODELPREP_MEMORY_LIMIT": str(LIMIT)}
+    with running_service(tmp_path / "data", [checkpoint.parent], env=env) as service:
+        with service.client() as client:
+            assert client.get("/readyz").json()["memory"]["limit_source"] == (
+                "MODELPREP_MEMORY_LIMIT"
+            )
+        with Poller(service) as poller:
+            done = _run(service, poller, checkpoint, [{"format": "safetensors"}],
+                        {"max_memory": "8GiB"})  # fmt: skip
+    if "refused" not in done:  # else its plan already said it would not fit, numbers named
+        assert done["status"] == "failed"
+        assert done["error"]["type"] == "memory_budget_exceeded", done["error"]
+        assert "its processes held" in done["error"]["message"]
