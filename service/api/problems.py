@@ -43,6 +43,10 @@ FIXES: dict[str, str] = {
     "(curl: `-H 'content-type: application/json'`; without it curl sends a form).",
     "unsupported_dtype": "Pick a dtype the format lists (safetensors: `float32`, `float16`, "
     "`bfloat16`, also spelled `f32`, `f16`, `bf16`).",
+    "unsupported_quantization": "The detail names the quantization method (or the tensor "
+    "whose dtype says it is quantized). Block-scaled FP8 (`quant_method: fp8`) is read; for "
+    "GPTQ, AWQ, bitsandbytes or compressed-tensors, submit the float checkpoint it was made from "
+    "(or dequantize it with transformers and save it).",
     "unsupported_export": "Pick a format and options the detail lists; GGUF takes the "
     "architectures llama.cpp's converter knows, ONNX causal LMs and encoders.",
     "missing_tokenizer": "GGUF types that llama.cpp must run to check or quantize (the K-quants "
