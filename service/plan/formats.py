@@ -69,6 +69,13 @@ NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
 """torch-to-nnef's trace of the meta copy, per layer (MiniLM 570 MiB for 6 layers,
 SmolLM2 1043 MiB for 30, with twice the largest float32 tensor)."""
 
+REFERENCE_BASE_BYTES = 64 * MiB
+REFERENCE_WEIGHT_FACTOR = 1.7
+"""A verified GGUF of a causal LM is run by llama.cpp against the job's independent reference:
+transformers' model of the source, loaded whole in float32, run on the fixed text (its logits
+kept per chunk): SmolLM2 q8_0 and Q4_K_M jobs peak at 1278 and 1241 MiB for 513 MiB of float32
+weights."""
+
 SAFETENSORS_VERIFY_FACTOR = 2.1
 """A verified safetensors export runs the source, then the export, through transformers in
 float32, the weights resident within ``max_memory``: both at the peak, and the outputs
@@ -118,6 +125,14 @@ def _export_dtype_bytes(headers: CheckpointHeaders, asked: str | None) -> int:
     if asked is not None:
         return {"float32": 4, "float16": 2, "bfloat16": 2}[asked]
     return 2 if headers.source_dtype == "F16" else 4
+
+
+def _causal_lm_with_tokenizer(headers: CheckpointHeaders) -> bool:
+    """Whether the job computes the independent reference for a verified GGUF: a causal LM
+    whose tokenizer can tokenize the fixed text."""
+    names = (headers.config or {}).get("architectures") or []
+    causal = any(str(n).endswith(("ForCausalLM", "LMHeadModel")) for n in names)
+    return causal and any(f in headers.files for f in ("tokenizer.json", "tokenizer.model"))
 
 
 def _ties(headers: CheckpointHeaders) -> int:
@@ -207,10 +222,20 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
     blocks = GGUF_BLOCKS.get(written, 3.6) - (0 if spec.verify else GGUF_READ_BACK_BLOCKS)
     transformed = _transformed(headers)
     job = int(JOB_BASE_BYTES + GGUF_BASE_BYTES + chunk * blocks + transformed)
+    if spec.verify and _causal_lm_with_tokenizer(headers):
+        reference = int(REFERENCE_WEIGHT_FACTOR * _floating_elements(headers) * 4)
+        job = max(job, JOB_BASE_BYTES + REFERENCE_BASE_BYTES + reference)
+        notes_reference = (
+            f"the independent reference (transformers, float32, whole): base + 64 MiB + "
+            f"{REFERENCE_WEIGHT_FACTOR} x float32 weights ({reference >> 20} MiB)"
+        )
+    else:
+        notes_reference = ""
     notes = [
         (f"job: B {JOB_BASE_BYTES >> 20} MiB + G {GGUF_BASE_BYTES >> 20} MiB + {blocks} x C "
         f"{chunk >> 20} MiB + T {transformed >> 20} MiB (the largest tensor the converter "
-        "evaluates whole; MoE experts stream)")
+        "evaluates whole; MoE experts stream)"),
+        *([notes_reference] if notes_reference else []),
     ]
     artifact = _gguf_bytes(headers, type_name)
     children: list[ChildPlan] = []
