@@ -123,7 +123,9 @@ def independent_reference(
     if adapter_dir is not None:
         model = _merged_with_peft(model, adapter_dir)
     if whole:
-        model = model.float()
+        # nn.Module's own cast: transformers' refuses a model it calls quantized (a config
+        # naming a method over float weights is), though every weight here is a float tensor.
+        model = torch.nn.Module.float(model)
     model.eval()
     chunks = text_chunks(source_dir, text) if causal else None
     logits_dir = work / "reference-logits"
