@@ -1,4 +1,5 @@
-"""deploy/grafana/modelprep-dashboard.json: well-formed, and it charts every metric the README lists.
+"""deploy/grafana/modelprep-dashboard.json: well-formed, and it charts every metric the metrics table
+of docs/deployment.md lists.
 
 That a query's metric is really exported by a running service is checked against a live scrape
 in tests/e2e/test_ui.py (test_the_dashboard_queries_only_metrics_the_service_exports)."""
@@ -31,11 +32,11 @@ def dashboard_metrics(dashboard: dict[str, Any]) -> set[str]:
     }
 
 
-def readme_metrics() -> set[str]:
-    """The names in the README's metrics table: `a_{x,y}_b` expands to two names, a trailing
+def documented_metrics() -> set[str]:
+    """The names in the metrics table of docs/deployment.md: `a_{x,y}_b` expands to two names, a trailing
     `{label,...}` is a label list."""
     names: set[str] = set()
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "deployment.md").read_text().splitlines():
         if not line.startswith("| `modelprep_"):
             continue
         cell = line.split("|")[1]
@@ -63,8 +64,8 @@ def test_dashboard_is_an_importable_grafana_dashboard() -> None:
 
 
 def test_dashboard_charts_every_metric_the_readme_lists() -> None:
-    listed = readme_metrics()
-    assert len(listed) >= 14, f"README metrics table not found or changed shape: {listed}"
+    listed = documented_metrics()
+    assert len(listed) >= 14, f"docs/deployment.md metrics table not found or changed shape: {listed}"
     charted = {re.sub(r"_(bucket|count|sum)$", "", m) for m in dashboard_metrics(load_dashboard())}
     missing = sorted(m for m in listed if m not in charted)
-    assert not missing, f"README metrics with no dashboard panel: {missing}"
+    assert not missing, f"documented metrics with no dashboard panel: {missing}"
