@@ -63,7 +63,7 @@ def test_dashboard_is_an_importable_grafana_dashboard() -> None:
             assert METRIC.search(expr), f"query names no modelprep metric: {expr}"
 
 
-def test_dashboard_charts_every_metric_the_readme_lists() -> None:
+def test_dashboard_charts_every_metric_the_deployment_docs_list() -> None:
     listed = documented_metrics()
     assert len(listed) >= 14, f"docs/deployment.md metrics table not found or changed shape: {listed}"
     charted = {re.sub(r"_(bucket|count|sum)$", "", m) for m in dashboard_metrics(load_dashboard())}
