@@ -149,7 +149,7 @@ def measure_modelprep(ckpt: Path, base: Path, verify: bool) -> dict[str, Any]:
 
 
 def measure_optimum(ckpt: Path, base: Path, venv: Path, ours: dict[str, Any]) -> dict[str, Any]:
-    from service.exporters.nnef.exporter import prompt_ids
+    from service.exporters.common.reference import prompt_ids
 
     out = base / "optimum"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TMPDIR=str(base))

@@ -75,8 +75,9 @@ class ExportInputs:
     store: Any | None = None
     """The job's offload store (:class:`service.offload.store.OffloadStore`), when opened."""
     reference: Any | None = None
-    """The source model's outputs (float32 tensor) on :func:`service.exporters.common.parity.fixed_input_ids`,
-    computed once when an export's :class:`Needs` asks for it and the model could be built."""
+    """The source model's outputs (float32 tensor) on
+    :func:`service.exporters.common.reference.fixed_input_ids`, computed once when an export's
+    :class:`Needs` asks for it and the model could be built."""
     independent: Any | None = None
     """The source as transformers' own ``from_pretrained`` computes it
     (:class:`service.checkpoint.independent.IndependentReference`: outputs on the fixed input,

@@ -522,7 +522,7 @@ def _independent_reference(
     import gc
 
     from service.checkpoint.independent import independent_reference
-    from service.exporters.common.parity import fixed_input_ids
+    from service.exporters.common.reference import fixed_input_ids
     from service.libc import malloc_trim
     from service.logits import FIXED_TEXT
     from service.units import parse_size
@@ -542,9 +542,9 @@ def _check_agreement(reference: IndependentReference, ours: Any, ctx: JobContext
     """The job's reader and offloaded model must compute what transformers computes on the
     fixed input (:data:`REFERENCE_AGREEMENT`), or the job fails before any artifact is judged.
     The manifest's ``model.reference`` says which implementation, how it ran, how close."""
-    from service.exporters.common.parity import compare_outputs
+    from service.exporters.common.parity import relative_agreement
 
-    agreement = compare_outputs(reference.outputs, ours, REFERENCE_AGREEMENT[reference.mode])
+    agreement = relative_agreement(reference.outputs, ours, REFERENCE_AGREEMENT[reference.mode])
     ctx.set_detail("model", {
         **ctx.details.get("model", {}),
         "reference": {**reference.summary(), "job_model_agreement": agreement},
@@ -558,7 +558,7 @@ def _check_agreement(reference: IndependentReference, ours: Any, ctx: JobContext
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
-    from service.exporters.common.parity import fixed_input_ids
+    from service.exporters.common.reference import fixed_input_ids
     from service.offload.streaming import streamed_forward
 
     vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)

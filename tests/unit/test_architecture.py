@@ -1,7 +1,8 @@
 """The dependency rule of ARCHITECTURE.md, checked by import-linter's contracts in pyproject.toml.
 
-The first test runs the contracts on the service; the second proves they bite, on a throwaway
-package laid out like the service whose exporter imports the orchestrator.
+The first test runs the contracts on the service; the others prove they bite, on throwaway
+packages laid out like the service: one whose exporter imports the orchestrator, one whose
+export format imports another format.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,23 +36,30 @@ def _lint(config: Path, cwd: Path, pythonpath: Path) -> subprocess.CompletedProc
 def test_stages_import_neither_the_orchestrator_nor_the_http_layer() -> None:
     result = _lint(ROOT / "pyproject.toml", ROOT, ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout, result.stdout
+    assert "4 kept, 0 broken" in result.stdout, result.stdout
+
+
+def _fake_service(root: Path, layout: dict[str, str]) -> None:
+    for rel, text in layout.items():
+        (root / "fakesvc" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "fakesvc" / rel).write_text(text)
+
+
+def _contract(contract_id: str) -> dict[str, Any]:
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    found: dict[str, Any] = next(c for c in contracts["contracts"] if c["id"] == contract_id)
+    return found
 
 
 def test_contracts_fail_when_an_exporter_imports_the_orchestrator(tmp_path: Path) -> None:
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    pkg = tmp_path / "fakesvc"
-    layout = {
+    _fake_service(tmp_path, {
         "__init__.py": "",
         "exporters/__init__.py": "",
         "exporters/gguf.py": "from fakesvc.jobs import pipeline\n",  # the violation
         "jobs/__init__.py": "",
         "jobs/pipeline.py": "from fakesvc.exporters import gguf\n",
-    }
-    for rel, text in layout.items():
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_text(text)
-    stage_contract = next(c for c in contracts["contracts"] if c["id"] == "stages")
+    })  # fmt: skip
+    stage_contract = _contract("stages")
     ini = [
         "[importlinter]",
         "root_package = fakesvc",
@@ -67,3 +76,38 @@ def test_contracts_fail_when_an_exporter_imports_the_orchestrator(tmp_path: Path
     result = _lint(config, tmp_path, tmp_path)
     assert result.returncode != 0, result.stdout
     assert "fakesvc.exporters.gguf -> fakesvc.jobs.pipeline" in result.stdout, result.stdout
+
+
+def test_contracts_fail_when_a_format_imports_another_format(tmp_path: Path) -> None:
+    _fake_service(tmp_path, {
+        "__init__.py": "",
+        "exporters/__init__.py": "",
+        "exporters/common/__init__.py": "",
+        "exporters/common/reference.py": "",
+        "exporters/nnef/__init__.py": "",
+        "exporters/nnef/exporter.py": "from fakesvc.exporters.common import reference\n",
+        "exporters/onnx/__init__.py": "",
+        "exporters/onnx/exporter.py": "from fakesvc.exporters.nnef import exporter\n",  # the violation
+    })  # fmt: skip
+    formats = _contract("formats")
+    assert formats["type"] == "independence"
+    assert {"service.exporters.nnef", "service.exporters.onnx"} <= set(formats["modules"])
+    fake = [m.replace("service.", "fakesvc.") for m in formats["modules"]]
+    _fake_service(tmp_path, {
+        m.removeprefix("fakesvc.").replace(".", "/") + "/__init__.py": "" for m in fake
+    })  # fmt: skip
+    config = tmp_path / ".importlinter"
+    config.write_text("\n".join([
+        "[importlinter]",
+        "root_package = fakesvc",
+        "[importlinter:contract:formats]",
+        f"name = {formats['name']}",
+        "type = independence",
+        "modules =",
+        *(f"    {m}" for m in fake),
+    ]) + "\n")  # fmt: skip
+    result = _lint(config, tmp_path, tmp_path)
+    assert result.returncode != 0, result.stdout
+    assert "fakesvc.exporters.onnx.exporter -> fakesvc.exporters.nnef.exporter" in result.stdout, (
+        result.stdout
+    )

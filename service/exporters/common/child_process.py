@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,36 @@ def run_child(
     return int(usage.ru_maxrss) * 1024
 
 
+@dataclass(frozen=True)
+class ChildRun:
+    outputs: dict[str, np.ndarray]
+    peak_rss_bytes: int
+
+
+def run_npz_child(
+    argv: Callable[[Path, Path], Sequence[str]],
+    request: dict[str, np.ndarray],
+    work: Path,
+    what: str,
+    check_abort: Callable[[], None] | None = None,
+    env: dict[str, str] | None = None,
+) -> ChildRun:
+    """Run a runtime that reads its inputs from an npz file and writes its outputs to another.
+
+    ``argv(request_path, outputs_path)`` is the command line. The peak RSS is the child's own
+    ``peak_rss_bytes`` output when it writes one (a child that can tell its own ``VmHWM``), else
+    what :func:`run_child` reads from ``wait4``."""
+    work.mkdir(parents=True, exist_ok=True)
+    request_path, outputs_path = work / "request.npz", work / "outputs.npz"
+    np.savez(request_path, **request)  # type: ignore[arg-type]
+    peak = run_child(argv(request_path, outputs_path), work, what, check_abort, env=env)
+    with np.load(outputs_path) as bundle:
+        outputs = {k: bundle[k] for k in bundle.files}
+    if "peak_rss_bytes" in outputs:
+        peak = int(outputs.pop("peak_rss_bytes"))
+    return ChildRun(outputs, peak)
+
+
 def memory_limit(setting: str | None) -> int:
     """Bytes a verifier child may take: the setting, else 90% of what the machine has now."""
     if setting is not None:
@@ -95,26 +126,3 @@ def ensure_fits(runtime: str, need: int, setting: str | None, setting_name: str)
             f"every weight), more than the {limit / 2**30:.1f} GiB this worker allows "
             f'({setting_name}); export with "verify": false, or on a bigger worker'
         )
-
-
-def compare_outputs(
-    runtime: str,
-    found: list[np.ndarray],
-    expected: list[np.ndarray],
-    atol: float,
-    rtol: float,
-) -> tuple[float, float, float]:
-    """(max abs error, max |reference|, tolerance ``atol + rtol * max|reference|``) of a
-    runtime's outputs against PyTorch's; :class:`VerificationFailed` on a shape mismatch or a
-    non-finite value (which no tolerance can judge)."""
-    err = 0.0
-    ref = 0.0
-    for f, e in zip(found, expected, strict=True):
-        if f.shape != e.shape:
-            raise VerificationFailed(f"{runtime} output shape {f.shape} != PyTorch {e.shape}")
-        if not np.all(np.isfinite(f)):
-            raise VerificationFailed(f"{runtime} produced non-finite values")
-        diff = np.abs(f.astype(np.float64) - e.astype(np.float64))
-        err = max(err, float(diff.max(initial=0.0)))
-        ref = max(ref, float(np.abs(e).max(initial=0.0)))
-    return err, ref, atol + rtol * ref

@@ -21,6 +21,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -32,9 +34,11 @@ from torch_to_nnef.tensor.updater import ModTensorUpdater
 from service.adapters.torch_to_nnef import CheckpointTensor, ReloadHook, TensorSource
 from service.checkpoint.base import Checkpoint, WeightReader
 from service.errors import CheckpointError, NoModelConfig, UnsupportedExport
+from service.exporters.common.families import is_causal_lm
 
 if TYPE_CHECKING:
     from service.offload.store import OffloadStore
+    from service.stage import JobContext
 
 LOGGER = logging.getLogger(__name__)
 
@@ -50,6 +54,37 @@ class OffloadedModel:
     weight_bytes: int
 
 
+def read_hook(ctx: JobContext, metric: str) -> Callable[[int], None]:
+    """Called after each weight is read: progress, cancellation, the ``metric`` of bytes read,
+    and the freed heap handed back (earlier reloads were written and freed by now)."""
+    from service.heap import HeapTrimmer
+
+    trim = HeapTrimmer()
+
+    def on_read(nbytes: int) -> None:
+        ctx.check_abort()
+        ctx.advance(nbytes)
+        ctx.add_metric(metric, nbytes)
+        trim(nbytes)
+
+    return on_read
+
+
+@contextmanager
+def page_cache_kept(reader: Any) -> Iterator[None]:
+    """Tracing, writing and verifying read every weight several times: keep those reads in the
+    page cache (reclaimable, not process memory) instead of the reader's single-pass eviction
+    (a reader that drops pages after each read stops doing so for the duration)."""
+    drop_page_cache = getattr(reader, "drop_page_cache", None)
+    if isinstance(drop_page_cache, bool):
+        reader.drop_page_cache = False
+    try:
+        yield
+    finally:
+        if isinstance(drop_page_cache, bool):
+            reader.drop_page_cache = drop_page_cache
+
+
 def export_dtype(checkpoint: Checkpoint) -> torch.dtype:
     """float16 stays float16; float32 and bfloat16 (poorly supported by tract on CPU) -> float32."""
     floats = [i for i in checkpoint.reader.tensor_infos() if i.dtype.is_floating_point]
@@ -59,13 +94,8 @@ def export_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 
 def model_kind(config: dict[str, Any]) -> ModelKind:
-    """Causal LMs go through torch-to-nnef's LLM exporter (KV cache I/O), the rest as encoders."""
-    architectures = config.get("architectures") or []
-    if any(
-        isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures
-    ):
-        return "causal_lm"
-    return "encoder"
+    """Causal LMs are exported with their KV cache I/O, the rest as encoders."""
+    return "causal_lm" if is_causal_lm(config) else "encoder"
 
 
 def offloaded_model(

@@ -1,216 +1,200 @@
-"""Numerical parity of an export against its source, with bounded memory.
+"""How an export's outputs are judged against the source's: one tolerance table, one comparison,
+one report.
 
-Both sides run the same way: built on meta, dispatched to an offload store within a RAM budget,
-forward streamed module by module, on one fixed input, computing in float32. The figure kept is
-the largest absolute difference of the outputs (logits, or the last hidden state), and that
-difference relative to the largest reference magnitude; beyond the export dtype's tolerance the
-job fails with :class:`VerificationFailed`.
-
-Reusable pieces for other formats: :func:`fixed_input_ids`, :func:`reference_outputs` (the
-source's outputs) and :func:`compare_outputs`.
+Every format is checked by running the written files and comparing their outputs with PyTorch's
+on the source weights: safetensors by transformers again
+(:mod:`service.exporters.safetensors.verify`), NNEF by tract and ONNX by onnxruntime, each in a
+child process. The figure is the largest
+absolute difference over every compared output, accepted up to ``atol + rtol * max|reference|``
+(:class:`Tolerance`), the bound depending on who runs the export (:data:`TOLERANCES`).
 """
 
 from __future__ import annotations
 
-import itertools
-import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import torch
+import numpy as np
 
-from service.checkpoint.base import Checkpoint
-from service.config import Settings
 from service.errors import VerificationFailed
-from service.offload.build import build_on_meta
-from service.offload.dispatch import dispatch_model
-from service.offload.store import OffloadStore
-from service.offload.streaming import streamed_forward
-from service.stage import JobContext, SideContext
 from service.tensors import dtype_name
 
-SEQ_LEN = 8
-SEED = 0
+Runner = Literal["torch", "runtime"]
+"""Who runs the export in its check: ``torch`` (the export's own weights, reloaded by
+transformers: safetensors) or ``runtime`` (another runtime on the same weights: tract,
+onnxruntime)."""
 
-TOLERANCES: dict[str, float] = {
-    "float64": 1e-5,
-    "float32": 1e-5,
-    "float16": 2e-2,
-    "bfloat16": 6e-2,
-    "q8_0": 6e-2,
-    "q4_0": 0.3,
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The accepted error of an output: ``atol + rtol * max|reference|``."""
+
+    atol: float
+    rtol: float
+
+    def bound(self, reference_max_abs: float) -> float:
+        return self.atol + self.rtol * reference_max_abs
+
+    def overridden(self, atol: float | None, rtol: float | None) -> Tolerance:
+        """This tolerance with a request's own ``atol``/``rtol`` where it gives them."""
+        return Tolerance(atol or self.atol, self.rtol if rtol is None else rtol)
+
+
+TOLERANCES: dict[Runner, dict[str, Tolerance]] = {
+    "torch": {
+        "float64": Tolerance(0.0, 1e-5),
+        "float32": Tolerance(0.0, 1e-5),
+        "float16": Tolerance(0.0, 2e-2),
+        "bfloat16": Tolerance(0.0, 6e-2),
+        "q8_0": Tolerance(0.0, 6e-2),
+        "q4_0": Tolerance(0.0, 0.3),
+    },
+    "runtime": {
+        "float32": Tolerance(1e-3, 1e-3),
+        "float16": Tolerance(2e-2, 2e-2),
+        "q4_0": Tolerance(1e-2, 1e-2),
+    },
 }
-"""Largest accepted ``max_abs_error / max |reference|`` per export dtype or quantization.
+"""Accepted error by runner and by export dtype (or quantization).
 
-float32 only absorbs summation-order noise; half precisions allow the rounding of every weight
-(2^-11 and 2^-8 relative) compounded through the layers; GGML blocks add their block error."""
+``torch``: the same kernels on cast weights, so float32 only absorbs summation-order noise; half
+precisions allow the rounding of every weight (2^-11 and 2^-8 relative) compounded through the
+layers; GGML blocks add their block error. ``runtime``: another runtime's kernels on the same
+weights; q4_0 is compared with the same q4_0 weights dequantized in PyTorch, so it differs from
+float32 only by kernels. A runtime check of a dtype not listed (bfloat16) is held to float16's.
+"""
 
-_verify_runs = itertools.count()
 
-
-def tolerance_for(dtype: torch.dtype | str) -> float:
-    """The accepted relative error for outputs of an export in ``dtype`` (or q8_0/q4_0)."""
+def tolerance_for(runner: Runner, dtype: Any) -> Tolerance:
+    """The tolerance of ``dtype`` (a torch dtype or its name, or q8_0/q4_0) for ``runner``;
+    :class:`VerificationFailed` when a torch check has none for it."""
     name = dtype_name(dtype)
-    try:
-        return TOLERANCES[name]
-    except KeyError:
-        raise VerificationFailed(f"no verification tolerance for {name}") from None
+    table = TOLERANCES[runner]
+    if name in table:
+        return table[name]
+    if runner == "runtime":
+        return table["float16"]
+    raise VerificationFailed(f"no verification tolerance for {name}")
 
 
-def fixed_input_ids(vocab_size: int, seq_len: int = SEQ_LEN, seed: int = SEED) -> torch.Tensor:
-    """A deterministic ``(1, seq_len)`` batch of token ids, the same for every job."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, max(1, vocab_size), (1, seq_len), generator=gen)
+@dataclass(frozen=True)
+class Comparison:
+    """Outputs compared with the reference's (:func:`compare_outputs`)."""
 
+    max_abs_error: float
+    reference_max_abs: float
+    tolerance: float
+    """The absolute bound: ``atol + rtol * reference_max_abs``."""
+    finite: bool
+    mismatch: str | None = None
+    """Why the outputs could not be compared at all (their shapes or counts), else None."""
 
-def _inputs(input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    @property
+    def max_rel_error(self) -> float:
+        """``max_abs_error`` relative to the largest reference magnitude (absolute if zero)."""
+        return self.max_abs_error / (self.reference_max_abs or 1.0)
 
+    @property
+    def passed(self) -> bool:
+        return self.mismatch is None and self.finite and self.max_abs_error <= self.tolerance
 
-def streamed_outputs(
-    checkpoint: Checkpoint,
-    input_ids: torch.Tensor,
-    settings: Settings,
-    ctx: JobContext,
-    store_root: Path,
-    *,
-    max_memory: int | str | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Outputs of ``checkpoint``'s model on ``input_ids``, computed in float32 with weights
-    streamed from a temporary store at ``store_root`` (deleted afterwards, whatever happens).
-
-    Returns the output tensor and the run's figures (reloads, bytes read, peak paged bytes).
-    """
-    built = build_on_meta(checkpoint, settings, dtype=torch.float32)
-    store = OffloadStore(
-        store_root,
-        quota_bytes=settings.offload_quota_bytes,
-        allowed_roots=[checkpoint.root if checkpoint.root.is_dir() else checkpoint.root.parent],
-    )
-    try:
-        result = dispatch_model(
-            built,
-            checkpoint.reader,
-            store,
-            SideContext(ctx, ctx.work_dir),
-            max_memory=max_memory or settings.offload_memory,
-        )
-        ctx.check_abort()
-        started = time.perf_counter()
-        output, stats = streamed_forward(
-            result.model, _inputs(input_ids), check_abort=ctx.check_abort
-        )
-        figures = {
-            "architecture": built.architecture,
-            "forward_seconds": round(time.perf_counter() - started, 4),
-            "reloads": store.reloads,
-            "bytes_read": store.bytes_read,
-            "peak_paged_bytes": stats.peak_resident_bytes,
-            "placed": result.placed,
-        }
-        return output.float(), figures
-    finally:
-        store.destroy()
-
-
-def reference_outputs(
-    checkpoint: Checkpoint,
-    input_ids: torch.Tensor,
-    settings: Settings,
-    ctx: JobContext,
-    *,
-    max_memory: int | str | None = None,
-) -> torch.Tensor:
-    """The source model's outputs (float32) on ``input_ids``: what every export is held to."""
-    output, _ = streamed_outputs(
-        checkpoint, input_ids, settings, ctx, _scratch(ctx, "reference"), max_memory=max_memory
-    )
-    return output
+    def unjudgeable(self, runtime: str) -> str | None:
+        """Why no tolerance can judge these outputs (a shape mismatch, a non-finite value)."""
+        if self.mismatch is not None:
+            return f"{runtime} {self.mismatch}"
+        if not self.finite:
+            return f"{runtime} produced non-finite values"
+        return None
 
 
 def compare_outputs(
-    reference: torch.Tensor, candidate: torch.Tensor, tolerance: float
-) -> dict[str, Any]:
-    """Max absolute and relative error of ``candidate`` against ``reference``."""
-    if reference.shape != candidate.shape:
-        return {
-            "passed": False,
-            "reason": f"output shape {list(candidate.shape)} != {list(reference.shape)}",
-        }
-    ref = reference.double()
-    diff = (candidate.double() - ref).abs()
-    scale = float(ref.abs().max()) or 1.0
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    finite = bool(torch.isfinite(candidate).all())
-    max_rel = max_abs / scale
+    found: Sequence[np.ndarray], expected: Sequence[np.ndarray], tolerance: Tolerance
+) -> Comparison:
+    """The largest absolute difference of ``found`` from ``expected`` (PyTorch's, on the
+    source weights), pairwise, and the bound ``tolerance`` sets for it."""
+    if len(found) != len(expected):
+        counts = f"gave {len(found)} outputs, PyTorch {len(expected)}"
+        return Comparison(0.0, 0.0, 0.0, True, counts)
+    err = 0.0
+    ref = 0.0
+    finite = True
+    for f, e in zip(found, expected, strict=True):
+        if f.shape != e.shape:
+            return Comparison(0.0, 0.0, 0.0, True, f"output shape {f.shape} != PyTorch {e.shape}")
+        finite = finite and bool(np.all(np.isfinite(f)))
+        diff = np.abs(f.astype(np.float64) - e.astype(np.float64))
+        err = max(err, float(diff.max(initial=0.0)))
+        ref = max(ref, float(np.abs(e).max(initial=0.0)))
+    return Comparison(err, ref, tolerance.bound(ref), finite)
+
+
+def relative_agreement(reference: Any, candidate: Any, rtol: float) -> dict[str, Any]:
+    """``candidate`` (a torch tensor) against ``reference`` within ``rtol`` of the largest
+    reference magnitude, as a manifest records it: ``passed``, the absolute and relative errors,
+    the tolerance, and whether the outputs are finite; ``reason`` when they cannot be compared."""
+    result = compare_outputs(
+        [candidate.detach().float().numpy()], [reference.detach().float().numpy()],
+        Tolerance(0.0, rtol),
+    )  # fmt: skip
+    if result.mismatch is not None:
+        return {"passed": False, "reason": result.mismatch}
     return {
-        "passed": finite and max_rel <= tolerance,
-        "max_abs_error": max_abs,
-        "max_rel_error": max_rel,
-        "reference_max_abs": scale,
-        "tolerance": tolerance,
-        "finite": finite,
+        "passed": result.passed,
+        "max_abs_error": result.max_abs_error,
+        "max_rel_error": result.max_rel_error,
+        "reference_max_abs": result.reference_max_abs,
+        "tolerance": rtol,
+        "finite": result.finite,
     }
 
 
-def verify_safetensors_export(
-    source: Checkpoint,
-    export_dir: Path,
-    dtype: torch.dtype | str,
-    ctx: JobContext,
-    *,
-    reference: torch.Tensor | None = None,
-    max_memory: int | str | None = None,
-) -> dict[str, Any]:
-    """Check a safetensors export against its source; the dict goes into the manifest.
+@dataclass(frozen=True)
+class ParityReport:
+    """A runtime's check of an export (tract for NNEF, onnxruntime for ONNX), for the manifest."""
 
-    Both models are streamed (never fully in RAM). Pass ``reference`` (from
-    :func:`reference_outputs`) to reuse the source's outputs across several exports. Raises
-    :class:`VerificationFailed` beyond :func:`tolerance_for` ``(dtype)``.
-    """
-    from service.checkpoint import open_checkpoint
+    child: str
+    """The runtime's short name, prefixing its peak RSS in the manifest (``tract``, ``ort``)."""
+    max_abs_err: float
+    ref_max_abs: float
+    tolerance: float
+    compared: int
+    """Output vectors compared (decode steps + 1 for an LLM, outputs for an encoder)."""
+    tokens: list[int] = field(default_factory=list)
+    """PyTorch's greedy tokens (causal LMs)."""
+    argmax_agreed: list[bool] = field(default_factory=list)
+    """Whether the runtime's argmax was PyTorch's token at each step (causal LMs)."""
+    peak_rss_bytes: int = 0
+    """Peak RSS of the runtime's child process (the weights it holds or maps included)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The runtime's own figures for the manifest (how it held the weights, say)."""
 
-    settings = ctx.settings
-    tolerance = tolerance_for(dtype)
-    vocab = int((source.config or {}).get("vocab_size", 0) or 0)
-    input_ids = fixed_input_ids(vocab)
-    started = time.perf_counter()
-    if reference is None:
-        reference = reference_outputs(source, input_ids, settings, ctx, max_memory=max_memory)
-    with open_checkpoint(export_dir) as exported:
-        if exported.config is None:
-            exported.config = source.config
-        candidate, figures = streamed_outputs(
-            exported,
-            input_ids,
-            settings,
-            ctx,
-            _scratch(ctx, "export"),
-            max_memory=max_memory,
-        )
-    result = compare_outputs(reference, candidate, tolerance)
-    summary = {
-        **result,
-        "input_shape": list(input_ids.shape),
-        "seed": SEED,
-        "dtype": dtype_name(dtype),
-        "seconds": round(time.perf_counter() - started, 3),
-        "export_run": figures,
-    }
-    if not result["passed"]:
-        raise VerificationFailed(
-            f"export differs from its source beyond tolerance: "
-            f"{result.get('reason') or _describe(result)}"
-        )
-    return summary
+    @classmethod
+    def of(
+        cls,
+        child: str,
+        comparison: Comparison,
+        compared: int,
+        tokens: list[int] | None = None,
+        argmax_agreed: list[bool] | None = None,
+        *,
+        peak_rss_bytes: int,
+        extra: dict[str, Any] | None = None,
+    ) -> ParityReport:
+        return cls(
+            child, comparison.max_abs_error, comparison.reference_max_abs, comparison.tolerance,
+            compared, tokens or [], argmax_agreed or [], peak_rss_bytes, extra or {},
+        )  # fmt: skip
 
-
-def _describe(result: dict[str, Any]) -> str:
-    return (
-        f"max abs error {result['max_abs_error']:.3g}, relative {result['max_rel_error']:.3g} "
-        f"> {result['tolerance']:.3g}" + ("" if result["finite"] else " (non-finite outputs)")
-    )
-
-
-def _scratch(ctx: JobContext, label: str) -> Path:
-    return ctx.work_dir / "verify" / f"{label}-{next(_verify_runs)}"
+    def summary(self) -> dict[str, Any]:
+        """The export's ``verify`` in the manifest."""
+        return {
+            "max_abs_err": self.max_abs_err,
+            "ref_max_abs": self.ref_max_abs,
+            "tolerance": self.tolerance,
+            "compared": self.compared,
+            "tokens": list(self.tokens),
+            "argmax_agreed": list(self.argmax_agreed),
+            f"{self.child}_peak_rss_bytes": self.peak_rss_bytes,
+            **self.extra,
+        }

@@ -1,12 +1,13 @@
 """GGUF for llama.cpp.
 
-``exporter`` (spec and exporter, registered at import), ``plan`` (what the file holds, decided
+``spec`` (the request), ``exporter`` (registered at import), ``plan`` (what the file holds, decided
 by llama.cpp's converter from metadata), ``stream`` (the streamed writer and the read-back
 verification), ``directory`` (a GGUF header read without its vocabulary), ``quantize``
 (K-quants and imatrix by ``llama-quantize`` in a child process) and ``llama_check`` (tokenizer
 and perplexity checked by llama.cpp's own tools).
 """
 
-from service.exporters.gguf.exporter import GGUFExporter, GGUFSpec
+from service.exporters.gguf.exporter import GGUFExporter
+from service.exporters.gguf.spec import GGUFSpec
 
 __all__ = ["GGUFExporter", "GGUFSpec"]

@@ -24,26 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
 from service.exporters.common.child_process import run_child
+from service.exporters.gguf.spec import QUANTIZER_TYPES
 from service.llama_cpp import llama_cpp_tool
 from service.stage import JobContext, SideContext
 
 if TYPE_CHECKING:
-    from service.exporters.gguf.exporter import GGUFImatrix
-
-QUANTIZER_TYPES: dict[str, str] = {
-    "q2_k": "Q2_K",
-    "q3_k_s": "Q3_K_S",
-    "q3_k_m": "Q3_K_M",
-    "q3_k_l": "Q3_K_L",
-    "q4_k_s": "Q4_K_S",
-    "q4_k_m": "Q4_K_M",
-    "q5_k_s": "Q5_K_S",
-    "q5_k_m": "Q5_K_M",
-    "q6_k": "Q6_K",
-    "iq4_nl": "IQ4_NL",
-    "iq4_xs": "IQ4_XS",
-}
-"""Lower-case spec spelling -> llama-quantize's own name of the type (its ftype argument)."""
+    from service.exporters.gguf.spec import GGUFImatrix
 
 TOOL_TIMEOUT = 6 * 3600.0
 """Seconds a quantizer child may run: a 70B model quantizes in well under an hour on 2 cores;

@@ -2,9 +2,10 @@
 
 The model is a copy of the job's one meta build (no weight memory) and each weight is a
 torch-to-nnef ``OffloadedTensor`` reading from the job's offload store, or the checkpoint
-(:mod:`service.exporters.common.offloaded_model`), so peak memory is the largest tensor or two, not the
-model. Causal LMs go through torch-to-nnef's LLM exporter (the one behind ``dump_llm``: KV cache
-inputs/outputs, symbolic ``S``/``P`` axes); other models through ``export_model_to_nnef``.
+(:mod:`service.exporters.common.offloaded_model`), so peak memory is the largest tensor or two,
+not the model. Causal LMs go through torch-to-nnef's LLM exporter (the one behind ``dump_llm``:
+KV cache inputs/outputs, symbolic ``S``/``P`` axes); other models through
+``export_model_to_nnef``.
 ``q4_0`` applies torch-to-nnef's ``min_max_q4_0`` compression, whose blocks stay offloaded (in
 the job's work dir) while being computed.
 
@@ -41,15 +42,17 @@ from pydantic import Field
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.exporters.common.aux_files import copy_aux_files
+from service.exporters.common.families import ENCODER_TYPES, is_causal_lm
 from service.stage import Phase
 
 if TYPE_CHECKING:
-    import torch
 
-    from service.checkpoint.base import Checkpoint
     from service.config import Settings
     from service.exporters.common.offloaded_model import OffloadedModel
-    from service.exporters.nnef.verify import GreedyReference, IOSpec, ParityReport
+    from service.exporters.common.parity import ParityReport
+    from service.exporters.common.reference import GreedyReference
+    from service.exporters.nnef.verify import IOSpec
     from service.stage import JobContext
 
 LOGGER = logging.getLogger(__name__)
@@ -62,20 +65,9 @@ as ``export_cmd``, which in the service is the worker's command line with host p
 artifact handed to users must not carry them (as ``_name_or_path`` is scrubbed too)."""
 T2N_LOG_LEVEL = logging.WARNING
 
-# Verification tolerances (atol, rtol of max|reference|) by weight kind. q4_0 is compared with
-# the same q4_0 weights dequantized in PyTorch, so it differs from float32 only by kernels.
-TOLERANCES: dict[str, tuple[float, float]] = {
-    "float32": (1e-3, 1e-3),
-    "float16": (2e-2, 2e-2),
-    "q4_0": (1e-2, 1e-2),
-}
-
-
 CAUSAL_LM_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
 """Causal LMs whose torch-to-nnef LLM export decodes in tract like PyTorch, in the tests (tiny
 ones of each, and real SmolLM2, Qwen2.5 and Gemma 3)."""
-ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
-"""Encoders whose traced export runs in tract like PyTorch, in the tests (real all-MiniLM)."""
 
 
 def check_architecture(config: dict[str, Any]) -> None:
@@ -86,8 +78,7 @@ def check_architecture(config: dict[str, Any]) -> None:
     if "auto_map" in config:
         return
     model_type = str(config.get("model_type") or "")
-    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    causal = is_causal_lm(config)
     supported = CAUSAL_LM_TYPES if causal else ENCODER_TYPES
     if model_type not in supported:
         kind = "causal LM" if causal else "model"
@@ -192,7 +183,6 @@ def export_nnef(
     from service.exporters.common import offloaded_model as off
     from service.exporters.nnef.tract_cli import write_launcher
     from service.exporters.nnef.verify import ensure_tract_fits
-    from service.heap import HeapTrimmer
     from service.offload.build import build_on_meta
 
     checkpoint = inputs.checkpoint
@@ -202,22 +192,11 @@ def export_nnef(
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx.set_phase(Phase.EXPORT, total=None, unit="bytes")
 
-    trim = HeapTrimmer()
-
-    def on_read(nbytes: int) -> None:
-        ctx.check_abort()
-        ctx.advance(nbytes)
-        ctx.add_metric("nnef_bytes_read", nbytes)
-        trim(nbytes)  # earlier reloads were freed by now; hand their pages back
-
-    # Tracing, writing and verifying read every weight 4-7 times: keep those reads in the page
-    # cache (reclaimable, not process memory) instead of the reader's single-pass eviction.
-    reader: Any = checkpoint.reader
-    drop_page_cache = getattr(reader, "drop_page_cache", None)
-    if isinstance(drop_page_cache, bool):
-        reader.drop_page_cache = False
+    on_read = off.read_hook(ctx, "nnef_bytes_read")
     try:
+        # Tracing, writing and verifying read every weight 4-7 times.
         with (
+            off.page_cache_kept(checkpoint.reader),
             t2n.job_tempdir(work / "tmp"),
             t2n.weights_only_unpickling(),
             t2n.checkpoint_tensors_writable(),
@@ -242,8 +221,6 @@ def export_nnef(
                 io, report = _export_encoder(spec, built, launcher, work / "stage", out_dir, ctx)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if isinstance(drop_page_cache, bool):
-            reader.drop_page_cache = drop_page_cache
 
     (out_dir / "io.json").write_text(json.dumps(io.to_json(), indent=2))
     files = [ARCHIVE_NAME, "io.json", "example_inputs.npz", "example_outputs.npz"]
@@ -259,19 +236,6 @@ def export_nnef(
         "verify": report.summary() if report is not None else None,
     }
     return ExportResult(files=files, summary=summary)
-
-
-def _tolerance(spec: NNEFSpec, dtype: torch.dtype) -> tuple[float, float]:
-    key = spec.compression or str(dtype).removeprefix("torch.")
-    atol, rtol = TOLERANCES.get(key, TOLERANCES["float16"])
-    return (spec.atol or atol, rtol if spec.rtol is None else spec.rtol)
-
-
-def prompt_ids(count: int, vocab_size: int) -> list[int]:
-    """A fixed, spread-out prompt that avoids the usual special-token ids at the vocab start."""
-    low = min(8, vocab_size - 1)
-    span = max(1, vocab_size - low)
-    return [low + (i * 7919 + 13) % span for i in range(count)]
 
 
 class _PromptTokenizer:
@@ -300,7 +264,8 @@ def _export_causal_lm(
     from torch_to_nnef_llm.config import ExportDirStruct
     from torch_to_nnef_llm.exporter import LLMExporter
 
-    from service.exporters.nnef.verify import greedy_reference, verify_causal_lm
+    from service.exporters.common.reference import greedy_reference, prompt_ids
+    from service.exporters.nnef.verify import verify_causal_lm
 
     vocab = int(built.config.vocab_size)
     # 16 example tokens: torch-to-nnef traces with 1 token and 2 past ones.
@@ -382,6 +347,7 @@ def _export_encoder(
     from torch_to_nnef.inference_target.tract import TractNNEF
 
     from service.exporters.common.offloaded_model import TensorOutputs
+    from service.exporters.common.reference import prompt_ids
     from service.exporters.nnef.verify import verify_encoder
 
     wrapper = TensorOutputs(built.module)
@@ -458,8 +424,11 @@ def _verify_archive(
     ctx.set_phase(Phase.VERIFY, total=steps, unit="steps")
     archive = out_dir / ARCHIVE_NAME
     ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory)
-    atol, rtol = _tolerance(spec, built.dtype)
-    report = run(archive, atol, rtol, stage / "verify")
+    from service.exporters.common.parity import tolerance_for
+
+    tolerance = tolerance_for("runtime", spec.compression or built.dtype)
+    tolerance = tolerance.overridden(spec.atol, spec.rtol)
+    report = run(archive, tolerance.atol, tolerance.rtol, stage / "verify")
     ctx.advance(steps)
     return report
 
@@ -496,21 +465,6 @@ def _io_spec(
         tract_version=installed_tract_version(),
         compression=spec.compression,
     )
-
-
-def copy_aux_files(checkpoint: Checkpoint, out_dir: Path) -> list[str]:
-    """Config and tokenizer files travel with the archive; only regular files inside the root
-    (or rewritten by the job: ``Checkpoint.rewritten``)."""
-    root = checkpoint.root.resolve()
-    copied = []
-    for path in checkpoint.aux_files:
-        src = path.resolve()
-        trusted = src.is_relative_to(root) or path in checkpoint.rewritten
-        if not trusted or not src.is_file() or (out_dir / src.name).exists():
-            continue
-        shutil.copyfile(src, out_dir / src.name)
-        copied.append(src.name)
-    return copied
 
 
 register(NNEFExporter())

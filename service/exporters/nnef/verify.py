@@ -1,4 +1,4 @@
-"""Numerical parity of an NNEF archive run by tract (PyPI bindings) with the PyTorch model it came from.
+"""Numerical parity of an NNEF archive run by tract (PyPI bindings) with its PyTorch model.
 
 tract runs in a child process (:func:`run_tract`): it holds every weight of the archive in RAM,
 which must not count against the job process, whose own peak stays that of one weight or two.
@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from service.errors import VerificationFailed
-from service.exporters.common.child_process import compare_outputs, ensure_fits, run_child
+from service.exporters.common.child_process import ChildRun, ensure_fits, run_npz_child
+from service.exporters.common.parity import ParityReport, Tolerance, compare_outputs
+from service.exporters.common.reference import GreedyReference
 from service.exporters.nnef import tract_cli
 
 
@@ -60,100 +62,8 @@ class IOSpec:
         return cls(**fields)
 
 
-@dataclass(frozen=True)
-class ParityReport:
-    max_abs_err: float
-    ref_max_abs: float
-    tolerance: float
-    compared: int
-    """Output vectors compared (decode steps + 1 for an LLM, outputs for an encoder)."""
-    tokens: list[int] = field(default_factory=list)
-    """Greedy tokens of the reference decode (causal LMs)."""
-    argmax_agreed: list[bool] = field(default_factory=list)
-    """Whether tract's argmax was the reference token at each step (causal LMs)."""
-    tract_peak_rss_bytes: int = 0
-    """Peak RSS of the tract child process (it holds the whole archive in RAM)."""
-
-    def summary(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 TRACT_BASE_BYTES = 256 * 2**20
 """tract's own footprint beyond the weights (runtime, activations of a short prompt)."""
-
-
-@dataclass(frozen=True)
-class GreedyReference:
-    """PyTorch's greedy decode: the token fed at each step and the logits it produced."""
-
-    prompt: list[int]
-    tokens: list[int]
-    """Greedy tokens, one per step (the last one is produced, not fed)."""
-    logits: list[np.ndarray]
-    """Logits of the last position at each step: the prompt, then each fed token."""
-    layer_names: list[str] = field(default_factory=list)
-    """The decoder layers' module names (``model.layers.0``...), when recorded."""
-    layers: np.ndarray | None = None
-    """Last position of each layer's output at each step, ``[steps, layers, hidden]``."""
-
-
-def decoder_layers(model: Any) -> list[tuple[str, Any]]:
-    """(name, module) of each layer of the model's layer stack: its longest ``ModuleList``."""
-    from torch import nn
-
-    stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    if not stacks:
-        return []
-    name, stack = max(stacks, key=lambda item: len(item[1]))
-    return [(f"{name}.{i}", layer) for i, layer in enumerate(stack)]
-
-
-def greedy_reference(
-    model: Any, prompt: Sequence[int], decode_steps: int, *, record_layers: bool = False
-) -> GreedyReference:
-    """Greedy decode with the KV cache in PyTorch (``model`` is a transformers causal LM).
-
-    With ``record_layers`` each layer's output (last position) is kept too, through forward
-    hooks: a few KiB per layer and step, what a failed check compares to say where it starts."""
-    import torch
-
-    tokens: list[int] = []
-    logits: list[np.ndarray] = []
-    layers = decoder_layers(model) if record_layers else []
-    step_layers: list[np.ndarray | None] = [None] * len(layers)
-    recorded: list[np.ndarray] = []
-
-    def keep(index: int) -> Any:
-        def hook(_module: Any, _args: Any, output: Any) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output
-            last = hidden.reshape(-1, hidden.shape[-1])[-1].float().as_subclass(torch.Tensor)
-            step_layers[index] = last.numpy().copy()
-
-        return hook
-
-    handles = [layer.register_forward_hook(keep(i)) for i, (_, layer) in enumerate(layers)]
-    ids = torch.tensor([list(prompt)], dtype=torch.int64)
-    past = None
-    try:
-        with torch.no_grad():
-            for _ in range(decode_steps + 1):
-                out = model(input_ids=ids, past_key_values=past, use_cache=True)
-                last = out.logits[0, -1].float().as_subclass(torch.Tensor)
-                logits.append(last.numpy().copy())
-                tokens.append(int(torch.argmax(last)))
-                past = out.past_key_values
-                ids = torch.tensor([[tokens[-1]]], dtype=torch.int64)
-                if layers and all(x is not None for x in step_layers):
-                    recorded.append(np.stack([x for x in step_layers if x is not None]))
-    finally:
-        for handle in handles:
-            handle.remove()
-    complete = bool(layers) and len(recorded) == decode_steps + 1
-    return GreedyReference(
-        [int(t) for t in prompt], tokens, logits,
-        layer_names=[n for n, _ in layers] if complete else [],
-        layers=np.stack(recorded) if complete else None,
-    )  # fmt: skip
 
 
 def ensure_tract_fits(weight_bytes: int, setting: str | None) -> None:
@@ -163,12 +73,6 @@ def ensure_tract_fits(weight_bytes: int, setting: str | None) -> None:
     ensure_fits("tract", need, setting, "MODELPREP_TRACT_MAX_MEMORY")
 
 
-@dataclass(frozen=True)
-class TractRun:
-    outputs: dict[str, np.ndarray]
-    peak_rss_bytes: int
-
-
 def run_tract(
     archive: Path,
     command: str,
@@ -176,23 +80,20 @@ def run_tract(
     work: Path,
     check_abort: Callable[[], None] | None = None,
     extra_args: Sequence[str] = (),
-) -> TractRun:
+) -> ChildRun:
     """Run ``tract_cli.py ARCHIVE COMMAND`` in a child process and read its outputs.
 
     tract holds the whole archive in RAM: see :mod:`service.exporters.common.child_process`."""
-    work.mkdir(parents=True, exist_ok=True)
-    request_path, outputs_path = work / "request.npz", work / "outputs.npz"
-    np.savez(request_path, **request)  # type: ignore[arg-type]
-    argv = [
-        sys.executable, "-P", str(Path(tract_cli.__file__).resolve()), str(archive),
-        "--nnef-tract-core", "--nnef-tract-extra", "--nnef-tract-transformers", "-O", command,
-        "--input-from-bundle", str(request_path), "--save-outputs-npz", str(outputs_path),
-        *extra_args,
-    ]  # fmt: skip
-    peak = run_child(argv, work, "tract", check_abort, env={"RUST_LOG": "error"})
-    with np.load(outputs_path) as bundle:
-        outputs = {k: bundle[k] for k in bundle.files}
-    return TractRun(outputs, peak)
+
+    def argv(request_path: Path, outputs_path: Path) -> list[str]:
+        return [
+            sys.executable, "-P", str(Path(tract_cli.__file__).resolve()), str(archive),
+            "--nnef-tract-core", "--nnef-tract-extra", "--nnef-tract-transformers", "-O", command,
+            "--input-from-bundle", str(request_path), "--save-outputs-npz", str(outputs_path),
+            *extra_args,
+        ]  # fmt: skip
+
+    return run_npz_child(argv, request, work, "tract", check_abort, env={"RUST_LOG": "error"})
 
 
 def verify_causal_lm(
@@ -220,19 +121,18 @@ def verify_causal_lm(
             archive, io, expected, atol, rtol, work=work / "layers", check_abort=check_abort
         )
 
-    try:
-        err, ref, tol = compare_outputs("tract", found, expected.logits, atol, rtol)
-    except VerificationFailed as exc:
-        raise VerificationFailed(f"{exc}; {where()}") from exc
-    report = ParityReport(
-        err, ref, tol, len(found), expected.tokens, agreed, tract_peak_rss_bytes=run.peak_rss_bytes
-    )
-    if err > tol:
+    comparison = compare_outputs(found, expected.logits, Tolerance(atol, rtol))
+    problem = comparison.unjudgeable("tract")
+    if problem is not None:
+        raise VerificationFailed(f"{problem}; {where()}")
+    if not comparison.passed:
         raise VerificationFailed(
-            f"tract logits differ from PyTorch by {err:.3g} (tolerance {tol:.3g}) over "
-            f"{len(found)} decode steps; {where()}"
+            f"tract logits differ from PyTorch by {comparison.max_abs_error:.3g} (tolerance "
+            f"{comparison.tolerance:.3g}) over {len(found)} decode steps; {where()}"
         )
-    return report
+    return ParityReport.of(
+        "tract", comparison, len(found), expected.tokens, agreed, peak_rss_bytes=run.peak_rss_bytes
+    )
 
 
 def _decode_request(io: IOSpec, expected: GreedyReference) -> dict[str, np.ndarray]:
@@ -261,8 +161,9 @@ def first_diverging_layer(
 
     tract replays the decode once more with every layer's output made a graph output
     (``tract_cli decode --layer-outputs``); each is compared, step by step and layer by layer,
-    with PyTorch's (recorded by :func:`greedy_reference`) within the check's own tolerance,
-    scaled to that layer's magnitude. Only run once a check has failed: it unpacks the archive.
+    with PyTorch's (recorded by :func:`~service.exporters.common.reference.greedy_reference`)
+    within the check's own tolerance, scaled to that layer's magnitude. Only run once a check
+    has failed: it unpacks the archive.
     """
     if expected.layers is None:
         return "the layer outputs were not recorded, so the first diverging layer is unknown"
@@ -310,12 +211,13 @@ def verify_encoder(
     """One tract run on ``inputs`` (graph input order) vs PyTorch's ``expected`` outputs."""
     run = run_tract(archive, "run", inputs, work, check_abort)
     found = [run.outputs[f"output_{i}"] for i in range(len(run.outputs))]
-    if len(found) != len(expected):
-        raise VerificationFailed(f"tract gave {len(found)} outputs, PyTorch {len(expected)}")
-    err, ref, tol = compare_outputs("tract", found, expected, atol, rtol)
-    report = ParityReport(err, ref, tol, len(found), tract_peak_rss_bytes=run.peak_rss_bytes)
-    if err > tol:
+    comparison = compare_outputs(found, expected, Tolerance(atol, rtol))
+    problem = comparison.unjudgeable("tract")
+    if problem is not None:
+        raise VerificationFailed(problem)
+    if not comparison.passed:
         raise VerificationFailed(
-            f"tract outputs differ from PyTorch by {err:.3g} (tolerance {tol:.3g})"
+            f"tract outputs differ from PyTorch by {comparison.max_abs_error:.3g} (tolerance "
+            f"{comparison.tolerance:.3g})"
         )
-    return report
+    return ParityReport.of("tract", comparison, len(found), peak_rss_bytes=run.peak_rss_bytes)

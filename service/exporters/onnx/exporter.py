@@ -46,8 +46,6 @@ import math
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -64,6 +62,8 @@ from service.exporters.base import (
     float_dtype_name,
     register,
 )
+from service.exporters.common.aux_files import copy_aux_files
+from service.exporters.common.families import ENCODER_TYPES, is_causal_lm
 from service.stage import Phase
 from service.tensors import dtype_name
 
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from service.config import Settings
-    from service.exporters.onnx.verify import ParityReport
+    from service.exporters.common.parity import ParityReport
     from service.stage import JobContext
 
 LOGGER = logging.getLogger(__name__)
@@ -85,11 +85,6 @@ Task = Literal["text-generation-with-past", "feature-extraction"]
 
 DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Causal LMs whose dynamo export with a DynamicCache is checked in onnxruntime by the tests."""
-ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
-"""Encoders whose ``last_hidden_state`` export is checked in onnxruntime by the tests."""
-
-# Verification tolerances (atol, rtol of max|reference|) by exported dtype.
-TOLERANCES: dict[str, tuple[float, float]] = {"float32": (1e-3, 1e-3), "float16": (2e-2, 2e-2)}
 
 
 class ONNXSpec(ExportSpec):
@@ -133,7 +128,7 @@ def resolve_task(config: dict[str, Any], task: Task | None) -> Task:
     ``feature-extraction``."""
     model_type = str(config.get("model_type") or "")
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    causal = is_causal_lm(config)
     natural: Task | None = None
     if causal and model_type in DECODER_TYPES:
         natural = "text-generation-with-past"
@@ -207,9 +202,10 @@ def export_onnx(
     ctx.set_phase(Phase.EXPORT, total=None, unit="bytes")
     timings: dict[str, float] = {}
     dtype = getattr(torch, spec.dtype) if spec.dtype else off.export_dtype(checkpoint)
-    on_read = _read_hook(ctx)
+    on_read = off.read_hook(ctx, "onnx_bytes_read")
     try:
-        with _page_cache_kept(checkpoint.reader):
+        # Writing and verifying read every weight twice.
+        with off.page_cache_kept(checkpoint.reader):
             skeleton = inputs.skeleton
             if skeleton is None:
                 skeleton = build_on_meta(checkpoint, ctx.settings).model
@@ -235,47 +231,15 @@ def export_onnx(
                 causal = task == "text-generation-with-past"
                 if causal and independent is not None and independent.chunks is not None:
                     figures = _check_logits(independent, dtype, out_dir, work, ctx)
-                    report = dataclasses.replace(report, logits=figures)
+                    report = dataclasses.replace(report, extra={**report.extra, "logits": figures})
             timings["end"] = time.monotonic()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-    from service.exporters.nnef.exporter import copy_aux_files
 
     files = [MODEL_NAME, DATA_NAME, *copy_aux_files(checkpoint, out_dir)]
     summary = _summary(task, dtype, graph, weights.weight_bytes, out_dir, started, timings)
     summary["verify"] = report.summary() if report is not None else None
     return ExportResult(files=files, summary=summary)
-
-
-def _read_hook(ctx: JobContext) -> Callable[[int], None]:
-    """Called after each weight is read: progress, cancellation, and the freed heap handed
-    back (the previous tensor was written and freed by now)."""
-    from service.heap import HeapTrimmer
-
-    trim = HeapTrimmer()
-
-    def on_read(nbytes: int) -> None:
-        ctx.check_abort()
-        ctx.advance(nbytes)
-        ctx.add_metric("onnx_bytes_read", nbytes)
-        trim(nbytes)
-
-    return on_read
-
-
-@contextmanager
-def _page_cache_kept(reader: Any) -> Iterator[None]:
-    """Writing and verifying read every weight twice: keep those reads in the page cache
-    (a reader that drops pages after each read stops doing so for the duration)."""
-    drop_page_cache = getattr(reader, "drop_page_cache", None)
-    if isinstance(drop_page_cache, bool):
-        reader.drop_page_cache = False
-    try:
-        yield
-    finally:
-        if isinstance(drop_page_cache, bool):
-            reader.drop_page_cache = drop_page_cache
 
 
 def _summary(
@@ -506,10 +470,11 @@ def _verify(
     work: Path,
     ctx: JobContext,
 ) -> ParityReport:
+    from service.exporters.common.parity import tolerance_for
     from service.exporters.onnx import verify as ver
 
-    atol, rtol = TOLERANCES.get(dtype_name(dtype), TOLERANCES["float16"])
-    atol, rtol = spec.atol or atol, rtol if spec.rtol is None else spec.rtol
+    tolerance = tolerance_for("runtime", dtype).overridden(spec.atol, spec.rtol)
+    atol, rtol = tolerance.atol, tolerance.rtol
     ver.ensure_ort_fits((out_dir / DATA_NAME).stat().st_size, ctx.settings.ort_max_memory)
     if task == "text-generation-with-past":
         ctx.set_phase(Phase.VERIFY, total=spec.decode_steps + 1, unit="steps")

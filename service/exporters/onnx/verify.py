@@ -1,8 +1,8 @@
 """Numerical parity of an exported ONNX model run by onnxruntime with the PyTorch model.
 
 onnxruntime runs in a child process (:mod:`service.exporters.onnx.ort_cli`, started through
-:func:`service.exporters.common.child_process.run_child`): it reads every weight into RAM, which must
-not count against the job process. PyTorch's side runs in the job process on the offloaded copy
+:func:`service.exporters.common.child_process.run_child`): it reads every weight into RAM,
+which must not count against the job process. PyTorch's side runs in the job process on the offloaded copy
 of the model (each weight re-read from the store while its op runs), so the reference costs a
 pass over the weights, not their sum in memory.
 
@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service.errors import VerificationFailed
-from service.exporters.common.child_process import compare_outputs, ensure_fits, run_child
+from service.exporters.common.child_process import ChildRun, ensure_fits, run_npz_child
+from service.exporters.common.parity import (
+    Comparison,
+    ParityReport,
+    Tolerance,
+    compare_outputs,
+)
+from service.exporters.common.reference import greedy_reference, prompt_ids
 from service.exporters.onnx import ort_cli
 from service.logits import LogitBounds, compare_logits, scored
 
@@ -38,33 +45,6 @@ weights are memory-mapped (:mod:`service.exporters.onnx.mapped`), so this does n
 the model; 43 MB of anonymous memory was measured on a 2.76 GB Llama."""
 
 
-@dataclass(frozen=True)
-class ParityReport:
-    max_abs_err: float
-    ref_max_abs: float
-    tolerance: float
-    compared: int
-    """Output vectors compared (decode steps + 1 for an LLM, outputs for an encoder)."""
-    tokens: list[int] = field(default_factory=list)
-    """PyTorch's greedy tokens (causal LMs)."""
-    argmax_agreed: list[bool] = field(default_factory=list)
-    """Whether onnxruntime's argmax was PyTorch's token at each step (causal LMs)."""
-    ort_peak_rss_bytes: int = 0
-    """Peak RSS of the onnxruntime child process, mapped pages of the weights included."""
-    ort_peak_anon_bytes: int = 0
-    """Peak anonymous memory of that child: what the runtime itself allocated."""
-    mode: str = "whole"
-    """The whole model in one onnxruntime session."""
-    weights: str = "mapped"
-    """How onnxruntime holds the weights: memory-mapped from the external data file."""
-    logits: dict[str, Any] | None = None
-    """onnxruntime's logits on the fixed text against the job's independent reference
-    (:func:`check_logits`), causal LMs with a tokenizer."""
-
-    def summary(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def ensure_ort_fits(weight_bytes: int, setting: str | None) -> None:
     """Refuse up front a verification onnxruntime cannot hold. Its weights are memory-mapped
     (``weight_bytes`` of page cache the kernel reclaims as it needs), so what it needs is its
@@ -72,11 +52,14 @@ def ensure_ort_fits(weight_bytes: int, setting: str | None) -> None:
     ensure_fits("onnxruntime", ORT_BASE_BYTES, setting, "MODELPREP_ORT_MAX_MEMORY")
 
 
-@dataclass(frozen=True)
-class OrtRun:
-    outputs: dict[str, np.ndarray]
-    peak_rss_bytes: int
-    peak_anon_bytes: int
+def _mapped_run(run: ChildRun) -> dict[str, Any]:
+    """The manifest's figures of a run with mapped weights: the child's anonymous peak (what
+    the runtime itself allocated), the whole model in one session, the weights mapped."""
+    return {
+        "ort_peak_anon_bytes": int(run.outputs.pop("peak_anon_bytes")),
+        "mode": "whole",
+        "weights": "mapped",
+    }
 
 
 def run_ort(
@@ -85,21 +68,19 @@ def run_ort(
     request: dict[str, np.ndarray],
     work: Path,
     check_abort: Callable[[], None] | None = None,
-) -> OrtRun:
-    """Run ``ort_cli.py MODEL COMMAND`` in a child process and read its outputs."""
-    work.mkdir(parents=True, exist_ok=True)
-    request_path, outputs_path = work / "request.npz", work / "outputs.npz"
-    np.savez(request_path, **request)  # type: ignore[arg-type]
-    argv = [
-        sys.executable, "-P", str(Path(ort_cli.__file__).resolve()), str(model), command,
-        str(request_path), str(outputs_path),
-    ]  # fmt: skip
-    run_child(argv, work, "onnxruntime", check_abort)
-    with np.load(outputs_path) as bundle:
-        outputs = {k: bundle[k] for k in bundle.files}
-    # The child's own VmHWM: wait4's ru_maxrss would include this process's pages (see ort_cli).
-    peak = int(outputs.pop("peak_rss_bytes"))
-    return OrtRun(outputs, peak, int(outputs.pop("peak_anon_bytes")))
+) -> ChildRun:
+    """Run ``ort_cli.py MODEL COMMAND`` in a child process and read its outputs.
+
+    Its peak RSS is the child's own ``VmHWM``, which it writes among its outputs: wait4's
+    ``ru_maxrss`` would include this process's pages (see ort_cli)."""
+
+    def argv(request_path: Path, outputs_path: Path) -> list[str]:
+        return [
+            sys.executable, "-P", str(Path(ort_cli.__file__).resolve()), str(model), command,
+            str(request_path), str(outputs_path),
+        ]  # fmt: skip
+
+    return run_npz_child(argv, request, work, "onnxruntime", check_abort)
 
 
 def verify_causal_lm(
@@ -114,9 +95,6 @@ def verify_causal_lm(
     check_abort: Callable[[], None] | None = None,
 ) -> ParityReport:
     """PyTorch's greedy decode (``module``, a transformers causal LM) replayed in onnxruntime."""
-    from service.exporters.nnef.exporter import prompt_ids
-    from service.exporters.nnef.verify import greedy_reference
-
     config: Any = module.config
     prompt = prompt_ids(prompt_tokens, int(config.vocab_size))
     expected = greedy_reference(module, prompt, decode_steps)
@@ -128,13 +106,10 @@ def verify_causal_lm(
     }
     run = run_ort(model_path, "decode", request, work, check_abort)
     found = list(run.outputs["logits"])
-    err, ref, tol = compare_outputs("onnxruntime", found, expected.logits, atol, rtol)
+    comparison = _judged(compare_outputs(found, expected.logits, Tolerance(atol, rtol)))
+    err, tol = comparison.max_abs_error, comparison.tolerance
     agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
-    report = ParityReport(
-        err, ref, tol, len(found), expected.tokens, agreed, ort_peak_rss_bytes=run.peak_rss_bytes,
-        ort_peak_anon_bytes=run.peak_anon_bytes,
-    )
-    if err > tol:
+    if not comparison.passed:
         raise VerificationFailed(
             f"onnxruntime logits differ from PyTorch by {err:.3g} (tolerance {tol:.3g}) over "
             f"{len(found)} decode steps"
@@ -146,7 +121,10 @@ def verify_causal_lm(
                 f"onnxruntime's greedy token differs from PyTorch's at step {step} "
                 f"(PyTorch's margin {float(top2[1] - top2[0]):.3g}, error {err:.3g})"
             )
-    return report
+    return ParityReport.of(
+        "ort", comparison, len(found), expected.tokens, agreed, peak_rss_bytes=run.peak_rss_bytes,
+        extra=_mapped_run(run),
+    )  # fmt: skip
 
 
 def verify_encoder(
@@ -163,8 +141,6 @@ def verify_encoder(
     import inspect
 
     import torch
-
-    from service.exporters.nnef.exporter import prompt_ids
 
     accepted = inspect.signature(module.forward).parameters
     config: Any = module.config
@@ -183,17 +159,23 @@ def verify_encoder(
         check_abort()
     run = run_ort(model_path, "run", {k: v.numpy() for k, v in feeds.items()}, work, check_abort)
     found = [np.asarray(run.outputs["last_hidden_state"], dtype=np.float32)]
-    err, ref, tol = compare_outputs("onnxruntime", found, expected, atol, rtol)
-    report = ParityReport(
-        err, ref, tol, len(found), ort_peak_rss_bytes=run.peak_rss_bytes,
-        ort_peak_anon_bytes=run.peak_anon_bytes,
-    )  # fmt: skip
-    if err > tol:
+    comparison = _judged(compare_outputs(found, expected, Tolerance(atol, rtol)))
+    if not comparison.passed:
         raise VerificationFailed(
-            f"onnxruntime's last_hidden_state differs from PyTorch by {err:.3g} "
-            f"(tolerance {tol:.3g})"
+            f"onnxruntime's last_hidden_state differs from PyTorch by "
+            f"{comparison.max_abs_error:.3g} (tolerance {comparison.tolerance:.3g})"
         )
-    return report
+    return ParityReport.of(
+        "ort", comparison, len(found), peak_rss_bytes=run.peak_rss_bytes, extra=_mapped_run(run)
+    )
+
+
+def _judged(comparison: Comparison) -> Comparison:
+    """:class:`VerificationFailed` for outputs no tolerance can judge (shapes, non-finite)."""
+    problem = comparison.unjudgeable("onnxruntime")
+    if problem is not None:
+        raise VerificationFailed(problem)
+    return comparison
 
 
 LOGIT_BOUNDS: dict[str, LogitBounds] = {

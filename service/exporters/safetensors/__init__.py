@@ -1,8 +1,8 @@
 """Safetensors in the Hugging Face layout, optionally cast: the smallest format, the template.
 
 ``exporter`` (spec and exporter, registered at import), ``writer`` (the streamed shards and
-index). Verified against the source's reference outputs by the pipeline's VERIFY phase
-(``SafetensorsExporter.verify``, through :mod:`service.exporters.common.parity`).
+index) and ``verify`` (the written model run again by transformers and compared with the
+source's reference outputs, in the pipeline's VERIFY phase).
 """
 
 from service.exporters.safetensors.exporter import SafetensorsExporter, SafetensorsSpec

@@ -82,7 +82,7 @@ class SafetensorsExporter(Exporter):
 
     def modules(self) -> tuple[str, ...]:
         """The writer and the parity check: most jobs export safetensors, verified."""
-        return ("service.exporters.safetensors.writer", "service.exporters.common.parity")
+        return ("service.exporters.safetensors.writer", "service.exporters.safetensors.verify")
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
@@ -105,7 +105,7 @@ class SafetensorsExporter(Exporter):
     ) -> dict[str, Any]:
         """Stream the written model through its forward and compare with the source's outputs,
         within the tolerance of the export's dtype (the source's dtype when not cast)."""
-        from service.exporters.common.parity import verify_safetensors_export
+        from service.exporters.safetensors.verify import verify_safetensors_export
 
         dtype = _safetensors_spec(spec).dtype or _source_dtype(inputs.checkpoint)
         return verify_safetensors_export(

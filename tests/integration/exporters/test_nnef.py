@@ -29,10 +29,12 @@ from service.errors import (
     VerificationTooLarge,
 )
 from service.exporters.base import ExportInputs
+from service.exporters.common.families import ENCODER_TYPES
 from service.exporters.common.offloaded_model import offloaded_model
-from service.exporters.nnef.exporter import ENCODER_TYPES, NNEFExporter, NNEFSpec, prompt_ids
+from service.exporters.common.reference import greedy_reference, prompt_ids
+from service.exporters.nnef import NNEFExporter, NNEFSpec
 from service.exporters.nnef.tract_cli import write_launcher
-from service.exporters.nnef.verify import IOSpec, greedy_reference, verify_causal_lm
+from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
 from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory

@@ -24,10 +24,10 @@ from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import VerificationFailed, VerificationTooLarge
 from service.exporters.base import ExportInputs, ExportResult
+from service.exporters.common.families import ENCODER_TYPES
 from service.exporters.common.offloaded_model import offloaded_model
 from service.exporters.onnx.exporter import (
     DATA_NAME,
-    ENCODER_TYPES,
     MODEL_NAME,
     ONNXExporter,
     ONNXSpec,

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.config import Settings
 from service.errors import VerificationFailed
-from service.exporters.nnef.exporter import prompt_ids
+from service.exporters.common.reference import prompt_ids
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import run_pipeline

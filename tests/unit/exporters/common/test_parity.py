@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -11,13 +12,9 @@ from safetensors.torch import load_file, save_file
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import VerificationFailed
-from service.exporters.common.parity import (
-    compare_outputs,
-    fixed_input_ids,
-    reference_outputs,
-    tolerance_for,
-    verify_safetensors_export,
-)
+from service.exporters.common.parity import Tolerance, compare_outputs, tolerance_for
+from service.exporters.common.reference import fixed_input_ids
+from service.exporters.safetensors.verify import reference_outputs, verify_safetensors_export
 from service.stage import InMemoryContext
 from tests.fixtures.models import VOCAB_SIZE, Arch, build_tiny_model
 
@@ -76,7 +73,7 @@ def test_half_precision_export_passes_within_its_tolerance(
     exported = export_as("llama", dtype, tmp_path / "export")
     with open_checkpoint(llama_bin_dir) as source:
         summary = verify_safetensors_export(source, exported, dtype, ctx, max_memory=TINY_BUDGET)
-    assert 0 < summary["max_rel_error"] <= tolerance_for(dtype)
+    assert 0 < summary["max_rel_error"] <= tolerance_for("torch", dtype).rtol
     assert summary["dtype"] == str(dtype).removeprefix("torch.")
 
 
@@ -119,16 +116,17 @@ def test_reference_can_be_shared_across_exports(
 
 
 def test_compare_outputs_reports_shape_mismatch_and_non_finite_values() -> None:
-    ref = torch.ones(1, 4)
-    assert compare_outputs(ref, torch.ones(1, 5), 1e-5)["passed"] is False
-    nan = compare_outputs(ref, torch.tensor([[1.0, float("nan"), 1.0, 1.0]]), 1e-5)
-    assert nan["passed"] is False and nan["finite"] is False
-    close = compare_outputs(ref, ref + 2**-20, 1e-5)
-    assert close["passed"] is True and close["max_abs_error"] == 2**-20
-    far = compare_outputs(ref, ref + 2**-10, 1e-5)
-    assert far["passed"] is False and far["max_rel_error"] == 2**-10
+    ref = np.ones((1, 4), dtype=np.float32)
+    relative = Tolerance(0.0, 1e-5)
+    assert compare_outputs([np.ones((1, 5), np.float32)], [ref], relative).passed is False
+    nan = compare_outputs([np.array([[1.0, np.nan, 1.0, 1.0]], np.float32)], [ref], relative)
+    assert nan.passed is False and nan.finite is False
+    close = compare_outputs([ref + np.float32(2**-20)], [ref], relative)
+    assert close.passed is True and close.max_abs_error == 2**-20
+    far = compare_outputs([ref + np.float32(2**-10)], [ref], relative)
+    assert far.passed is False and far.max_rel_error == 2**-10
 
 
 def test_unknown_dtype_has_no_tolerance() -> None:
     with pytest.raises(VerificationFailed):
-        tolerance_for(torch.int8)
+        tolerance_for("torch", torch.int8)
