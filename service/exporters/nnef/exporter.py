@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
-from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
 from service.exporters.common.aux_files import copy_aux_files
-from service.exporters.common.families import ENCODER_TYPES, is_causal_lm
+from service.exporters.common.families import ENCODER_TYPES, GraphExporter, is_causal_lm
 from service.stage import Phase
 
 if TYPE_CHECKING:
@@ -121,14 +121,9 @@ class NNEFSpec(ExportSpec):
     )
 
 
-class NNEFExporter(Exporter):
+class NNEFExporter(GraphExporter):
     format: ClassVar[str] = "nnef"
     spec_type: ClassVar[type[ExportSpec]] = NNEFSpec
-
-    def needs(self, spec: ExportSpec) -> Needs:
-        """The meta module to trace and the offload store to stream weights from; the export
-        verifies itself in a child process, so no reference from the pipeline."""
-        return Needs(module=True)
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None

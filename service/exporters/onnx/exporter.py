@@ -54,16 +54,14 @@ from pydantic import Field, field_validator
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
 from service.exporters.base import (
-    Exporter,
     ExportInputs,
     ExportResult,
     ExportSpec,
-    Needs,
     float_dtype_name,
     register,
 )
 from service.exporters.common.aux_files import copy_aux_files
-from service.exporters.common.families import ENCODER_TYPES, is_causal_lm
+from service.exporters.common.families import ENCODER_TYPES, GraphExporter, is_causal_lm
 from service.stage import Phase
 from service.tensors import dtype_name
 
@@ -149,14 +147,9 @@ def resolve_task(config: dict[str, Any], task: Task | None) -> Task:
     return natural
 
 
-class ONNXExporter(Exporter):
+class ONNXExporter(GraphExporter):
     format: ClassVar[str] = "onnx"
     spec_type: ClassVar[type[ExportSpec]] = ONNXSpec
-
-    def needs(self, spec: ExportSpec) -> Needs:
-        """The meta module to trace and the offload store to stream weights from; the export
-        verifies itself in a child process, so no reference from the pipeline."""
-        return Needs(module=True)
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
