@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGUFReader
 from pydantic import ValidationError
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,6 +61,25 @@ def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def with_recipe_of(job_file: Path, f16: Path) -> Path:
+    """``f16`` rewritten by gguf-py's own gguf_new_metadata with ``job_file``'s
+    ``general.description``: a job's files carry their own recipe there (the quantized file says
+    Q4_K_M where our f16 export says f16), and llama-quantize copies the key from its input. So
+    "by hand" is llama-quantize on our f16 holding the same recipe line; every other byte is
+    compared as it is."""
+    field = GGUFReader(job_file).get_field("general.description")
+    assert field is not None, "the job's file carries its recipe"
+    description = field.contents()
+    assert isinstance(description, str) and "modelprep recipe" in description
+    out = f16.with_name(f16.stem + "-recipe.gguf")
+    subprocess.run(
+        [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(f16), str(out),
+         "--general-description", description, "--force"],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    return out
+
+
 def _ctx(tmp_path: Path) -> InMemoryContext:
     return InMemoryContext(Settings(data_dir=tmp_path / "var"), tmp_path / "work")
 
@@ -94,7 +115,7 @@ def test_q4_k_m_is_llama_quantize_output_on_our_f16_byte_for_byte(
     f16, _ = _export(wide_llama, tmp_path / "f", GGUFSpec(type="f16", verify=False, pre_tokenizer_fallback="default"))
     by_hand = tmp_path / "by-hand.gguf"
     subprocess.run(
-        [str(llama_cpp_tool("llama-quantize")), str(tmp_path / "f" / f16.files[0]),
+        [str(llama_cpp_tool("llama-quantize")), str(with_recipe_of(path, tmp_path / "f" / f16.files[0])),
          str(by_hand), "Q4_K_M", "1"],
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
@@ -153,8 +174,8 @@ def test_imatrix_from_calibration_text_changes_the_quantization(
     from_file, _ = _export(wide_llama, tmp_path / "given", given, ctx)
     assert from_file.summary["imatrix_source"]["sha256"] == sha256_of(imatrix)
     by_hand = tmp_path / "by-hand.gguf"
-    quantize(f16_file, by_hand, "IQ4_XS", tmp_path, lambda: None, lambda n: None, 1,
-             imatrix=imatrix)  # fmt: skip
+    quantize(with_recipe_of(tmp_path / "given" / "model-IQ4_XS.gguf", f16_file), by_hand,
+             "IQ4_XS", tmp_path, lambda: None, lambda n: None, 1, imatrix=imatrix)  # fmt: skip
     assert from_file.digests["model-IQ4_XS.gguf"] == sha256_of(by_hand)
     assert from_file.digests["model-IQ4_XS.gguf"] != plain.digests["model-IQ4_XS.gguf"]
 
