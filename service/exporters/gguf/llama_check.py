@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import run_child
 from service.llama_cpp import llama_cpp_tool
-from service.logits import LogitBounds, parse_llama_kl, scored, write_llama_base_logits
+from service.logits import (
+    FIXED_TEXT,
+    LogitBounds,
+    parse_llama_kl,
+    scored,
+    write_llama_base_logits,
+)
 
 if TYPE_CHECKING:
     from service.checkpoint.independent import IndependentReference
@@ -39,26 +45,8 @@ PROBES = (
 None starts with a space: there transformers' SentencePiece tokenizers and sentencepiece itself
 (which llama.cpp follows) already disagree, whatever the GGUF says."""
 
-PPL_TEXT = (
-    "The history of the printing press begins in the fifteenth century, when a goldsmith in "
-    "Mainz combined movable metal type, oil-based ink and a screw press adapted from those used "
-    "for wine. Books that had taken a scribe months to copy could now be produced by the hundred "
-    "in weeks, and the price of a book fell so far that merchants, students and craftsmen could "
-    "own them. Within fifty years presses were working in more than two hundred cities across "
-    "Europe. The spread of printed pamphlets changed how news travelled, how arguments about "
-    "religion and politics were conducted, and how scientists shared their observations. "
-    "Standardised texts made it possible for a reader in Venice and a reader in London to refer "
-    "to the same page of the same edition, which in turn encouraged the habit of citation and "
-    "careful comparison. Spelling and grammar slowly settled as printers chose one form over "
-    "another, and national languages gained prestige against Latin. Libraries grew, schools "
-    "multiplied, and literacy rose steadily over the following centuries. Historians still argue "
-    "about how much of the scientific revolution, the reformation and the rise of the modern "
-    "state should be credited to the press, but few doubt that the cheap, reliable copying of "
-    "words was one of the great turning points of human history. Today the same questions are "
-    "asked about the internet, which once again lowered the cost of spreading ideas to almost "
-    "nothing, and which has again been blamed for both enlightenment and confusion. "
-) * 2
-"""Fixed text for llama-perplexity: about 600 tokens for a 32k-128k vocabulary."""
+PPL_TEXT = FIXED_TEXT
+"""Fixed text for llama-perplexity: the one every artifact's logits are judged on."""
 
 PPL_CTX = 128
 """Context of each perplexity chunk: short, so the text makes several chunks and it stays fast."""
