@@ -51,12 +51,14 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 # No build isolation: the build backend is the pinned setuptools already installed with torch.
 # Then the one `gguf`: the gguf-py of the llama.cpp built above (scripts/install_gguf_py.sh).
+# Its build backend (poetry-core) is fetched by pip in an isolated environment, which does not
+# inherit `--cert`: the CA bundle goes through PIP_CERT, which every pip process reads.
 COPY --from=llama-cpp /opt/llama.cpp/convert/gguf-py /src/gguf-py
 COPY scripts/install_gguf_py.sh ./scripts/
 RUN pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS -c constraints.txt \
         --no-build-isolation . \
-    && scripts/install_gguf_py.sh /opt/modelprep/bin/pip /src/gguf-py \
-         ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS \
+    && env ${PIP_CA_PEM:+PIP_CERT=/opt/pip-ca.pem} \
+         scripts/install_gguf_py.sh /opt/modelprep/bin/pip /src/gguf-py $PIP_ARGS \
     && pip check
 
 FROM python:3.11-slim
