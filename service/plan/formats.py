@@ -110,7 +110,13 @@ def _largest_bytes(headers: CheckpointHeaders, itemsize: float | None = None) ->
     config = headers.config or {}  # a pickle: the largest of what the config describes
     hidden = int(config.get("hidden_size") or 0)
     rows = max(int(config.get("vocab_size") or 0), int(config.get("intermediate_size") or 0))
-    return int(rows * hidden * (itemsize or 4))
+    estimate = int(rows * hidden * (itemsize or 4))
+    if headers.weight_bytes:
+        # ... but no tensor is larger than the files holding it (stored in 16 bits at least): a
+        # config the weights contradict is the job's config_mismatch, not a plan of terabytes.
+        stored = headers.weight_bytes
+        estimate = min(estimate, stored if itemsize is None else int(stored // 2 * itemsize))
+    return estimate
 
 
 def _floating_elements(headers: CheckpointHeaders) -> int:
