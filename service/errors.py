@@ -374,6 +374,15 @@ class VerificationFailed(JobFailed):
     title = "Verification failed"
 
 
+class ReferenceUnavailable(VerificationFailed):
+    """transformers (or PEFT) could not load the source as the job's independent reference. The
+    job's own reader may still name the input's fault more precisely (a shape the config does not
+    fit is ``weights_mismatch``): the pipeline lets it speak first."""
+
+    code = "reference_unavailable"
+    title = "The independent reference cannot load the source"
+
+
 class VerificationTooLarge(VerificationFailed):
     """The verifying runtime would need more RAM than this worker may give it."""
 

@@ -128,6 +128,9 @@ FIXES: dict[str, str] = {
     "`MODELPREP_LLAMA_CPP_DIR` at them.",
     "verification_failed": "The export differs from the source beyond the dtype's tolerance: "
     "the manifest holds the errors; try a wider dtype, or `\"verify\": false` to skip.",
+    "reference_unavailable": "transformers' own `from_pretrained` (the job's independent "
+    "reference) cannot load the checkpoint: the message says why; a checkpoint transformers "
+    "cannot read is exported only with `\"verify\": false`.",
     "verification_too_large": "Raise `MODELPREP_TRACT_MAX_MEMORY` / `MODELPREP_ORT_MAX_MEMORY` "
     "(or `MODELPREP_JOB_MEMORY`), "
     "or skip the check with `\"verify\": false` on that export.",

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import VerificationFailed
+from service.errors import ReferenceUnavailable, VerificationFailed
 from service.logits import chunk_tokens, scored
 
 FIXED_TEXT_CTX = 128
@@ -116,7 +116,7 @@ def independent_reference(
     try:
         model = model_class.from_pretrained(str(source_dir), **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
-        raise VerificationFailed(
+        raise ReferenceUnavailable(
             f"transformers' from_pretrained, the job's independent reference, cannot load the "
             f"source: {type(exc).__name__}: {exc}"
         ) from exc
@@ -168,7 +168,7 @@ def _merged_with_peft(model: Any, adapter_dir: Path) -> Any:
     try:
         return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
-        raise VerificationFailed(
+        raise ReferenceUnavailable(
             f"PEFT, the job's independent reference for the adapter, cannot merge it: "
             f"{type(exc).__name__}: {exc}"
         ) from exc

@@ -19,7 +19,7 @@ from service.artifact_store import ArtifactStore
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import Checkpoint
 from service.config import Settings
-from service.errors import NoModelConfig, VerificationFailed
+from service.errors import NoModelConfig, ReferenceUnavailable, VerificationFailed
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec, Needs
 from service.fsutil import atomic_write_json, atomic_write_text, fsync_tree, sha256_file
@@ -451,9 +451,17 @@ class _ModelSession:
         # job's model: that model is checked against transformers' reading first. transformers
         # runs (within max_memory) and lets go before the job's model is dispatched (within
         # max_memory): never both at once.
+        # When transformers cannot load the source, the dispatch still runs first: our reader's
+        # typed error (weights_mismatch...) names an input's fault better than its refusal.
         independent = None
+        unavailable: ReferenceUnavailable | None = None
         if needs_reference or spec.verify:
-            independent = _independent_reference(checkpoint, type(built.model), max_memory, ctx)
+            try:
+                independent = _independent_reference(
+                    checkpoint, type(built.model), max_memory, ctx
+                )
+            except ReferenceUnavailable as exc:
+                unavailable = exc
         store = open_job_store(ctx.settings, ctx.job_id, checkpoint.root)
         session.store = store
         result = dispatch_model(
@@ -461,6 +469,8 @@ class _ModelSession:
             max_memory=max_memory if needs_reference else ALL_ON_DISK,
         )  # fmt: skip
         publish_offload_metrics(store, ctx, result)
+        if unavailable is not None:
+            raise unavailable
         if independent is not None:
             ours = _reference(result.model, checkpoint, ctx)
             _check_agreement(independent, ours, ctx)
