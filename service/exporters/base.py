@@ -100,6 +100,12 @@ class Needs:
     """The source's reference outputs (``inputs.reference``), for :meth:`Exporter.verify`.
     Computing them dispatches the model within the job's ``max_memory``; the pipeline drops
     this need when the job has ``"verify": false``."""
+    independent: bool = False
+    """Only transformers' own reading of the source (``inputs.independent``: its outputs and
+    fixed-text logits), for :meth:`Exporter.verify`; the job's model is not dispatched for it.
+    An export whose consumer is judged against transformers directly (GGUF in llama.cpp) needs
+    nothing of ours, so a checkpoint only transformers can map (fused MoE experts) still goes
+    through. Dropped with ``"verify": false`` like ``reference``."""
 
 
 @dataclass
@@ -161,8 +167,8 @@ class Exporter(Protocol):
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> dict[str, Any]:
         """Check the files in ``out_dir`` against ``inputs.reference``; the dict becomes the
-        export's ``verify`` in the manifest. Called only when ``needs(spec).reference`` and a
-        reference exists; raise :class:`service.errors.VerificationFailed` beyond tolerance."""
+        export's ``verify`` in the manifest. Called only when ``needs(spec).reference`` (or
+        ``.independent``) and that reference exists; raise :class:`service.errors.VerificationFailed` beyond tolerance."""
         raise TypeError(f"the {self.format} exporter declares no reference to verify against")
 
 

@@ -318,6 +318,7 @@ def _export_checkpoint(
         session = _ModelSession.open(
             checkpoint, model, spec, ctx,
             needs_store=needs_module, needs_reference=any(n.reference for n in needs),
+            needs_independent=any(n.independent for n in needs),
         )  # fmt: skip
     failed = True
     try:
@@ -357,7 +358,7 @@ def _present_config(checkpoint: Checkpoint, layout: JobLayout) -> None:
 
 def _job_needs(needs: Needs, spec: JobSpec) -> Needs:
     """An export's needs within this job: no reference when the job is not verified."""
-    return needs if spec.verify else dataclasses.replace(needs, reference=False)
+    return needs if spec.verify else dataclasses.replace(needs, reference=False, independent=False)
 
 
 def _build(
@@ -435,6 +436,7 @@ class _ModelSession:
         *,
         needs_store: bool,
         needs_reference: bool,
+        needs_independent: bool = False,
     ) -> _ModelSession:
         """Dispatch into the job's store when an export is verified against the source's
         outputs (``needs_reference``, within ``max_memory``) or reads the model (``needs_store``,
@@ -445,6 +447,11 @@ class _ModelSession:
         max_memory = spec.max_memory or ctx.settings.offload_memory
         session = cls(checkpoint, None, ctx, max_memory)
         if not (needs_reference or needs_store):
+            if needs_independent:  # transformers' reading alone: nothing of ours is dispatched
+                ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
+                session.independent = _independent_reference(
+                    checkpoint, type(built.model), max_memory, ctx
+                )
             return session
         ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
         # Verified exports that read the store (NNEF, ONNX) check their files against the
@@ -499,15 +506,21 @@ def _verify_all(
     """VERIFY: each export that asked for the source's reference outputs is checked against
     them by its exporter; the others verified themselves while exporting (or were not asked
     to). Without a buildable model there is no reference: the export says why it was skipped."""
-    pending = [
-        (s, summary) for s, n, summary in zip(specs, needs, summaries, strict=True) if n.reference
+    asked = [
+        (s, n, summary)
+        for s, n, summary in zip(specs, needs, summaries, strict=True)
+        if n.reference or n.independent
     ]
-    if not pending:
-        return
-    if inputs.reference is None:
-        reason = ctx.details.get("model", {}).get("reason", "the model cannot be built")
-        for _, summary in pending:
+    pending: list[tuple[ExportSpec, dict[str, Any]]] = []
+    reason = ctx.details.get("model", {}).get("reason", "the model cannot be built")
+    for export, need, summary in asked:
+        if (need.reference and inputs.reference is None) or (
+            need.independent and inputs.independent is None
+        ):
             summary["verify"] = {"skipped": reason}
+        else:
+            pending.append((export, summary))
+    if not pending:
         return
     exporters = registry()
     ctx.set_phase(Phase.VERIFY, total=len(pending), unit="exports")

@@ -49,7 +49,7 @@ class GGUFExporter(Exporter):
         """A verified GGUF is run by llama.cpp on the fixed text against the job's independent
         reference (transformers' from_pretrained of the source): :meth:`verify`."""
         assert isinstance(spec, GGUFSpec)
-        return Needs(reference=spec.verify)
+        return Needs(independent=spec.verify)
 
     def verify(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext

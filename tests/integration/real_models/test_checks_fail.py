@@ -3,8 +3,9 @@ it touches, with no artifact published.
 
 * The reader drops the FP8 scales (its weights become the raw codes, max |w| 448): caught by the
   job's independent reference, transformers' own ``from_pretrained`` of the source, which the
-  job's model must match before any artifact is judged (``model.reference`` in the manifest),
-  whatever the format.
+  job's model must match before any artifact is judged (``model.reference`` in the manifest);
+  GGUF, whose writer reads the checkpoint rather than the job's model, by llama.cpp's logits
+  against that same reference.
 * The GGUF writer flips a tensor's rows: caught by the read-back of the written file.
 * The GGUF converter skips the q/k permutation llama.cpp's Llama needs: the read-back undoes
   the same (missing) permutation and passes; llama.cpp's logits against transformers' on the
@@ -37,6 +38,15 @@ EXPORTS: dict[str, dict[str, Any]] = {
 }
 
 
+CAUGHT_BY = {
+    **dict.fromkeys(["safetensors", "nnef", "onnx"], "disagrees with transformers' from_pretrained"),
+    # GGUF's writer reads the checkpoint itself, not the job's model: llama.cpp's logits on the
+    # fixed text against transformers' run of the source catch the misread weights.
+    "gguf": "too far from transformers",
+}
+"""Which of the job's checks catches a reader that drops the FP8 scales, by format."""
+
+
 def _run(tmp_path: Path, source: Path, export: dict[str, Any]) -> JobLayout:
     settings = Settings(data_dir=tmp_path / "data", local_roots=[source.parent])
     job_id = "f" * 32
@@ -59,7 +69,7 @@ def test_a_reader_that_drops_the_fp8_scales_fails_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
     monkeypatch.setattr("service.checkpoint.fp8.dequantize_rows", _raw_codes)
-    with pytest.raises(VerificationFailed, match="disagrees with transformers' from_pretrained"):
+    with pytest.raises(VerificationFailed, match=CAUGHT_BY[fmt]):
         _run(tmp_path, real_fp8("smollm2", LAYERS), EXPORTS[fmt])
     layout = JobLayout.for_job(Settings(data_dir=tmp_path / "data"), "f" * 32)
     assert not layout.artifacts.exists()
