@@ -314,7 +314,10 @@ def add_provenance(writer: Any, spec: GGUFSpec, source: dict[str, Any]) -> None:
     into the files it writes. Keys the converter already set are left as they are."""
     present = set(writer.kv_data[0])
     resolved = source.get("revision") or source.get("digest") or source.get("sha256")
-    recipe = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    # what makes the file what it is: "verify" changes the checks, not one byte of the file
+    recipe = json.dumps(
+        spec.model_dump(mode="json", exclude={"verify"}), sort_keys=True, separators=(",", ":")
+    )
     description = f"modelprep recipe {recipe}" + (f"; source at {resolved}" if resolved else "")
     values = {
         "general.quantized_by": "modelprep",
