@@ -49,11 +49,12 @@ QUANTIZER_BASE_BYTES = 32 * MiB
 LLAMA_CHECK_BASE_BYTES = 160 * MiB
 """llama-perplexity and llama-tokenize beyond the mapped file: the context's buffers."""
 
-ORT_BASE_BYTES = 64 * MiB
-ORT_WEIGHT_FACTOR = 1.12
-"""onnxruntime (its own peak, measured in the child) holds every weight, plus pre-packed
-copies and the decode's buffers: MiniLM 139 MiB for 87, SmolLM2 768 MiB for 521,
-bench/export_onnx.py 1.21 GiB for 1.02 and 4.45 GiB for 3.9."""
+ORT_BASE_BYTES = 40 * MiB
+ORT_WEIGHT_FACTOR = 1.0
+"""onnxruntime's peak RSS (measured in the child) since it verifies with its weights
+memory-mapped (``exporters/onnx/mapped.py``): the mapped weights' pages it touches, which the
+kernel may reclaim, plus a small anonymous part (MiniLM 122 MiB for 87 MiB of weights; SmolLM2
+0.59 GiB for 0.51). Before mapping it was 1.12 x weights + 64 MiB of anonymous memory."""
 
 ONNX_BASE_BYTES = 128 * MiB
 """The ONNX job beyond its base, the largest tensor and the graph: onnx, onnxscript, the
@@ -213,7 +214,7 @@ def _transformed(headers: CheckpointHeaders) -> int:
     return max((t.numel * 4 for t in permuted), default=0)
 
 
-def plan_gguf(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
+def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = None) -> ExportPlan:
     """B + G + C x m + T: the job's base, the converter and vocabulary, ``m`` row blocks of
     ``C`` float32 bytes (by written type, less with the read-back off), and the largest tensor
     llama.cpp's converter evaluates whole (a permuted q/k projection; a MoE layer's experts
@@ -229,10 +230,16 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
     transformed = _transformed(headers)
     job = int(JOB_BASE_BYTES + GGUF_BASE_BYTES + chunk * blocks + transformed)
     if spec.verify and _causal_lm_with_tokenizer(headers):
-        reference = int(REFERENCE_WEIGHT_FACTOR * _floating_elements(headers) * 4)
+        # transformers loads the float32 weights whole when they fit max_memory, else layer
+        # by layer from disk (service.checkpoint.independent): max_memory bounds what it holds
+        resident = _floating_elements(headers) * 4
+        mode = "whole"
+        if max_memory is not None and resident > max_memory:
+            resident, mode = max_memory, "layer by layer, within max_memory"
+        reference = int(REFERENCE_WEIGHT_FACTOR * resident)
         job = max(job, JOB_BASE_BYTES + REFERENCE_BASE_BYTES + reference)
         notes_reference = (
-            f"the independent reference (transformers, float32, whole): base + 64 MiB + "
+            f"the independent reference (transformers, float32, {mode}): base + 64 MiB + "
             f"{REFERENCE_WEIGHT_FACTOR} x float32 weights ({reference >> 20} MiB)"
         )
     else:
@@ -271,7 +278,7 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
 
 def plan_onnx(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
     """The job's base + 128 MiB + the largest tensor (twice when cast) + 4.5 MiB per layer;
-    onnxruntime holds every weight: 64 MiB + 1.12 x weights."""
+    onnxruntime maps every weight: 40 MiB + the weights' pages."""
     itemsize = _export_dtype_bytes(headers, spec.dtype)
     largest = _largest_bytes(headers, itemsize)
     cast = headers.source_dtype not in (None, {4: "F32", 2: "F16"}[itemsize])
@@ -288,7 +295,7 @@ def plan_onnx(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
         children=children, verification="whole" if spec.verify else "none",
         artifact_bytes=weights, offload_bytes=0,
         notes=((f"job: base + largest tensor {largest >> 20} MiB{' x 2 (cast)' if cast else ''} "
-               f"+ {layers} layers x 4.5 MiB; onnxruntime: 64 MiB + 1.12 x weights "
+               f"+ {layers} layers x 4.5 MiB; onnxruntime: 40 MiB + mapped weights "
                f"({weights >> 20} MiB)"),),
     )  # fmt: skip
 
@@ -332,6 +339,8 @@ def plan_export(
         spec = spec.model_copy(update={"verify": False})
     if spec.format == "safetensors":
         return plan_safetensors(spec, headers, max_memory, verify)
+    if spec.format == "gguf":
+        return plan_gguf(spec, headers, max_memory)
     planner: Callable[[Any, CheckpointHeaders], ExportPlan] = {
         "gguf": plan_gguf, "onnx": plan_onnx, "nnef": plan_nnef,
     }[spec.format]  # fmt: skip
