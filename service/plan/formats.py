@@ -214,6 +214,19 @@ def _transformed(headers: CheckpointHeaders) -> int:
     return max((t.numel * 4 for t in permuted), default=0)
 
 
+def _layer_by_layer_bytes(headers: CheckpointHeaders, max_memory: int) -> int:
+    """What transformers holds running the source layer by layer from disk
+    (``checkpoint.independent.layers_on_disk``): everything outside the layer stack (embeddings,
+    head, final norm) in RAM, plus one layer at a time, in float32 at most. A pickle (no
+    headers) is bounded by ``max_memory``."""
+    layers = _layers(headers)
+    if not headers.tensors or not layers:
+        return max_memory
+    stacked = sum(t.numel for t in headers.tensors if t.floating and ".layers." in t.name)
+    rest = _floating_elements(headers) - stacked
+    return (rest + stacked // layers) * 4
+
+
 def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = None) -> ExportPlan:
     """B + G + C x m + T: the job's base, the converter and vocabulary, ``m`` row blocks of
     ``C`` float32 bytes (by written type, less with the read-back off), and the largest tensor
@@ -235,7 +248,7 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = No
         resident = _floating_elements(headers) * 4
         mode = "whole"
         if max_memory is not None and resident > max_memory:
-            resident, mode = max_memory, "layer by layer, within max_memory"
+            resident, mode = _layer_by_layer_bytes(headers, max_memory), "layer by layer"
         reference = int(REFERENCE_WEIGHT_FACTOR * resident)
         job = max(job, JOB_BASE_BYTES + REFERENCE_BASE_BYTES + reference)
         notes_reference = (

@@ -129,12 +129,16 @@ def test_every_export_of_a_checkpoint_twice_the_limit_fits_its_job_budget_and_po
             outcomes[label] = _run(service, poller, checkpoint, [export])
         # One job with every export its budget holds (what was refused alone stays refused).
         accepted = [EXPORTS[label] for label, done in outcomes.items() if "refused" not in done]
-        outcomes["all-in-one"] = _run(service, poller, checkpoint, accepted)
+        if accepted:
+            outcomes["all-in-one"] = _run(service, poller, checkpoint, accepted)
     report = {label: {k: done.get(k) for k in ("status", "error", "metrics")}
               for label, done in outcomes.items()}  # fmt: skip
     print(json.dumps(report, indent=1))
 
-    assert "refused" not in outcomes["gguf-q8_0"]  # llama.cpp maps the file: it always fits
+    # A verified GGUF runs transformers' independent reference of the source, which holds the
+    # embedding and head outside the layer stack (0.75 GiB in float32 here): where that does
+    # not fit, the plan refuses it at submission with its numbers (checked in _run) rather than
+    # let the job be stopped mid-way.
     for label, done in outcomes.items():
         if "refused" in done:
             continue
