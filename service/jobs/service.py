@@ -48,17 +48,7 @@ class JobService:
     def submit(self, spec: JobSpec, tenant: str | None = None) -> Job:
         """Validate what can be known now (422 rather than a failed job), check the tenant's
         limits (429), then queue."""
-        # A local source is resolved once (under the allowed roots, readable): every check
-        # below judges that one path.
-        local = local_source(spec.source_request(), self.settings)
-        config = self._check_local_weights(local) if local is not None else None
-        check_spec(
-            spec, self.settings, config, config_known=local is not None,
-            source_dir=local.directory if local is not None else None,
-            source_checked=local is not None,
-        )
-        if spec.adapter is not None:
-            self._check_adapter(spec, local)
+        local = self._check_request(spec)
         check_callback(spec, self.settings, tenant)
         if spec.destination is not None:
             if ArtifactStore.configured(self.settings) is None:
@@ -80,6 +70,21 @@ class JobService:
         secrets = {"hf_token": spec.hf_token.get_secret_value()} if spec.hf_token else {}
         return self.executor.submit(job, secrets)
 
+    def _check_request(self, spec: JobSpec) -> LocalSource | None:
+        """What submit and plan both check before anything else: the source (a local one is
+        resolved once, under the allowed roots, readable: every check judges that one path),
+        each export against it, and the adapter. The resolved local source, if any."""
+        local = local_source(spec.source_request(), self.settings)
+        config = self._check_local_weights(local) if local is not None else None
+        check_spec(
+            spec, self.settings, config, config_known=local is not None,
+            source_dir=local.directory if local is not None else None,
+            source_checked=local is not None,
+        )  # fmt: skip
+        if spec.adapter is not None:
+            self._check_adapter(spec, local)
+        return local
+
     def _check_plan(self, spec: JobSpec) -> None:
         """Refuse a job whose plan does not fit (:class:`PlanDoesNotFit`): a local checkpoint's
         headers cost nothing to read, so a job that cannot fit is refused now, not OOM-killed
@@ -97,15 +102,7 @@ class JobService:
         """What the job would hold in memory and write to disk, and whether it fits, from the
         source's headers (a remote source's too: range reads, never the weights); checked as
         :meth:`submit` checks a job, but nothing is queued."""
-        local = local_source(spec.source_request(), self.settings)
-        config = self._check_local_weights(local) if local is not None else None
-        check_spec(
-            spec, self.settings, config, config_known=local is not None,
-            source_dir=local.directory if local is not None else None,
-            source_checked=local is not None,
-        )
-        if spec.adapter is not None:
-            self._check_adapter(spec, local)
+        self._check_request(spec)
         return plan_spec(spec, source_headers(spec, self.settings), self.settings)
 
     def _check_adapter(self, spec: JobSpec, local: LocalSource | None) -> None:
