@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Build the pinned llama.cpp tools once per machine into a cache keyed by version.
 #
-# Why from source: llama-quantize (K-quants, imatrix mixtures), llama-imatrix, llama-perplexity and
-# llama-tokenize are what the GGUF exporter and its tests run as the real consumer of a GGUF file;
-# no registry ships them as binaries. The source is the llama.cpp that the PyPI sdist
-# llama-cpp-python==$VERSION vendors, fetched with pip like every other dependency.
+# Why from source: llama-quantize (K-quants, imatrix mixtures), llama-imatrix, llama-perplexity,
+# llama-tokenize and llama-mtmd-cli (the projector check of a VLM) are what the GGUF exporter and
+# its tests run as the real consumer of a GGUF file; no registry ships them as binaries. The source
+# is the llama.cpp that the PyPI sdist llama-cpp-python==$VERSION vendors, fetched with pip like
+# every other dependency.
 #
 # Usage: scripts/build_llama_cpp.sh [VERSION]   (default: the version service/llama_cpp.py pins)
 # Output: $MODELPREP_CACHE_HOME/llama.cpp/$VERSION/bin/llama-*  (MODELPREP_CACHE_HOME defaults to
@@ -20,7 +21,7 @@ VERSION=${1:-$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' "$here/serv
 cache=${MODELPREP_CACHE_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/modelprep}
 dest=$cache/llama.cpp/$VERSION
 TOOLS=(llama-quantize llama-imatrix llama-perplexity llama-tokenize llama-simple llama-completion
-       llama-embedding llama-gguf-split)
+       llama-embedding llama-gguf-split llama-mtmd-cli)
 
 have_bins() { for t in "${TOOLS[@]}"; do [ -x "$dest/bin/$t" ] || return 1; done; }
 have_convert() { [ -f "$dest/convert/conversion/__init__.py" ] && [ -f "$dest/convert/gguf-py/gguf/__init__.py" ]; }
