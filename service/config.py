@@ -3,6 +3,12 @@
 Built exactly once, by ``create_app`` or the CLI, and passed down explicitly. Child job
 processes receive the settings serialized (``model_dump_json``) rather than re-reading the
 environment, so a job always runs with the settings of the service that accepted it.
+
+Why one module of over 450 lines: most of it is the one :class:`Settings` class, whose fields are
+the service's whole configuration surface. pydantic-settings reads one class per environment
+prefix, and each field's ``description`` and ``examples`` are the settings reference
+(:func:`settings_reference` generates ``docs/settings.md`` from them; a test keeps the page
+equal), so the length is the documentation, written once.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ body); which HTTP status each becomes is decided in ``service.api.errors`` alone
 also inherit the matching builtin so callers can catch precisely (``except FileNotFoundError`` still works).
 
 A failed job stores ``code`` and the message; the message must never contain a secret.
+
+Why one module of over 450 lines: it is the one exception tree, on purpose in one file (each
+class is a few lines: a ``code`` and a docstring saying when it is raised), so a caller and
+``service.api.errors`` see every error the service can raise in one place.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ same version string. It is the venv's one ``gguf`` package (``make install``, th
 install it with ``scripts/install_gguf_py.sh``), so the writer, the planner and the offload
 store's GGML blocks agree on every enum and constant; :func:`load_converter` refuses to run on
 any other ``gguf`` rather than swap modules under the process.
+
+Why one module of over 450 lines: the style keeps every use of a library's internals in one
+adapter module per library, next to the list of assumptions above, so an upgrade of llama.cpp is
+checked against one file and one test module.
 """
 
 from __future__ import annotations

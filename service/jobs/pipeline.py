@@ -3,6 +3,12 @@
 Runs inside the job's own process and knows nothing of HTTP or of the store: everything it
 reports goes through the :class:`JobContext`. All files are written under ``layout.staging``;
 ``layout.publish()`` moves them into place only when the manifest is complete.
+
+Why one module of over 450 lines: it is the job's life in order, one private function per phase
+(download, identify, adapter, build, export, verify, describe), plus :class:`_ModelSession`, the
+one offload store and reference outputs every export of the job shares. Each phase's work lives
+in its stage package; what stays here is the order and what one phase hands the next, which a
+reader follows top to bottom.
 """
 
 from __future__ import annotations

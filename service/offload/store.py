@@ -31,6 +31,10 @@ Quota and disk full: only owned bytes count towards ``quota_bytes``. Exceeding i
 :class:`OffloadQuotaExceeded`; ``ENOSPC`` raises :class:`DiskFull`. Either way the store deletes
 its own files at once (a full disk must not stay full because of a failed job) and becomes
 unusable; other stores are untouched.
+
+Why one module of over 450 lines: :class:`OffloadStore` is the only code that reads or writes
+the format above, so its writes, reads, index persistence, quota and cleanup on failure sit in
+one class that keeps the crash-safety rules in one place.
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ With a ``sha256`` the file is content-addressed and goes to the shared download 
 of the same file download it once); without one it is downloaded into the job's work directory.
 The job's token is a Hub credential and is never sent to an arbitrary URL. Every connection,
 each redirect hop included, goes through the egress policy (service/egress.py).
+
+Why one module of over 450 lines: resuming is one protocol spread over three parts that must
+agree on every byte count: the part file (:class:`PartWriter`, written and hashed on a thread
+of its own through a bounded queue), one download across its attempts (:class:`_Download`:
+``Range`` and ``If-Range``, the digest carried over, stall detection) and the fetcher that picks
+the cache or the job's directory (:class:`HttpFetcher`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ Output directory::
     example_inputs.npz       one input set (graph order) and PyTorch's outputs for it,
     example_outputs.npz      usable with ``tract ... run --input-from-bundle/--assert-output-bundle``
     config.json, tokenizer*  the checkpoint's auxiliary files, as-is
+
+Why one module of over 450 lines: causal LMs and encoders take two different torch-to-nnef
+entry points (:func:`_export_causal_lm`, :func:`_export_encoder`), and each call closes the traps
+listed above itself; the shared parts (offloaded model, reference outputs, output comparison) are
+already in :mod:`service.exporters.common`, tract's CLI in :mod:`.tract_cli` and the check in
+:mod:`.verify`.
 """
 
 from __future__ import annotations

@@ -34,6 +34,13 @@ Output directory::
     model.onnx               the graph; every initializer is external
     model.onnx_data          the weights, one tensor after the other (onnx-ir's layout)
     config.json, tokenizer*  the checkpoint's auxiliary files, as-is
+
+Why one module of over 450 lines: the spec, the graph capture, the streamed initializers, the
+save and the two task wrappers (:func:`_causal_lm_with_past`, :func:`_feature_extraction`) that
+give the graph the input/output layout above are each used only by this export, and the layout is
+easier to check against the list above when it is read in one place. What ONNX shares with NNEF
+lives in :mod:`service.exporters.common`; what runs in onnxruntime lives in
+:mod:`service.exporters.onnx.verify`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
 """The safetensors export itself (see :mod:`service.exporters.safetensors` for what it writes).
 
 Imports torch at import time: only the job process loads it, through the exporter's ``export``.
+
+Why one module of over 450 lines: the shard plan (names, header bounds, :class:`ShardPlan`) and
+the streamed write (prefetching, casting, hashing while writing) are kept together because the
+header written first must match the bytes streamed after it byte for byte; both halves read the
+same :class:`PlannedTensor` offsets.
 """
 
 from __future__ import annotations
