@@ -113,7 +113,12 @@ class GGUFExporter(Exporter):
         from service.exporters.gguf.directory import read_directory
         from service.exporters.gguf.plan import add_metadata, plan_gguf
         from service.exporters.gguf.quantize import split_gguf
-        from service.exporters.gguf.stream import verify_gguf, write_gguf, write_gguf_files
+        from service.exporters.gguf.stream import (
+            VerifyReport,
+            verify_gguf,
+            write_gguf,
+            write_gguf_files,
+        )
 
         assert isinstance(spec, GGUFSpec)
         checkpoint = inputs.checkpoint
@@ -157,9 +162,10 @@ class GGUFExporter(Exporter):
         # llama-quantize's pass for its types (which write f16 to the work dir first).
         passes = 1 + int(spec.verify) + int(spec.quantized)
         ctx.set_phase(Phase.EXPORT, total=passes * plan.data_bytes, unit="bytes")
-        # a computed tensor is evaluated once per plan: a read-back verification plans again
-        # (metadata only)
-        check_plan = make_plan(False) if plan.computed and spec.verify else plan
+        # The read-back runs as the file is written: each block is read back from the file and
+        # compared with the rows it was encoded from (stream.write_gguf_files); the layout
+        # check reads the finished file's directory after.
+        checked = VerifyReport() if spec.verify else None
 
         def metadata(writer: Any) -> None:
             add_metadata(writer, plan)
@@ -170,8 +176,8 @@ class GGUFExporter(Exporter):
             stage = ctx.work_dir / "gguf"
             stage.mkdir(parents=True, exist_ok=True)
             written_path = stage / f"model-{written}.gguf"
-            write_gguf(written_path, plan, reader, metadata, ctx)
-            report = verify_gguf(written_path, check_plan, reader, ctx, read_back=spec.verify)
+            write_gguf(written_path, plan, reader, metadata, ctx, check=checked)
+            report = verify_gguf(written_path, plan, reader, ctx, read_back=False)
             check = spec.verify and tokenizer.get("model", "none") != "none"
             whole = path if shard_bytes is None else stage / name
             digest, extra = self._quantize(
@@ -185,11 +191,11 @@ class GGUFExporter(Exporter):
                 whole.unlink()
         else:
             digests = write_gguf_files(
-                path, plan, reader, metadata, ctx, max_shard_bytes=shard_bytes
+                path, plan, reader, metadata, ctx, max_shard_bytes=shard_bytes, check=checked
             )
-            report = verify_gguf(
-                [out_dir / n for n in digests], check_plan, reader, ctx, read_back=spec.verify
-            )
+            report = verify_gguf([out_dir / n for n in digests], plan, reader, ctx, read_back=False)
+        if checked is not None:
+            report = checked
         files = list(digests)
         size = sum((out_dir / n).stat().st_size for n in files)
         ctx.add_metric("bytes_written", size)
@@ -327,4 +333,3 @@ def add_provenance(writer: Any, spec: GGUFSpec, source: dict[str, Any]) -> None:
     for key, value in values.items():
         if isinstance(value, str) and value and key not in present:
             writer.add_string(key, value)
-

@@ -11,14 +11,17 @@ block either: nothing is ever held whole.
 Verification reads the file's directory (``directory``: names, shapes, types, offsets; not
 ``gguf.GGUFReader``, which costs a minute and 600 MiB on a Llama-3 vocabulary), then each
 tensor's bytes with ``os.preadv`` in row blocks, dequantizes them with ``gguf.quants`` and
-compares them with the source within the type's error bound.
+compares them with the source within the type's error bound. An export reads its blocks back
+as it writes them (``write_gguf_files(check=...)``): one block behind the writer thread, from
+the file while its pages are still cached, against the rows still in memory, so the read-back
+costs neither a second read of the source nor a read of the disk.
 
 Why one module of over 450 lines: writing and verifying are one plan read two ways. The verifier
 walks the row blocks the writer wrote (:func:`block_spans`, :class:`RowBlockReader`) and undoes
 the q/k permutation the writer applied (:func:`_permute_block`), so the two halves change
-together; split, those private helpers would become a second module's API only to keep them in
-step. The per-type error bounds (``_FLOAT_REL``, ``_BLOCK_REL``, ``_BLOCK_ABS``) are the
-verifier's half.
+together (and the export's read-back runs inside the writer's loop); split, those private
+helpers would become a second module's API only to keep them in step. The per-type error bounds
+(``_FLOAT_REL``, ``_BLOCK_REL``, ``_BLOCK_ABS``) are the verifier's half.
 """
 
 from __future__ import annotations
@@ -217,8 +220,8 @@ class RowBlockReader:
     300 MB/s and 120 MB/s here: profiled on a 3.7 GB export, page faults of fresh buffers and
     those two casts were most of the write. This reads with the reader's ``read_into`` into
     one buffer per dtype and encodes f32/f16/q8_0 with torch into a reused output buffer
-    (bit-identical to ``gguf.quants``: tested). A yielded block is only valid until the next
-    one is asked for. Tensors it does not handle (computed ones, readers without
+    (bit-identical to ``gguf.quants``: tested). A yielded block is only valid until the
+    ``keep``-th next one is asked for (1: the next; the writer keeps 2 while it checks one). Tensors it does not handle (computed ones, readers without
     ``read_into``) go through :func:`source_blocks`.
     """
 
@@ -234,6 +237,9 @@ class RowBlockReader:
             if canonical in self._dtypes:
                 self._dtypes.setdefault(alias, self._dtypes[canonical])
         self._buffers: dict[str, Any] = {}
+        self.keep = 1
+        """Source buffers in turn: 2 while the writer checks a block after reading the next."""
+        self._turn = 0
 
     def _buffer(self, key: str, dtype: Any, numel: int) -> Any:
         """A reused flat torch buffer of at least ``numel`` elements, sliced to ``numel``."""
@@ -266,7 +272,8 @@ class RowBlockReader:
         permute = permuted and t.permute_heads is not None
         for start, rows in block_spans(t, self.chunk_bytes):
             n = rows * ncols
-            f32 = self._buffer("f32", torch.float32, n)
+            self._turn = (self._turn + 1) % self.keep
+            f32 = self._buffer(f"f32-{self._turn}", torch.float32, n)
             pos = 0
             for name, first, count in _pieces(t, start, rows, ncols):
                 dtype = self._dtypes[name]
@@ -337,6 +344,8 @@ class _HashingWriter:
     cast (profiled: hashing alone was a quarter of an f16 write). Two output slots alternate:
     the caller takes a slot (waiting until its previous block is on disk), encodes into it and
     hands it over. An error in the thread (disk full) is raised at the caller's next call.
+    Each block is flushed to the file as it is written, and :meth:`wait_written` waits until
+    the file holds a given number of bytes: what the caller reads back of it is the file's.
     """
 
     SLOTS = 2
@@ -346,6 +355,8 @@ class _HashingWriter:
         import threading
 
         self._out, self._digest = out, digest
+        self._written = 0
+        self._progress = threading.Condition()
         self._free = [threading.Semaphore(1) for _ in range(self.SLOTS)]
         self._queue: queue.Queue[tuple[memoryview, int] | None] = queue.Queue(self.SLOTS)
         self._error: BaseException | None = None
@@ -365,6 +376,14 @@ class _HashingWriter:
         self._raise()
         self._queue.put((data, slot))
 
+    def wait_written(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` of the handed-over blocks are in the file (flushed to the
+        kernel: a ``pread`` of them reads what was written); raise what the thread raised."""
+        with self._progress:
+            while self._written < nbytes and self._error is None:
+                self._progress.wait()
+        self._raise()
+
     def close(self) -> None:
         """Wait for every block handed over; raise what the thread raised."""
         self._queue.put(None)
@@ -381,10 +400,14 @@ class _HashingWriter:
             try:
                 if self._error is None:
                     self._out.write(data)
+                    self._out.flush()
                     self._digest.update(data)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
                 self._error = exc
             finally:
+                with self._progress:
+                    self._written += len(data)
+                    self._progress.notify_all()
                 del data, item
                 self._free[slot].release()
 
@@ -396,9 +419,11 @@ def write_gguf(
     add_metadata: Callable[[GGUFWriter], None],
     progress: Progress,
     chunk_bytes: int = CHUNK_BYTES,
+    check: VerifyReport | None = None,
 ) -> str:
-    """Write ``plan`` to ``path`` atomically; returns the file's sha256."""
-    digests = write_gguf_files(path, plan, reader, add_metadata, progress, chunk_bytes)
+    """Write ``plan`` to ``path`` atomically; returns the file's sha256 (``check``: as
+    :func:`write_gguf_files`)."""
+    digests = write_gguf_files(path, plan, reader, add_metadata, progress, chunk_bytes, check=check)
     return digests[path.name]
 
 
@@ -410,9 +435,18 @@ def write_gguf_files(
     progress: Progress,
     chunk_bytes: int = CHUNK_BYTES,
     max_shard_bytes: int | None = None,
+    check: VerifyReport | None = None,
 ) -> dict[str, str]:
     """Write ``plan`` as ``path``, or beyond ``max_shard_bytes`` of tensor data as llama.cpp's
     split files beside it; returns {file name: sha256}.
+
+    With ``check``, every row block is read back from the file once the writer thread has
+    written it (``pread`` of the file, what llama.cpp will map), decoded and compared with the
+    float32 rows it was encoded from, within the type's error bound (the figures go into
+    ``check``; beyond the bound :class:`VerificationFailed`). The rows are still in memory and
+    the written bytes still in the page cache, so the check costs no second read of the source
+    and no read of the disk, and it runs on the main thread while the writer thread writes the
+    next block. :func:`verify_gguf` with ``read_back=False`` then checks the files' layout.
 
     Splits are ``gguf.GGUFWriter``'s (what ``convert_hf_to_gguf --split-max-size`` and
     ``llama-gguf-split`` write): ``<stem>-00001-of-0000N.gguf``, every file a GGUF with its own
@@ -450,8 +484,10 @@ def write_gguf_files(
         with _torch_threads(1):
             for file, out, tensors in zip(files, writer.fout, writer.tensors, strict=True):
                 digests[file.name] = _write_data(
-                    file, out, [by_name[n] for n in tensors], blocks, writer, progress
+                    file, out, [by_name[n] for n in tensors], blocks, writer, progress, check
                 )
+        if check is not None:
+            check.files = len(files)
         writer.close()
         for file in files:
             os.replace(file, path.parent / file.name)
@@ -472,8 +508,10 @@ def _write_data(
     blocks: RowBlockReader,
     writer: GGUFWriter,
     progress: Progress,
+    check: VerifyReport | None = None,
 ) -> str:
-    """Stream ``tensors`` into ``out`` (header already written), fsync; returns the sha256."""
+    """Stream ``tensors`` into ``out`` (header already written), fsync; returns the sha256.
+    With ``check``, each block is read back and checked as it is written (:class:`_WrittenCheck`)."""
     import gguf
 
     writer.write_padding(out, out.tell())
@@ -483,6 +521,11 @@ def _write_data(
         digest.update(head.read(out.tell()))
     trim = HeapTrimmer()
     sink = _HashingWriter(out, digest)
+    checker = None
+    if check is not None:
+        checker = _WrittenCheck(file, out.tell(), sink, check, progress, blocks.chunk_bytes)
+        blocks.keep = 2  # the block being checked stays valid while the next one is read
+    pos = 0  # bytes handed to the writer after the header
     try:
         for t in tensors:
             progress.check_abort()
@@ -491,7 +534,10 @@ def _write_data(
                 slot = sink.take_slot()
                 data = blocks.encode(rows, t.ggml_type, t.type_name, slot)
                 sink.put(data, slot)
+                if checker is not None:
+                    checker.submit(t, rows, pos, data.nbytes)  # and checks the one before
                 written += data.nbytes
+                pos += data.nbytes
                 progress.advance(data.nbytes)
                 source_bytes = rows.nbytes
                 del rows, data
@@ -502,11 +548,64 @@ def _write_data(
             pad = gguf.GGUFWriter.ggml_pad(written, writer.data_alignment) - written
             if pad:
                 sink.put(memoryview(bytes(pad)), sink.take_slot())
+                pos += pad
+        if checker is not None:
+            checker.submit(None, None, pos, 0)  # the last block
     finally:
         sink.close()
+        blocks.keep = 1
+        if checker is not None:
+            checker.close()
     out.flush()
     os.fsync(out.fileno())
     return digest.hexdigest()
+
+
+class _WrittenCheck:
+    """The read-back of :func:`write_gguf_files` with ``check``: one block behind the writer.
+
+    :meth:`submit` hands over the block just given to the writer thread and checks the one
+    before it: it waits until the writer has put that block's bytes in the file, reads them
+    back with ``pread`` from the file's own descriptor, decodes them and compares them with the
+    rows they were encoded from (as written: a permuted q/k block in the file's row order).
+    """
+
+    def __init__(
+        self,
+        file: Path,
+        data_start: int,
+        sink: _HashingWriter,
+        report: VerifyReport,
+        progress: Progress,
+        chunk_bytes: int,
+    ) -> None:
+        self._fd = os.open(file, os.O_RDONLY)
+        self._start, self._sink, self._report, self._progress = data_start, sink, report, progress
+        self._stored = _StoredBlocks(chunk_bytes)
+        self._pending: tuple[TensorPlan, np.ndarray, int, int] | None = None
+        self._last: str | None = None
+
+    def submit(
+        self, t: TensorPlan | None, rows: np.ndarray | None, offset: int, length: int
+    ) -> None:
+        """Keep this block (``t``'s ``rows``, ``length`` bytes at ``offset`` after the header)
+        and check the previous one; ``t`` None: only check the previous one."""
+        pending, self._pending = self._pending, None
+        if t is not None and rows is not None:
+            self._pending = (t, rows, offset, length)
+        if pending is None:
+            return
+        tensor, src, at, size = pending
+        self._sink.wait_written(at + size)
+        got = self._stored.read(self._fd, self._start + at, size, src.shape[0], tensor)
+        _check_block(src, got, tensor, self._report, self._progress)
+        if tensor.name != self._last:
+            self._last = tensor.name
+            self._report.tensors_checked += 1
+
+    def close(self) -> None:
+        self._pending = None
+        os.close(self._fd)
 
 
 class _torch_threads:
@@ -650,36 +749,44 @@ class _StoredBlocks:
         self._f32: Any = None
 
     def blocks(self, fd: int, offset: int, t: TensorPlan) -> Iterator[np.ndarray]:
+        """``t``'s row blocks as :func:`block_spans` cuts them, from the tensor's data at
+        ``offset``; each block's pages leave the page cache once decoded."""
+        _, nrows, _ = block_rows(t, self.chunk_bytes)
+        row_bytes = t.nbytes // nrows
+        for start, rows in block_spans(t, self.chunk_bytes):
+            pos, length = offset + start * row_bytes, rows * row_bytes
+            yield self.read(fd, pos, length, rows, t)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, pos, length, os.POSIX_FADV_DONTNEED)
+
+    def read(self, fd: int, pos: int, length: int, rows: int, t: TensorPlan) -> np.ndarray:
+        """``rows`` rows of ``t`` stored in the ``length`` bytes at ``pos``, as float32 (valid
+        until the next read)."""
         import numpy as np
         import torch
         from gguf import GGMLQuantizationType, quants
 
-        _, nrows, ncols = block_rows(t, self.chunk_bytes)
-        row_bytes = t.nbytes // nrows
+        _, _, ncols = block_rows(t, self.chunk_bytes)
+        if self._raw is None or self._raw.numel() < length:
+            self._raw = torch.empty(length, dtype=torch.uint8)
+        raw = self._raw[:length]
+        view = memoryview(raw.numpy().data).cast("B")
+        done = 0
+        while done < length:
+            n = os.preadv(fd, [view[done:]], pos + done)
+            if n == 0:
+                raise VerificationFailed(f"{t.name}: file truncated")
+            done += n
+        if t.type_name in ("f32", "f16"):
+            if self._f32 is None or self._f32.numel() < rows * ncols:
+                self._f32 = torch.empty(rows * ncols, dtype=torch.float32)
+            f32 = self._f32[: rows * ncols]
+            f32.copy_(raw.view(torch.float32 if t.type_name == "f32" else torch.float16))
+            out: np.ndarray = f32.numpy().reshape(rows, ncols)
+            return out
+        arr = raw.numpy().reshape(rows, length // rows)
         qtype = GGMLQuantizationType(t.ggml_type)
-        for start, rows in block_spans(t, self.chunk_bytes):
-            pos, length = offset + start * row_bytes, rows * row_bytes
-            if self._raw is None or self._raw.numel() < length:
-                self._raw = torch.empty(length, dtype=torch.uint8)
-            raw = self._raw[:length]
-            view = memoryview(raw.numpy().data).cast("B")
-            done = 0
-            while done < length:
-                n = os.preadv(fd, [view[done:]], pos + done)
-                if n == 0:
-                    raise VerificationFailed(f"{t.name}: file truncated")
-                done += n
-            if t.type_name in ("f32", "f16"):
-                if self._f32 is None or self._f32.numel() < rows * ncols:
-                    self._f32 = torch.empty(rows * ncols, dtype=torch.float32)
-                f32 = self._f32[: rows * ncols]
-                f32.copy_(raw.view(torch.float32 if t.type_name == "f32" else torch.float16))
-                yield f32.numpy().reshape(rows, ncols)
-            else:
-                arr = raw.numpy().reshape(rows, row_bytes)
-                yield np.asarray(quants.dequantize(arr, qtype), dtype=np.float32).reshape(rows, -1)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, pos, length, os.POSIX_FADV_DONTNEED)
+        return np.asarray(quants.dequantize(arr, qtype), dtype=np.float32).reshape(rows, -1)
 
 
 def block_error(src: np.ndarray, got: np.ndarray, type_name: str) -> tuple[float, float]:
@@ -716,21 +823,28 @@ def _verify_tensor(
     report: VerifyReport,
     progress: Progress,
 ) -> None:
-    name = t.type_name
     for src, got in zip(source, stored, strict=True):
         if t.permute_heads is not None:
             got = _permute_block(got, t, inverse=True)  # compare in transformers' row order
-        if src.shape != got.shape:
-            raise VerificationFailed(f"{t.name}: block shape {got.shape} != source {src.shape}")
-        worst, fraction = block_error(src, got, name)
-        if not fraction <= 1.0:  # NaN fails too
-            raise VerificationFailed(
-                f"{t.name}: error beyond the {name} tolerance "
-                f"(max abs error {worst:.3g}, {fraction:.3g} x the bound)"
-            )
-        report.max_abs_error[name] = max(report.max_abs_error.get(name, 0.0), worst)
-        report.worst_fraction_of_bound[name] = max(
-            report.worst_fraction_of_bound.get(name, 0.0), fraction
-        )
-        progress.advance(src.size * t.nbytes // max(1, math.prod(t.shape)))
+        _check_block(src, got, t, report, progress)
         del src, got
+
+
+def _check_block(
+    src: np.ndarray, got: np.ndarray, t: TensorPlan, report: VerifyReport, progress: Progress
+) -> None:
+    """One stored block (``got``, decoded; overwritten) against its source rows ``src``."""
+    name = t.type_name
+    if src.shape != got.shape:
+        raise VerificationFailed(f"{t.name}: block shape {got.shape} != source {src.shape}")
+    worst, fraction = block_error(src, got, name)
+    if not fraction <= 1.0:  # NaN fails too
+        raise VerificationFailed(
+            f"{t.name}: error beyond the {name} tolerance "
+            f"(max abs error {worst:.3g}, {fraction:.3g} x the bound)"
+        )
+    report.max_abs_error[name] = max(report.max_abs_error.get(name, 0.0), worst)
+    report.worst_fraction_of_bound[name] = max(
+        report.worst_fraction_of_bound.get(name, 0.0), fraction
+    )
+    progress.advance(src.size * t.nbytes // max(1, math.prod(t.shape)))

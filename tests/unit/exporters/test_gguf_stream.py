@@ -16,12 +16,18 @@ import pytest
 from pydantic import ValidationError
 
 from service.checkpoint import open_checkpoint
+from service.errors import VerificationFailed
 from service.exporters.base import ExportInputs, ExportResult
 from service.exporters.gguf import GGUFExporter, GGUFSpec
 from service.exporters.gguf.directory import read_directory
 from service.exporters.gguf.llama_check import perplexity
 from service.exporters.gguf.plan import GGUFPlan, plan_gguf
-from service.exporters.gguf.stream import RowBlockReader, verify_gguf, write_gguf_files
+from service.exporters.gguf.stream import (
+    RowBlockReader,
+    VerifyReport,
+    verify_gguf,
+    write_gguf_files,
+)
 from service.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
 from tests.unit.exporters.test_gguf import _ctx
@@ -132,6 +138,62 @@ def test_a_failing_write_in_the_writer_thread_fails_the_export_and_leaves_nothin
         with pytest.raises(OSError, match="No space left"):
             write_gguf_files(out / "m.gguf", plan, c.reader, metadata, _ctx(tmp_path))
     assert list(out.iterdir()) == []
+
+
+class _FlippingDisk:
+    """The file object of a disk that changes one byte of the ``nth`` large write: the bytes
+    handed to it (and hashed) are right, the file's are not."""
+
+    def __init__(self, real: Any, nth: int) -> None:
+        self.real, self.left = real, nth
+
+    def write(self, data: Any) -> int:
+        if len(data) > 4096:
+            self.left -= 1
+            if self.left == 0:
+                changed = bytearray(data)
+                changed[len(changed) // 2 | 1] ^= 0x40  # an f16's exponent bit
+                return int(self.real.write(changed))
+        return int(self.real.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("flip", [0, 3])
+def test_each_block_is_read_back_from_the_file_as_it_is_written(
+    wide_llama: Path,  # noqa: F811
+    tmp_path: Path,
+    flip: int,
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with open_checkpoint(wide_llama) as c:
+        plan = _plan(wide_llama, c)
+
+        def metadata(writer: gguf.GGUFWriter) -> None:
+            real_open = writer.open_output_file
+
+            def open_flipping(path: Path | None = None) -> None:
+                real_open(path)
+                assert writer.fout is not None
+                writer.fout = [_FlippingDisk(f, flip) for f in writer.fout]  # type: ignore[misc]
+
+            writer.open_output_file = open_flipping  # type: ignore[method-assign]
+
+        report = VerifyReport()
+        if flip:
+            with pytest.raises(VerificationFailed, match="beyond the f16 tolerance"):
+                write_gguf_files(
+                    out / "m.gguf", plan, c.reader, metadata, _ctx(tmp_path), check=report
+                )
+            assert list(out.iterdir()) == []
+            return
+        write_gguf_files(out / "m.gguf", plan, c.reader, metadata, _ctx(tmp_path), check=report)
+        assert report.tensors_checked == len(plan.tensors) and report.files == 1
+        assert 0 < report.worst_fraction_of_bound["f16"] <= 1.0
+        again = verify_gguf(out / "m.gguf", _plan(wide_llama, c), c.reader, _ctx(tmp_path))
+        assert report.as_dict() == again.as_dict()  # the same figures as a read-back after
 
 
 def _tensor_bytes(files: list[Path]) -> dict[str, bytes]:
