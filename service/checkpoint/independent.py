@@ -133,18 +133,14 @@ def independent_reference(
     window = scored(FIXED_TEXT_CTX)
     try:
         with torch.inference_mode():
-            out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
-            found = getattr(out, "logits", None)
-            found = getattr(out, "last_hidden_state", None) if found is None else found
-            if not isinstance(found, torch.Tensor):
-                raise VerificationFailed(f"{model_class.__name__} gives no logits or hidden state")
-            outputs = found.float().clone()
-            for i, chunk in enumerate([] if chunks is None else chunks):
-                ids = torch.from_numpy(chunk[None].astype(np.int64))
-                logits = model(input_ids=ids, use_cache=False).logits[0].float().numpy()
-                kept = np.zeros_like(logits)
-                kept[window.start - 1 : window.stop] = logits[window.start - 1 : window.stop]
-                np.save(logits_dir / f"chunk-{i}.npy", kept)
+            if chunks is not None and input_ids.shape[0] == 1 and input_ids.shape[1] <= chunks.shape[1]:
+                outputs = _batched(model, input_ids, chunks, logits_dir, window)
+            else:
+                outputs = _outputs(model, model_class, input_ids)
+                for i, chunk in enumerate([] if chunks is None else chunks):
+                    ids = torch.from_numpy(chunk[None].astype(np.int64))
+                    logits = model(input_ids=ids, use_cache=False).logits[0].float().numpy()
+                    _save_chunk(logits, logits_dir / f"chunk-{i}.npy", window)
     finally:
         del model
         shutil.rmtree(offload, ignore_errors=True)
@@ -158,6 +154,45 @@ def independent_reference(
         vocab_size=int(getattr(config, "vocab_size", 0) or 0),
         info={"compute_dtype": "float32" if whole else str(getattr(config, "dtype", "")).removeprefix("torch.")},
     )
+
+
+def _outputs(model: Any, model_class: Any, input_ids: Any) -> Any:
+    """The model's float32 output (logits, else last hidden state) on ``input_ids``."""
+    import torch
+
+    out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    found = getattr(out, "logits", None)
+    found = getattr(out, "last_hidden_state", None) if found is None else found
+    if not isinstance(found, torch.Tensor):
+        raise VerificationFailed(f"{model_class.__name__} gives no logits or hidden state")
+    return found.float().clone()
+
+
+def _batched(model: Any, input_ids: Any, chunks: np.ndarray, logits_dir: Path, window: slice) -> Any:
+    """A causal LM's outputs on ``input_ids`` and its logits on every chunk of the fixed
+    text, from one forward over a batch: the chunks, then ``input_ids`` padded on the right
+    (masked; causal attention never lets its positions see the padding). Layer by layer,
+    every forward reads every weight from disk again: one pass instead of one per input."""
+    import torch
+
+    n_chunk, n_ctx = chunks.shape
+    seq = input_ids.shape[1]
+    ids = torch.zeros((n_chunk + 1, n_ctx), dtype=torch.int64)
+    ids[:n_chunk] = torch.from_numpy(chunks.astype(np.int64))
+    ids[n_chunk, :seq] = input_ids[0]
+    mask = torch.ones_like(ids)
+    mask[n_chunk, seq:] = 0
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    for i in range(n_chunk):
+        _save_chunk(logits[i].float().numpy(), logits_dir / f"chunk-{i}.npy", window)
+    return logits[n_chunk : n_chunk + 1, :seq].float().clone()
+
+
+def _save_chunk(logits: np.ndarray, path: Path, window: slice) -> None:
+    """A chunk's logits with the rows outside the scored window (and the one before it) zeroed."""
+    kept = np.zeros_like(logits)
+    kept[window.start - 1 : window.stop] = logits[window.start - 1 : window.stop]
+    np.save(path, kept)
 
 
 def _merged_with_peft(model: Any, adapter_dir: Path) -> Any:

@@ -1,0 +1,56 @@
+"""transformers' independent reference computes every input in one batched forward: the same
+outputs and chunk logits as one forward per input, whole and layer by layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from service.checkpoint.independent import independent_reference, text_chunks
+from service.logits import FIXED_TEXT, scored
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with random weights and a byte-level BPE trained on the fixed text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([FIXED_TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>").save_pretrained(root)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 1 << 16], ids=["whole", "layer-by-layer"])
+def test_one_batched_forward_gives_what_one_forward_per_input_gives(
+    tiny_llama: Path, tmp_path: Path, budget: int
+) -> None:
+    from transformers import LlamaForCausalLM
+
+    ids = torch.tensor([[5, 17, 42, 9, 250, 3, 77, 120]])
+    got = independent_reference(tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, budget, tmp_path)
+    assert got.mode == ("whole" if budget > 1 << 20 else "layer-by-layer")
+    chunks = text_chunks(tiny_llama, FIXED_TEXT)
+    assert chunks is not None and got.chunks is not None and (got.chunks == chunks).all()
+    model = LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    window = scored(chunks.shape[1])
+    with torch.inference_mode():
+        outputs = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        assert got.outputs.shape == outputs.shape
+        torch.testing.assert_close(got.outputs, outputs, rtol=1e-5, atol=1e-6)
+        for chunk, logits in zip(chunks, got.chunk_logits(), strict=True):
+            one = model(input_ids=torch.from_numpy(chunk[None].astype(np.int64))).logits[0]
+            kept = slice(window.start - 1, window.stop)
+            np.testing.assert_allclose(logits[kept], one[kept].numpy(), rtol=1e-5, atol=1e-6)
+            assert not logits[: window.start - 1].any()  # rows outside the window are zero
