@@ -133,14 +133,9 @@ def independent_reference(
     window = scored(FIXED_TEXT_CTX)
     try:
         with torch.inference_mode():
-            if chunks is not None and input_ids.shape[0] == 1 and input_ids.shape[1] <= chunks.shape[1]:
-                outputs = _batched(model, input_ids, chunks, logits_dir, window)
-            else:
-                outputs = _outputs(model, model_class, input_ids)
-                for i, chunk in enumerate([] if chunks is None else chunks):
-                    ids = torch.from_numpy(chunk[None].astype(np.int64))
-                    logits = model(input_ids=ids, use_cache=False).logits[0].float().numpy()
-                    _save_chunk(logits, logits_dir / f"chunk-{i}.npy", window)
+            outputs = _outputs(model, model_class, input_ids)
+            if chunks is not None:
+                _chunk_logits(model, chunks, logits_dir, window)
     finally:
         del model
         shutil.rmtree(offload, ignore_errors=True)
@@ -168,24 +163,17 @@ def _outputs(model: Any, model_class: Any, input_ids: Any) -> Any:
     return found.float().clone()
 
 
-def _batched(model: Any, input_ids: Any, chunks: np.ndarray, logits_dir: Path, window: slice) -> Any:
-    """A causal LM's outputs on ``input_ids`` and its logits on every chunk of the fixed
-    text, from one forward over a batch: the chunks, then ``input_ids`` padded on the right
-    (masked; causal attention never lets its positions see the padding). Layer by layer,
-    every forward reads every weight from disk again: one pass instead of one per input."""
+def _chunk_logits(model: Any, chunks: np.ndarray, logits_dir: Path, window: slice) -> None:
+    """A causal LM's logits on every chunk of the fixed text (``chunk-<i>.npy``), from one
+    forward over the chunks as a batch: layer by layer, every forward reads every weight from
+    disk again, so one pass instead of one per chunk. (The fixed input is shorter: batched, its
+    padding would cost more compute than the pass it saves.)"""
     import torch
 
-    n_chunk, n_ctx = chunks.shape
-    seq = input_ids.shape[1]
-    ids = torch.zeros((n_chunk + 1, n_ctx), dtype=torch.int64)
-    ids[:n_chunk] = torch.from_numpy(chunks.astype(np.int64))
-    ids[n_chunk, :seq] = input_ids[0]
-    mask = torch.ones_like(ids)
-    mask[n_chunk, seq:] = 0
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    for i in range(n_chunk):
+    ids = torch.from_numpy(chunks.astype(np.int64))
+    logits = model(input_ids=ids, use_cache=False).logits
+    for i in range(len(chunks)):
         _save_chunk(logits[i].float().numpy(), logits_dir / f"chunk-{i}.npy", window)
-    return logits[n_chunk : n_chunk + 1, :seq].float().clone()
 
 
 def _save_chunk(logits: np.ndarray, path: Path, window: slice) -> None:

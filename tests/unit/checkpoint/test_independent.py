@@ -1,5 +1,5 @@
-"""transformers' independent reference computes every input in one batched forward: the same
-outputs and chunk logits as one forward per input, whole and layer by layer."""
+"""transformers' independent reference computes the fixed text's chunks in one batched forward:
+the same chunk logits as one forward per chunk, whole and layer by layer."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("budget", [1 << 30, 1 << 16], ids=["whole", "layer-by-layer"])
-def test_one_batched_forward_gives_what_one_forward_per_input_gives(
+def test_one_batched_forward_gives_what_one_forward_per_chunk_gives(
     tiny_llama: Path, tmp_path: Path, budget: int
 ) -> None:
     from transformers import LlamaForCausalLM
