@@ -31,6 +31,10 @@ With ``--repeat N`` each size runs N rounds, the three commands interleaved in e
 (ours off, ours on, upstream), so a machine whose speed drifts slows all three alike; the table
 gives each wall's minimum and median and the ratio of the medians.
 
+Why one module of over 450 lines: a benchmark is run as one file (``python bench/...``) and
+re-runs itself as its measured children (``--child``), so the children, the anchor's
+commands and the table live together.
+
 Results go to ``--json`` and a markdown table on stdout. The memory bound of our export is
 printed as a formula with its terms measured at each size. Big files live under ``--dir`` and
 are deleted at the end.
