@@ -231,8 +231,9 @@ class Settings(BaseSettings):
     )
     tract_max_memory: str | None = Field(
         default=None,
-        description="RAM an NNEF verification may give tract, which holds every weight of the "
-        "archive; default: the job's budget (job_memory) less the job process's own share.",
+        description="RAM an NNEF verification may give tract, which holds every weight it runs: "
+        "the whole archive when it fits, else one block (decoder layer) at a time; default: the "
+        "job's budget (job_memory) less the job process's own share.",
     )
     ort_max_memory: str | None = Field(
         default=None,

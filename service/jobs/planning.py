@@ -28,8 +28,9 @@ def plan_spec(spec: JobSpec, headers: CheckpointHeaders, settings: Settings) -> 
     """Every export's plan and the job's, against ``settings.job_memory`` and the free disk
     of the data directory."""
     max_memory = parse_size(spec.max_memory or settings.offload_memory)
+    tract_limit = parse_size(settings.tract_max_memory) if settings.tract_max_memory else None
     exports: list[ExportPlan] = [
-        plan_export(export, headers, max_memory, verify=spec.verify)
+        plan_export(export, headers, max_memory, verify=spec.verify, tract_limit=tract_limit)
         for export in spec.export_specs()
     ]
     try:

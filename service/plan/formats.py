@@ -17,7 +17,8 @@ recorded figure takes the larger of the two.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from service.checkpoint.headers import ITEMSIZE, CheckpointHeaders, TensorHeader
@@ -65,6 +66,12 @@ ONNX_PER_LAYER_BYTES = int(4.5 * MiB)
 TRACT_BASE_BYTES = 64 * MiB
 TRACT_WEIGHT_FACTOR = 1.35
 """tract holds the whole archive in RAM (bench/export_nnef.py: 6.36 GiB for 4.70 GiB)."""
+
+TRACT_LAYERWISE_FACTOR = 2.0
+"""tract checking the archive block by block holds one block at a time (one decoder layer; the
+first and last blocks hold the embedding or the output head as well): 64 MiB + 2 x the largest
+block's weights (SmolLM2 float16: a layer of 6.8 MiB peaks at 61 MiB, the head's 54 MiB at
+163 MiB; tract packs a matrix for its matmul beside the loaded one)."""
 
 NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
 """torch-to-nnef's trace of the meta copy, per layer (MiniLM 570 MiB for 6 layers,
@@ -316,10 +323,59 @@ def plan_onnx(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
 # --- NNEF -------------------------------------------------------------------------------------
 
 
-def plan_nnef(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
+def block_weight_bytes(tensors: Iterable[tuple[str, int]]) -> int:
+    """The largest block's weight bytes when tract checks a causal LM block by block, from its
+    tensors' names and sizes: a decoder layer is every tensor under one ``layers.N.`` (or
+    ``h.N.``, ``layer.N.``, ``blocks.N.``) prefix; the first block holds the embedding beside
+    layer 0 and the last the final norm and the output head, so the largest block is bounded
+    by the largest layer plus the largest tensor outside the layers."""
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for name, size in tensors:
+        match = _LAYER_PREFIX.search(f".{name}")
+        if match:
+            index = int(match.group(1))
+            per_layer[index] = per_layer.get(index, 0) + size
+        else:
+            outside = max(outside, size)
+    return max(per_layer.values(), default=0) + outside
+
+
+_LAYER_PREFIX = re.compile(r"\.(?:layers|h|layer|blocks)\.(\d+)\.")
+
+
+def tract_peaks(archive_bytes: int, block_bytes: int) -> tuple[int, int]:
+    """tract's predicted peak RSS running the archive whole, and block by block."""
+    whole = TRACT_BASE_BYTES + int(TRACT_WEIGHT_FACTOR * archive_bytes)
+    return whole, TRACT_BASE_BYTES + int(TRACT_LAYERWISE_FACTOR * block_bytes)
+
+
+def tract_mode(
+    archive_bytes: int, block_bytes: int | None, limit: int | None
+) -> VerificationMode | None:
+    """How tract checks an archive within ``limit`` bytes: ``whole`` when it can hold every
+    weight, else ``layerwise`` when it can hold the largest block (``block_bytes``; None: the
+    model cannot be cut, an encoder), else None (the check does not fit at all). The plan and
+    the job decide with this one function, so the plan's mode is the job's."""
+    whole, layerwise = tract_peaks(archive_bytes, block_bytes or 0)
+    if limit is None or whole <= limit:
+        return "whole"
+    if block_bytes is not None and layerwise <= limit:
+        return "layerwise"
+    return None
+
+
+def _causal(headers: CheckpointHeaders) -> bool:
+    config = headers.config or {}
+    return any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or ())
+
+
+def plan_nnef(spec: Any, headers: CheckpointHeaders, tract_limit: int | None = None) -> ExportPlan:
     """The job traces a meta copy (about 14.5 MiB per layer) and streams each weight from the
     offload store (twice the largest, in float32); tract holds the whole archive
-    (64 MiB + 1.35 x archive) when it verifies it."""
+    (64 MiB + 1.35 x archive) when it verifies it, or, when that exceeds ``tract_limit``
+    (``MODELPREP_TRACT_MAX_MEMORY``) and the model is a causal LM, one block at a time
+    (64 MiB + 2 x the largest block)."""
     itemsize = _export_dtype_bytes(headers, None)
     weights = _floating_elements(headers) * itemsize - _ties(headers) // 4 * itemsize
     compressed = getattr(spec, "compression", None) == "q4_0"
@@ -328,28 +384,47 @@ def plan_nnef(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
     layers = _layers(headers)
     job = JOB_BASE_BYTES + 2 * largest + layers * NNEF_PER_LAYER_BYTES
     verify = bool(spec.verify) and not compressed
-    children = (
-        (ChildPlan("tract", TRACT_BASE_BYTES + int(TRACT_WEIGHT_FACTOR * archive)),)
-        if verify else ()
+    block = (
+        block_weight_bytes((t.name, t.numel * itemsize) for t in headers.tensors if t.floating)
+        if _causal(headers) and headers.tensors else None
     )
+    mode = tract_mode(archive, block, tract_limit) if verify else None
+    whole, layerwise = tract_peaks(archive, block or 0)
+    if not verify:
+        children: tuple[ChildPlan, ...] = ()
+        tract = ""
+    elif mode == "layerwise":
+        children = (ChildPlan("tract", layerwise),)
+        tract = (f"tract block by block: 64 MiB + 2 x largest block ({(block or 0) >> 20} MiB), "
+                 f"whole would be 64 MiB + 1.35 x archive ({archive >> 20} MiB)")
+    else:  # whole, or None: the whole figure, which the budget then refuses
+        children = (ChildPlan("tract", whole),)
+        tract = f"tract: 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
     return ExportPlan(
         format="nnef", job_peak_rss_bytes=job, job_rss_during_children_bytes=job,
-        children=children, verification="whole" if verify else "none",
+        children=children, verification=(mode or "whole") if verify else "none",
         artifact_bytes=archive,
         notes=(
             (f"job: base + 2 x largest tensor ({largest >> 20} MiB float32) + {layers} layers x "
-            f"14.5 MiB; tract: 64 MiB + 1.35 x archive ({archive >> 20} MiB)"),
+            f"14.5 MiB; {tract}"),
         ),
     )  # fmt: skip
 
 
 def plan_export(
-    spec: Any, headers: CheckpointHeaders, max_memory: int, verify: bool = True
+    spec: Any,
+    headers: CheckpointHeaders,
+    max_memory: int,
+    verify: bool = True,
+    tract_limit: int | None = None,
 ) -> ExportPlan:
     """The plan of one export spec (its ``format`` picks the formula); ``verify`` False (the
-    job's ``"verify": false``) turns every export's verification off."""
+    job's ``"verify": false``) turns every export's verification off; ``tract_limit`` is what
+    tract may hold (``MODELPREP_TRACT_MAX_MEMORY``), which picks how an NNEF archive is checked."""
     if not verify and getattr(spec, "verify", False):
         spec = spec.model_copy(update={"verify": False})
+    if spec.format == "nnef":
+        return plan_nnef(spec, headers, tract_limit)
     if spec.format == "safetensors":
         return plan_safetensors(spec, headers, max_memory, verify)
     if spec.format == "gguf":

@@ -51,6 +51,10 @@ class GreedyReference:
     """The decoder layers' module names (``model.layers.0``...), when recorded."""
     layers: np.ndarray | None = None
     """Last position of each layer's output at each step, ``[steps, layers, hidden]``."""
+    hidden: np.ndarray | None = None
+    """Each layer's output at every position fed (the prompt, then each fed token),
+    ``[layers, positions, hidden]`` in float32 (exact for 16-bit models): what a layer-by-layer
+    check feeds each block, when recorded (``record_hidden``)."""
 
 
 def decoder_layers(model: Any) -> list[tuple[str, Any]]:
@@ -65,25 +69,35 @@ def decoder_layers(model: Any) -> list[tuple[str, Any]]:
 
 
 def greedy_reference(
-    model: Any, prompt: Sequence[int], decode_steps: int, *, record_layers: bool = False
+    model: Any,
+    prompt: Sequence[int],
+    decode_steps: int,
+    *,
+    record_layers: bool = False,
+    record_hidden: bool = False,
 ) -> GreedyReference:
     """Greedy decode with the KV cache in PyTorch (``model`` is a transformers causal LM).
 
     With ``record_layers`` each layer's output (last position) is kept too, through forward
-    hooks: a few KiB per layer and step, what a failed check compares to say where it starts."""
+    hooks: a few KiB per layer and step, what a failed check compares to say where it starts.
+    With ``record_hidden`` every position of each layer's output is kept as well (layers x
+    positions x hidden floats), what a layer-by-layer check feeds its blocks."""
     import torch
 
     tokens: list[int] = []
     logits: list[np.ndarray] = []
-    layers = decoder_layers(model) if record_layers else []
+    layers = decoder_layers(model) if record_layers or record_hidden else []
     step_layers: list[np.ndarray | None] = [None] * len(layers)
     recorded: list[np.ndarray] = []
+    full: list[list[np.ndarray]] = [[] for _ in layers]
 
     def keep(index: int) -> Any:
         def hook(_module: Any, _args: Any, output: Any) -> None:
             hidden = output[0] if isinstance(output, tuple) else output
-            last = hidden.reshape(-1, hidden.shape[-1])[-1].float().as_subclass(torch.Tensor)
-            step_layers[index] = last.numpy().copy()
+            rows = hidden.reshape(-1, hidden.shape[-1]).float().as_subclass(torch.Tensor)
+            step_layers[index] = rows[-1].numpy().copy()
+            if record_hidden:
+                full[index].append(rows.numpy().copy())
 
         return hook
 
@@ -108,5 +122,6 @@ def greedy_reference(
     return GreedyReference(
         [int(t) for t in prompt], tokens, logits,
         layer_names=[n for n, _ in layers] if complete else [],
-        layers=np.stack(recorded) if complete else None,
+        layers=np.stack(recorded) if complete and record_layers else None,
+        hidden=np.stack([np.concatenate(f) for f in full]) if complete and record_hidden else None,
     )  # fmt: skip

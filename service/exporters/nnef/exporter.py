@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from service.exporters.common.parity import ParityReport
     from service.exporters.common.reference import GreedyReference
     from service.exporters.nnef.verify import IOSpec
+    from service.plan import VerificationMode
     from service.stage import JobContext
 
 LOGGER = logging.getLogger(__name__)
@@ -147,16 +148,24 @@ class NNEFExporter(GraphExporter):
     def check_files(
         self, spec: ExportSpec, config: dict[str, Any] | None, root: Path, settings: Settings
     ) -> None:
-        """:meth:`check`, then refuse at submission a verification tract cannot hold (it holds
-        every weight of the archive in RAM), naming the numbers, rather than in the job."""
+        """:meth:`check`, then refuse at submission a verification tract cannot hold even one
+        block at a time (it holds every weight it runs in RAM), naming the numbers, rather than
+        in the job."""
         from service.checkpoint.consistency import safetensors_weight_bytes
+        from service.checkpoint.headers import local_file_header
         from service.exporters.nnef.verify import ensure_tract_fits
+        from service.plan.formats import block_weight_bytes
 
         self.check(spec, config, settings)
         nspec = _nnef_spec(spec)
         weight_bytes = safetensors_weight_bytes(root)
         if nspec.verify and nspec.compression is None and weight_bytes is not None:
-            ensure_tract_fits(weight_bytes, settings.tract_max_memory)
+            block = None
+            if is_causal_lm(config or {}):
+                tensors = [t for f in sorted(root.glob("*.safetensors"))
+                           for t in local_file_header(f)]  # fmt: skip
+                block = block_weight_bytes((t.name, t.nbytes) for t in tensors)
+            ensure_tract_fits(weight_bytes, settings.tract_max_memory, block)
 
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
@@ -213,11 +222,17 @@ def export_nnef(
             built = off.offloaded_model(
                 skeleton, checkpoint, offload_dir=offload_dir, store=inputs.store, hook=on_read
             )
+            mode: VerificationMode = "none"
             if spec.verify and spec.compression is None:
-                # Fail before exporting, not after: tract will need every weight in RAM.
-                ensure_tract_fits(built.weight_bytes, ctx.settings.tract_max_memory)
+                # Fail before exporting, not after: tract needs every weight it runs in RAM,
+                # the whole archive's or, when that does not fit, one block's at a time.
+                mode = ensure_tract_fits(
+                    built.weight_bytes, ctx.settings.tract_max_memory, _block_bytes(built)
+                )
             if built.kind == "causal_lm":
-                io, report = _export_causal_lm(spec, built, launcher, work / "stage", out_dir, ctx)
+                io, report = _export_causal_lm(
+                    spec, built, launcher, work / "stage", out_dir, ctx, mode
+                )
             else:
                 io, report = _export_encoder(spec, built, launcher, work / "stage", out_dir, ctx)
     finally:
@@ -237,6 +252,18 @@ def export_nnef(
         "verify": report.summary() if report is not None else None,
     }
     return ExportResult(files=files, summary=summary)
+
+
+def _block_bytes(built: OffloadedModel) -> int | None:
+    """The largest block's weight bytes of a causal LM checked block by block (None for an
+    encoder, which is not cut): from the module's parameters, ties counted once."""
+    from service.plan.formats import block_weight_bytes
+
+    if built.kind != "causal_lm":
+        return None
+    return block_weight_bytes(
+        (name, p.numel() * p.element_size()) for name, p in built.module.named_parameters()
+    )
 
 
 class _PromptTokenizer:
@@ -259,13 +286,16 @@ def _export_causal_lm(
     stage: Path,
     out_dir: Path,
     ctx: JobContext,
+    mode: VerificationMode = "whole",
 ) -> tuple[IOSpec, ParityReport | None]:
     from torch_to_nnef.compress import DEFAULT_COMPRESSION_REGISTRY
     from torch_to_nnef.exceptions import T2NError
     from torch_to_nnef_llm.config import ExportDirStruct
     from torch_to_nnef_llm.exporter import LLMExporter
 
+    from service.exporters.common.child_process import memory_limit
     from service.exporters.common.reference import greedy_reference, prompt_ids
+    from service.exporters.nnef.layerwise import verify_causal_lm_layerwise
     from service.exporters.nnef.verify import verify_causal_lm
 
     vocab = int(built.config.vocab_size)
@@ -295,7 +325,8 @@ def _export_causal_lm(
         ctx.check_abort()
         if spec.verify:
             expected = greedy_reference(
-                exporter.hf_model_causal, prompt, spec.decode_steps, record_layers=True
+                exporter.hf_model_causal, prompt, spec.decode_steps, record_layers=True,
+                record_hidden=mode == "layerwise",
             )
         ctx.check_abort()
         exporter.export_model(
@@ -325,11 +356,14 @@ def _export_causal_lm(
     reference = expected
 
     def run(archive: Path, atol: float, rtol: float, work: Path) -> ParityReport:
-        return verify_causal_lm(
-            archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort
-        )
+        check = verify_causal_lm_layerwise if mode == "layerwise" else verify_causal_lm
+        report = check(archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort)
+        report.extra["tract_max_memory_bytes"] = memory_limit(ctx.settings.tract_max_memory)
+        return report
 
-    return io, _verify_archive(spec, built, out_dir, stage, ctx, spec.decode_steps + 1, run)
+    return io, _verify_archive(
+        spec, built, out_dir, stage, ctx, spec.decode_steps + 1, run, _block_bytes(built)
+    )
 
 
 def _export_encoder(
@@ -417,14 +451,16 @@ def _verify_archive(
     ctx: JobContext,
     steps: int,
     run: Callable[[Path, float, float, Path], ParityReport],
+    block_bytes: int | None = None,
 ) -> ParityReport:
-    """The VERIFY phase both export paths end in: refuse an archive tract cannot hold, then
-    ``run`` the path's own comparison within the tolerance of the exported dtype."""
+    """The VERIFY phase both export paths end in: refuse an archive tract cannot hold even
+    block by block, then ``run`` the path's own comparison within the tolerance of the
+    exported dtype."""
     from service.exporters.nnef.verify import ensure_tract_fits
 
     ctx.set_phase(Phase.VERIFY, total=steps, unit="steps")
     archive = out_dir / ARCHIVE_NAME
-    ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory)
+    ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory, block_bytes)
     from service.exporters.common.parity import tolerance_for
 
     tolerance = tolerance_for("runtime", spec.compression or built.dtype)

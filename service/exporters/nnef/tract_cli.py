@@ -23,6 +23,17 @@ archive is unpacked into WORK_DIR, every layer's output is made a graph output, 
 positions are saved too (``layers`` [n,layers,hidden], ``names``): what a failed check needs to
 say which layer diverges first.
 
+One more runs the blocks :mod:`service.exporters.nnef.layerwise` cut from the archive, one at a
+time (the peak is one block's weights, not the model's)::
+
+    tract WORK_DIR layerwise --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
+
+``WORK_DIR/blocks.json`` lists the blocks; ``REQUEST.npz`` is the decode's plus ``hidden``
+[layers,T,width], PyTorch's output of every layer at every position, fed to the block after it.
+Each block replays the same teacher-forced decode; every layer's output is saved as
+``hidden_<layer>`` [T,width], the head's last-position logits as ``logits``, and each block's
+peak RSS (``VmHWM`` reset before it loads) as ``block_peak_rss_bytes``.
+
 Run it as ``python service/exporters/nnef/tract_cli.py`` (it imports nothing of the service, so the
 call costs the tract import only); :func:`write_launcher` writes an executable wrapper for code
 that needs a file path. Anything else (``dump``, ONNX input) exits
@@ -125,6 +136,85 @@ def run_decode(
 def _last_position(x: np.ndarray) -> np.ndarray:
     last: np.ndarray = x.reshape(-1, x.shape[-1])[-1].astype(np.float32)
     return last
+
+
+def _vm_hwm() -> int:
+    """This process's peak RSS in bytes since the last :func:`_reset_hwm` (0 where unknown)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    found = re.search(r"VmHWM:\s+(\d+) kB", status)
+    return int(found.group(1)) * 1024 if found else 0
+
+
+def _reset_hwm() -> None:
+    """Reset ``VmHWM`` to the current RSS (Linux's ``clear_refs`` 5), so each block's peak is
+    its own; where the kernel refuses, the peaks stay cumulative (an upper bound)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def run_layerwise(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Run every block of ``work/blocks.json`` over the teacher-forced decode, one at a time."""
+    import json
+
+    blocks = json.loads((work / "blocks.json").read_text())
+    hidden = request["hidden"]
+    dtypes = [str(d) for d in request["cache_dtypes"]]
+    shapes = [[int(d) for d in shape] for shape in request["cache_shapes"]]
+    saved: dict[str, Any] = {}
+    peaks = []
+    for block in blocks:
+        _reset_hwm()
+        runnable = load_runnable(work / block["directory"])
+        caches: dict[int, np.ndarray] = {}
+        for position, spec in enumerate(block["inputs"]):
+            if spec["kind"] == "cache":
+                index = int(spec["index"])
+                caches[index] = np.zeros(
+                    shapes[index], dtype=fact_dtype(runnable.input_fact(position), dtypes[index])
+                )
+        step_ids = np.ascontiguousarray(request["prompt"], dtype=np.int64)
+        done = 0
+        found: dict[str, list[np.ndarray]] = {}
+        for token in request["tokens"]:
+            count = int(step_ids.shape[1])
+            feed = []
+            for position, spec in enumerate(block["inputs"]):
+                if spec["kind"] == "ids":
+                    feed.append(step_ids)
+                elif spec["kind"] == "cache":
+                    feed.append(caches[int(spec["index"])])
+                else:
+                    value = hidden[int(spec["index"]), done : done + count][None]
+                    feed.append(np.ascontiguousarray(value.astype(spec["dtype"])))
+            outputs = [t.to_numpy() for t in runnable.run(feed)]
+            done += count
+            for index, cache in caches.items():  # past length grows for the shape-only ones
+                shape = list(cache.shape)
+                shape[2] = done
+                caches[index] = np.zeros(shape, dtype=cache.dtype)
+            for spec, value in zip(block["outputs"], outputs, strict=True):
+                if spec["kind"] == "cache":
+                    caches[int(spec["index"])] = value
+                elif spec["kind"] == "hidden":
+                    key = f"hidden_{spec['index']}"
+                    found.setdefault(key, []).append(
+                        value.reshape(-1, value.shape[-1]).astype(np.float32)
+                    )
+                else:
+                    found.setdefault("logits", []).append(_last_position(value))
+            step_ids = np.asarray([[int(token)]], dtype=np.int64)
+        del runnable
+        for key, parts in found.items():
+            saved[key] = np.concatenate(parts) if key != "logits" else np.stack(parts)
+        peaks.append(_vm_hwm())
+    saved["block_peak_rss_bytes"] = np.asarray(peaks, dtype=np.int64)
+    saved["peak_rss_bytes"] = np.asarray(max(peaks, default=0), dtype=np.int64)
+    return saved
 
 
 # --- layer outputs, to say where a mismatch starts ----------------------------------------------
@@ -242,13 +332,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if (
         args.model is None
-        or args.command not in ("run", "decode")
+        or args.command not in ("run", "decode", "layerwise")
         or args.input_from_bundle is None
     ):
-        print("ERROR unsupported invocation (only --version, run and decode)", file=sys.stderr)
+        print("ERROR unsupported invocation (only --version, run, decode and layerwise)", file=sys.stderr)
         return 2
     with np.load(args.input_from_bundle) as bundle:
         inputs = {k: bundle[k] for k in bundle.files}
+    if args.command == "layerwise":
+        if args.save_outputs_npz is None:
+            print("ERROR layerwise needs --save-outputs-npz", file=sys.stderr)
+            return 2
+        np.savez(args.save_outputs_npz, **run_layerwise(Path(args.model), inputs))
+        return 0
     if args.command == "decode":
         if args.save_outputs_npz is None:
             print("ERROR decode needs --save-outputs-npz", file=sys.stderr)

@@ -21,11 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import VerificationFailed
-from service.exporters.common.child_process import ChildRun, ensure_fits, run_npz_child
+from service.errors import VerificationFailed, VerificationTooLarge
+from service.exporters.common.child_process import ChildRun, memory_limit, run_npz_child
 from service.exporters.common.parity import ParityReport, Tolerance, compare_outputs
 from service.exporters.common.reference import GreedyReference
 from service.exporters.nnef import tract_cli
+from service.plan import VerificationMode
+from service.plan.formats import tract_mode, tract_peaks
 
 
 @dataclass(frozen=True)
@@ -62,15 +64,29 @@ class IOSpec:
         return cls(**fields)
 
 
-TRACT_BASE_BYTES = 256 * 2**20
-"""tract's own footprint beyond the weights (runtime, activations of a short prompt)."""
-
-
-def ensure_tract_fits(weight_bytes: int, setting: str | None) -> None:
-    """Refuse up front a verification tract cannot hold: it loads every weight of the archive
-    into RAM (no offload, no mmap)."""
-    need = int(weight_bytes * 1.1) + TRACT_BASE_BYTES
-    ensure_fits("tract", need, setting, "MODELPREP_TRACT_MAX_MEMORY")
+def ensure_tract_fits(
+    weight_bytes: int, setting: str | None, block_bytes: int | None = None
+) -> VerificationMode:
+    """How tract checks the archive within ``MODELPREP_TRACT_MAX_MEMORY`` (``setting``): it
+    loads every weight it runs into RAM (no offload, no mmap), so ``whole`` when the archive
+    fits, else ``layerwise`` (one block of ``block_bytes`` at a time; None: the model cannot be
+    cut, an encoder), else refused up front, naming both needs."""
+    limit = memory_limit(setting)
+    mode = tract_mode(weight_bytes, block_bytes, limit)
+    if mode is not None:
+        return mode
+    whole, layerwise = tract_peaks(weight_bytes, block_bytes or 0)
+    blocks = (
+        f" and {layerwise / 2**30:.2f} GiB block by block (largest block "
+        f"{(block_bytes or 0) / 2**30:.2f} GiB of weights)"
+        if block_bytes is not None
+        else " (this model cannot be checked block by block)"
+    )
+    raise VerificationTooLarge(
+        f"tract needs about {whole / 2**30:.2f} GiB of RAM to run this model whole{blocks}, "
+        f"more than the {limit / 2**30:.2f} GiB this worker allows (MODELPREP_TRACT_MAX_MEMORY); "
+        'export with "verify": false, or on a bigger worker'
+    )
 
 
 def run_tract(
@@ -111,7 +127,7 @@ def verify_causal_lm(
     tract is fed PyTorch's tokens (teacher forcing), so one diverging argmax on near-equal logits
     does not derail the comparison; the report says whether tract's argmax agreed at each step.
     """
-    request = _decode_request(io, expected)
+    request = decode_request(io, expected)
     run = run_tract(archive, "decode", request, work, check_abort)
     found = list(run.outputs["logits"])
     agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
@@ -131,11 +147,13 @@ def verify_causal_lm(
             f"{comparison.tolerance:.3g}) over {len(found)} decode steps; {where()}"
         )
     return ParityReport.of(
-        "tract", comparison, len(found), expected.tokens, agreed, peak_rss_bytes=run.peak_rss_bytes
-    )
+        "tract", comparison, len(found), expected.tokens, agreed,
+        peak_rss_bytes=run.peak_rss_bytes, extra={"mode": "whole"},
+    )  # fmt: skip
 
 
-def _decode_request(io: IOSpec, expected: GreedyReference) -> dict[str, np.ndarray]:
+def decode_request(io: IOSpec, expected: GreedyReference) -> dict[str, np.ndarray]:
+    """The ``decode`` (and ``layerwise``) request: prompt, tokens, empty caches' shapes."""
     return {
         "prompt": np.asarray([expected.prompt], dtype=np.int64),
         "tokens": np.asarray(expected.tokens, dtype=np.int64),
@@ -169,7 +187,7 @@ def first_diverging_layer(
         return "the layer outputs were not recorded, so the first diverging layer is unknown"
     try:
         run = run_tract(
-            archive, "decode", _decode_request(io, expected), work, check_abort,
+            archive, "decode", decode_request(io, expected), work, check_abort,
             extra_args=("--layer-outputs", str(work)),
         )  # fmt: skip
     except VerificationFailed as exc:
@@ -220,4 +238,7 @@ def verify_encoder(
             f"tract outputs differ from PyTorch by {comparison.max_abs_error:.3g} (tolerance "
             f"{comparison.tolerance:.3g})"
         )
-    return ParityReport.of("tract", comparison, len(found), peak_rss_bytes=run.peak_rss_bytes)
+    return ParityReport.of(
+        "tract", comparison, len(found), peak_rss_bytes=run.peak_rss_bytes,
+        extra={"mode": "whole"},
+    )

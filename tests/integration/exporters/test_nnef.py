@@ -138,7 +138,7 @@ def test_tract_runs_in_a_child_whose_peak_memory_is_reported(llama_export: Expor
 def test_verification_tract_cannot_hold_fails_before_exporting(
     tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
-    settings = Settings(data_dir=tmp_path / "data", tract_max_memory="100MB")
+    settings = Settings(data_dir=tmp_path / "data", tract_max_memory="10MB")
     with pytest.raises(VerificationTooLarge, match="MODELPREP_TRACT_MAX_MEMORY"):
         _export(tiny_checkpoint("llama", "safetensors"), tmp_path, NNEFSpec(), settings)
     assert not (tmp_path / "out" / "model.nnef.tgz").exists()

@@ -1,0 +1,94 @@
+"""Benchmark: tract checking one NNEF archive whole, then block by block.
+
+    .venv/bin/python bench/nnef_layerwise.py CHECKPOINT_DIR [--dir /tmp/nnef-layerwise]
+                                             [--steps 2] [--keep]
+
+Exports CHECKPOINT_DIR (a causal LM) to NNEF without verification, records PyTorch's greedy
+decode with every layer's output (weights streamed), then runs the archive in tract both ways
+(:func:`service.exporters.nnef.verify.verify_causal_lm`,
+:func:`service.exporters.nnef.layerwise.verify_causal_lm_layerwise`) within the export's own
+tolerance, and prints each one's wall time, tract's peak RSS, the logits' max abs error and,
+layer by layer, the largest block's peak. tract's whole peak is read from ``wait4`` (it counts
+the job's resident memory at the fork); the block-by-block peaks are the child's own ``VmHWM``.
+
+Run of 2026-11-25 on real SmolLM2-135M in float16 (30 layers, 269 MB of weights), 2 shared
+cores (``tests/fixtures/real_models.py`` variant tie=output, v4 keys): see the module's last
+run in the commit that added it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+from service.adapters.torch_to_nnef import weights_only_unpickling
+from service.checkpoint import open_checkpoint
+from service.config import Settings
+from service.exporters.base import ExportInputs
+from service.exporters.common.offloaded_model import offloaded_model
+from service.exporters.common.parity import tolerance_for
+from service.exporters.common.reference import greedy_reference, prompt_ids
+from service.exporters.nnef import NNEFExporter, NNEFSpec
+from service.exporters.nnef.layerwise import verify_causal_lm_layerwise
+from service.exporters.nnef.verify import IOSpec, verify_causal_lm
+from service.offload.build import build_on_meta
+from service.stage import InMemoryContext
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/nnef-layerwise"))
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args()
+    root: Path = args.dir
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "work").mkdir(parents=True)
+    ctx = InMemoryContext(settings=Settings(data_dir=root / "data"), work_dir=root / "work")
+    try:
+        with open_checkpoint(args.checkpoint) as ckpt:
+            NNEFExporter().export(
+                NNEFSpec(verify=False), ExportInputs(checkpoint=ckpt), root / "out", ctx
+            )
+            built = offloaded_model(
+                build_on_meta(ckpt, Settings()).model, ckpt, offload_dir=root / "offload"
+            )
+            vocab = int(built.config.vocab_size)
+            with weights_only_unpickling():
+                expected = greedy_reference(
+                    built.module, prompt_ids(4, vocab), args.steps,
+                    record_layers=True, record_hidden=True,
+                )  # fmt: skip
+            tolerance = tolerance_for("runtime", built.dtype)
+        archive = root / "out" / "model.nnef.tgz"
+        io = IOSpec.from_json(json.loads((root / "out" / "io.json").read_text()))
+        print(f"archive {archive.stat().st_size / 2**20:.0f} MiB")
+        for name, check in (("whole", verify_causal_lm), ("layerwise", verify_causal_lm_layerwise)):
+            started = time.monotonic()
+            report = check(
+                archive, io, expected, tolerance.atol, tolerance.rtol, work=root / name
+            )
+            seconds = time.monotonic() - started
+            line = (
+                f"{name:9s} {seconds:6.1f} s  tract peak {report.peak_rss_bytes / 2**20:6.0f} MiB"
+                f"  logits max abs err {report.max_abs_err:.3g} (tolerance {report.tolerance:.3g})"
+            )
+            blocks = report.extra.get("blocks")
+            if blocks:
+                layers = [b["tract_peak_rss_bytes"] for b in blocks[:-1]]
+                line += (
+                    f"  blocks {len(blocks)}: layer peak {min(layers) / 2**20:.0f}-"
+                    f"{max(layers) / 2**20:.0f} MiB, head {blocks[-1]['tract_peak_rss_bytes'] / 2**20:.0f} MiB"
+                )
+            print(line, flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""tract checking a real SmolLM2 NNEF archive block by block, as it does when the archive does not
+fit the memory tract may use: the blocks are cut from the shipped archive (its graph's own
+statements, its own weight files), fed PyTorch's activations, and judged like the whole check.
+
+The float16 SmolLM2 variants come from ``tests.fixtures.real_models`` (no network)."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.adapters.torch_to_nnef import weights_only_unpickling
+from service.checkpoint import open_checkpoint
+from service.checkpoint.consistency import safetensors_weight_bytes
+from service.config import Settings
+from service.errors import VerificationFailed
+from service.exporters.common.offloaded_model import offloaded_model
+from service.exporters.common.reference import GreedyReference, greedy_reference, prompt_ids
+from service.exporters.nnef import NNEFSpec
+from service.exporters.nnef.layerwise import cut_blocks, unpack, verify_causal_lm_layerwise
+from service.exporters.nnef.verify import IOSpec, verify_causal_lm
+from service.offload.build import build_on_meta
+from service.plan.formats import tract_peaks
+from tests.fixtures.real_models import Variant, real_variant
+from tests.integration.exporters.test_nnef import scale_weight
+from tests.unit.exporters.test_nnef import Exported, _export
+
+SMOLLM2_F16 = Variant(tie="output", config_keys="v4", dtype="float16", layers=4)
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def smollm2_f16() -> Path:
+    return real_variant("smollm2", SMOLLM2_F16)
+
+
+@pytest.fixture(scope="module")
+def exported(smollm2_f16: Path, tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    """The 4-layer float16 SmolLM2 exported and checked whole (the budget holds it)."""
+    return _export(smollm2_f16, tmp_path_factory.mktemp("nnef"), NNEFSpec(decode_steps=STEPS))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_f16: Path, tmp_path_factory: pytest.TempPathFactory) -> GreedyReference:
+    """PyTorch's decode with every layer's output at every position (weights streamed)."""
+    offload = tmp_path_factory.mktemp("offload")
+    with open_checkpoint(smollm2_f16) as ckpt:
+        built = offloaded_model(build_on_meta(ckpt, Settings()).model, ckpt, offload_dir=offload)
+        vocab = int(built.config.vocab_size)
+        with weights_only_unpickling():
+            return greedy_reference(
+                built.module, prompt_ids(4, vocab), STEPS, record_layers=True, record_hidden=True
+            )
+
+
+def _io(out: Path) -> IOSpec:
+    return IOSpec.from_json(json.loads((out / "io.json").read_text()))
+
+
+def _tolerance(exported: Exported) -> tuple[float, float]:
+    verify = exported.result.summary["verify"]
+    # The whole check's tolerance is atol + rtol * max|logits|; give the block check the same.
+    return float(verify["tolerance"]), 0.0
+
+
+def test_blocks_cut_from_the_shipped_archive_cover_every_weight_it_holds(
+    exported: Exported, tmp_path: Path
+) -> None:
+    archive = exported.out / "model.nnef.tgz"
+    graph = unpack(archive, tmp_path / "unpacked")
+    blocks = cut_blocks(graph, tmp_path / "unpacked", tmp_path / "blocks", 576, "f16")
+    assert [b.name for b in blocks] == ["layer 0", "layer 1", "layer 2", "layer 3", "head"]
+    with tarfile.open(archive) as tar:
+        shipped = {m.name.removesuffix(".dat") for m in tar.getmembers() if m.name.endswith(".dat")}
+    used = [w for b in blocks for w in b.weights]
+    assert set(used) == shipped  # nothing of the artifact goes unchecked
+    # Each weight is run once, but the tied embedding (the lookup in block 0 and the head) and
+    # the constants every layer reads (the causal mask's, the rotary frequencies).
+    shared = {w for w in used if used.count(w) > 1}
+    assert "model.model.embed_tokens.weight" in shared
+    assert shared - {"model.model.embed_tokens.weight"} <= {
+        "full0_to_be_expanded", "model.model.rotary_emb.inv_freq"
+    }
+    assert not any(".layers." in w for w in shared)
+    # A block's weight files are the shipped bytes themselves (hard links), not a re-export.
+    down = tmp_path / "blocks" / "block-002" / "model.model.layers.2.mlp.down_proj.weight.dat"
+    assert down.stat().st_ino == (down.parents[2] / "unpacked" / down.name).stat().st_ino
+    assert max(b.weight_bytes for b in blocks) < sum(b.weight_bytes for b in blocks) / 2
+
+
+def test_block_by_block_check_agrees_with_the_whole_check_on_real_smollm2(
+    exported: Exported, reference: GreedyReference, tmp_path: Path
+) -> None:
+    archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
+    atol, rtol = _tolerance(exported)
+    whole = verify_causal_lm(archive, io_spec, reference, atol, rtol, work=tmp_path / "whole")
+    layerwise = verify_causal_lm_layerwise(
+        archive, io_spec, reference, atol, rtol, work=tmp_path / "layerwise"
+    )
+    assert whole.extra["mode"] == "whole" and layerwise.extra["mode"] == "layerwise"
+    assert layerwise.tokens == whole.tokens and all(layerwise.argmax_agreed)
+    assert layerwise.max_abs_err <= layerwise.tolerance
+    # Fed PyTorch's last layer output, the head's logits are at least as close as the whole
+    # decode's, whose error adds up over the layers.
+    assert layerwise.max_abs_err <= whole.max_abs_err + 1e-6
+    blocks = layerwise.extra["blocks"]
+    assert [b["block"] for b in blocks] == ["layer 0", "layer 1", "layer 2", "layer 3", "head"]
+    for block in blocks:
+        assert 0 <= block["max_abs_err"] <= block["tolerance"], block
+        assert block["tract_peak_rss_bytes"] > 0
+    # tract's peak is a block's, not the model's.
+    layer_peaks = [b["tract_peak_rss_bytes"] for b in blocks[1:-1]]
+    assert max(layer_peaks) < max(b["tract_peak_rss_bytes"] for b in blocks)
+    assert layerwise.peak_rss_bytes == max(b["tract_peak_rss_bytes"] for b in blocks)
+
+
+def test_a_weight_broken_in_one_block_of_the_shipped_archive_fails_naming_that_layer(
+    exported: Exported, reference: GreedyReference, tmp_path: Path
+) -> None:
+    archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
+    atol, rtol = _tolerance(exported)
+    bad = tmp_path / "layer2.nnef.tgz"
+    scale_weight(archive, bad, "model.model.layers.2.mlp.down_proj.weight.dat")
+    with pytest.raises(VerificationFailed, match=r"tract's block for model\.layers\.2 differs "
+                       r"from PyTorch by [0-9.e+]+ \(tolerance [0-9.e+]+\), fed PyTorch's input"):  # fmt: skip
+        verify_causal_lm_layerwise(bad, io_spec, reference, atol, rtol, work=tmp_path / "l2")
+
+
+def test_a_broken_head_fails_the_block_by_block_check_after_every_layer_agrees(
+    exported: Exported, reference: GreedyReference, tmp_path: Path
+) -> None:
+    archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
+    atol, rtol = _tolerance(exported)
+    bad = tmp_path / "norm.nnef.tgz"
+    scale_weight(archive, bad, "model.model.norm.weight.dat")
+    with pytest.raises(VerificationFailed, match=r"every layer's block agrees: the divergence "
+                       r"is in the final norm or output head"):  # fmt: skip
+        verify_causal_lm_layerwise(bad, io_spec, reference, atol, rtol, work=tmp_path / "head")
+
+
+def test_a_budget_below_the_whole_archive_checks_real_smollm2_block_by_block(
+    tmp_path: Path,
+) -> None:
+    """The full 30-layer SmolLM2 in float16: a tract budget between one block's need and the
+    whole archive's makes the job check it layer by layer, and say so in its summary."""
+    source = real_variant("smollm2", Variant(tie="output", config_keys="v4", dtype="float16"))
+    weight_bytes = safetensors_weight_bytes(source)
+    assert weight_bytes is not None
+    whole, _ = tract_peaks(weight_bytes, 0)
+    settings = Settings(data_dir=tmp_path / "data", tract_max_memory=str(whole - (40 << 20)))
+    done = _export(source, tmp_path, NNEFSpec(decode_steps=STEPS), settings)
+    verify = done.result.summary["verify"]
+    assert verify["mode"] == "layerwise", verify
+    assert verify["tract_max_memory_bytes"] == whole - (40 << 20)
+    assert len(verify["blocks"]) == 31 and all(verify["argmax_agreed"])
+    assert all(b["max_abs_err"] <= b["tolerance"] for b in verify["blocks"]), verify["blocks"]
+    assert verify["tract_peak_rss_bytes"] < whole - (40 << 20)
+    assert np.isfinite(verify["max_abs_err"])

@@ -1,0 +1,64 @@
+"""How the plan (and the job, through the same function) picks tract's check of an NNEF archive:
+whole when tract can hold the archive, block by block when it can hold the largest block only,
+refused naming both needs when not even that fits. Headers alone, no torch, no tract."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.errors import VerificationTooLarge
+from service.exporters.nnef.verify import ensure_tract_fits
+from service.plan.formats import block_weight_bytes, plan_export, tract_mode, tract_peaks
+from tests.unit.test_plan import GiB, llama, spec
+
+
+def test_the_largest_block_is_one_layer_plus_the_largest_tensor_outside_the_layers() -> None:
+    headers = llama(30, hidden=1024, inter=2816, vocab=32000, dtype="F16")
+    layer = sum(t.nbytes for t in headers.tensors if t.name.startswith("model.layers.0."))
+    embedding = 32000 * 1024 * 2
+    tensors = [(t.name, t.nbytes) for t in headers.tensors]
+    assert block_weight_bytes(tensors) == layer + embedding
+    assert block_weight_bytes(tensors) < headers.weight_bytes / 9
+
+
+def test_nnef_plan_goes_block_by_block_when_the_archive_does_not_fit_tract() -> None:
+    headers = llama(30, hidden=1024, inter=2816, dtype="F16")
+    roomy = plan_export(spec("nnef"), headers, GiB, tract_limit=64 * GiB)
+    whole_need = roomy.children[0].peak_rss_bytes
+    assert roomy.verification == "whole"
+
+    tight = plan_export(spec("nnef"), headers, GiB, tract_limit=whole_need - 1)
+    assert tight.verification == "layerwise"
+    (tract,) = tight.children
+    # The block's peak is a fraction of the whole model's, and says so in the notes.
+    assert tract.peak_rss_bytes < whole_need / 4
+    assert "block by block" in tight.notes[0]
+
+    # Unverified or compressed archives have no tract child at all.
+    assert plan_export(spec("nnef", verify=False), headers, GiB, tract_limit=1).children == ()
+
+
+def test_tract_mode_is_whole_then_layerwise_then_none_as_the_limit_shrinks() -> None:
+    archive, block = 4 * GiB, 200 << 20
+    whole, layerwise = tract_peaks(archive, block)
+    assert layerwise < whole
+    assert tract_mode(archive, block, None) == "whole"
+    assert tract_mode(archive, block, whole) == "whole"
+    assert tract_mode(archive, block, whole - 1) == "layerwise"
+    assert tract_mode(archive, block, layerwise) == "layerwise"
+    assert tract_mode(archive, block, layerwise - 1) is None
+    assert tract_mode(archive, None, whole - 1) is None  # an encoder is not cut
+
+
+def test_a_check_that_fits_not_even_one_block_is_refused_naming_both_needs() -> None:
+    archive, block = 4 * GiB, 200 << 20
+    _, layerwise = tract_peaks(archive, block)
+    assert ensure_tract_fits(archive, str(layerwise), block) == "layerwise"
+    with pytest.raises(VerificationTooLarge) as refused:
+        ensure_tract_fits(archive, str(layerwise - 1), block)
+    message = str(refused.value)
+    assert "GiB of RAM to run this model whole" in message
+    assert "block by block (largest block 0.20 GiB" in message
+    assert "MODELPREP_TRACT_MAX_MEMORY" in message
+    with pytest.raises(VerificationTooLarge, match="cannot be checked block by block"):
+        ensure_tract_fits(archive, str(layerwise), None)
