@@ -9,9 +9,16 @@ dequantized by its ``Fp8Dequantize``, bit for bit what ``service.checkpoint.fp8`
 
 * **whole**: the model fits the job's memory budget in float32: loaded in its dtype, cast to
   float32, run on the inputs.
-* **layer-by-layer**: it does not: the same ``from_pretrained`` with ``device_map="auto"``, the
-  budget as ``max_memory`` and an ``offload_folder`` in the job's work directory, so
-  accelerate's hooks load each layer's weights when it runs; computed in the model's dtype.
+* **layer-by-layer**: it does not: the same ``from_pretrained`` with a device map that leaves
+  the layer stack on ``disk`` (:func:`layers_on_disk`) and an ``offload_folder`` in the job's work
+  directory, so accelerate's hooks load each layer's weights when it runs; computed in the
+  model's dtype. transformers' own forward runs every layer, mask and norm. Only the two
+  vocabulary-sized matrices are not loaded: a plain input embedding gathers the rows of the
+  input's token ids (:class:`MappedEmbedding`) and a plain output head multiplies by a block of
+  vocabulary rows at a time, upcast to float32 (:class:`MappedHead`), both read from the
+  memory-mapped safetensors file by the ``safetensors`` library (the file as published, not
+  the job's reader). So the peak is one layer plus small buffers, whatever vocab x hidden is.
+  An embedding or head of another kind (scaled, quantized, adapted) stays resident.
 
 What it produces: the outputs on the fixed input ids (:func:`fixed_input_ids`, what the
 parity checks compare), and the logits on the chunks of the fixed text (``service.logits``:
@@ -29,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch import nn
 
 from service.errors import ReferenceUnavailable, VerificationFailed
 from service.logits import chunk_tokens, scored
@@ -100,7 +109,6 @@ def independent_reference(
     within the budget; ``model_class`` the transformers class the job built (the one
     config.json names), loaded by its own ``from_pretrained``; with ``adapter_dir``, the PEFT
     LoRA adapter there merged into it by PEFT."""
-    import torch
     import transformers
     from transformers import AutoConfig
 
@@ -110,8 +118,12 @@ def independent_reference(
     whole = params * 4 <= max_memory_bytes
     kwargs: dict[str, Any] = {"dtype": "auto", "local_files_only": True}
     offload = work / "reference-offload"
+    mapped: dict[str, _StoredTensor] = {}
     if not whole:
-        kwargs.update(device_map=layers_on_disk(model_class, config), offload_folder=str(offload))
+        device_map, mapped = layers_on_disk(
+            model_class, config, None if adapter_dir is not None else source_dir
+        )
+        kwargs.update(device_map=device_map, offload_folder=str(offload))
     model: Any
     try:
         model = model_class.from_pretrained(str(source_dir), **kwargs)
@@ -122,6 +134,8 @@ def independent_reference(
         ) from exc
     if adapter_dir is not None:
         model = _merged_with_peft(model, adapter_dir)
+    for path, stored in mapped.items():
+        _replace_module(model, path, stored)
     if whole:
         # nn.Module's own cast: transformers' refuses a model it calls quantized (a config
         # naming a method over float weights is), though every weight here is a float tensor.
@@ -147,7 +161,10 @@ def independent_reference(
         chunks=chunks,
         logits_dir=logits_dir if chunks is not None else None,
         vocab_size=int(getattr(config, "vocab_size", 0) or 0),
-        info={"compute_dtype": "float32" if whole else str(getattr(config, "dtype", "")).removeprefix("torch.")},
+        info={
+            "compute_dtype": "float32" if whole else str(getattr(config, "dtype", "")).removeprefix("torch."),
+            **({"mapped_from_file": sorted(mapped)} if mapped else {}),
+        },
     )
 
 
@@ -212,20 +229,24 @@ def _parameter_count(source_dir: Path) -> int:
     return total
 
 
-def layers_on_disk(model_class: Any, config: Any) -> dict[str, str]:
+def layers_on_disk(
+    model_class: Any, config: Any, source_dir: Path | None = None
+) -> tuple[dict[str, str], dict[str, _StoredTensor]]:
     """A device map with every block of the model's layer stack on ``disk`` (accelerate loads
-    each when it runs) and the rest (embeddings, final norm, head) in RAM: accelerate's own
-    ``"auto"`` map puts a tied embedding on disk under one name and looks it up under the
-    other (KeyError on SmolLM2 with transformers 5)."""
+    each when it runs) and the rest (final norm, small buffers) in RAM, and the vocabulary-sized
+    modules read from ``source_dir``'s files instead (:func:`_mappable`: on ``disk`` too, never
+    loaded, replaced after loading; None: none, they stay in RAM). accelerate's own ``"auto"``
+    map puts a tied embedding on disk under one name and looks it up under the other (KeyError
+    on SmolLM2 with transformers 5)."""
     from accelerate import init_empty_weights
-    from torch import nn
 
     model: Any
     with init_empty_weights():
         model = model_class(config)
+    mapped = _mappable(model, source_dir) if source_dir is not None else {}
     stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if not stacks:
-        return {"": "disk"}
+        return {"": "disk"}, {}
     path, stack = max(stacks, key=lambda item: len(item[1]))
     device_map = {f"{path}.{i}": "disk" for i in range(len(stack))}
     parts = path.split(".")
@@ -235,4 +256,138 @@ def layers_on_disk(model_class: Any, config: Any) -> dict[str, str]:
         for name, _ in module.named_children():
             if name != parts[depth]:
                 device_map[f"{parent}.{name}" if parent else name] = "cpu"
-    return device_map
+    for name in mapped:  # finer than its parent's entry: accelerate takes the longest prefix
+        device_map[name] = "disk"
+    return device_map, mapped
+
+
+@dataclass(frozen=True)
+class _StoredTensor:
+    """A vocabulary-sized matrix where the published safetensors file holds it."""
+
+    kind: str
+    """``embedding`` (gathered by token id) or ``head`` (multiplied a block of rows at a time)."""
+    file: Path
+    key: str
+    bias: tuple[Path, str] | None = None
+    """A head's bias: its file and key."""
+
+
+MAPPED_DTYPES = frozenset({"F32", "F16", "BF16"})
+"""Stored dtypes read as they are (anything else, FP8 with its scales included, is left to
+transformers' loader)."""
+HEAD_BLOCK_BYTES = 16 << 20
+"""float32 bytes of one block of head rows (:class:`MappedHead`)."""
+
+
+def _weight_files(source_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the index or the single file."""
+    import json
+
+    from safetensors import safe_open
+
+    index = source_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return {name: source_dir / file for name, file in weight_map.items()}
+    single = source_dir / "model.safetensors"
+    if not single.is_file():
+        return {}
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _mappable(model: Any, source_dir: Path) -> dict[str, _StoredTensor]:
+    """The input embedding (a plain ``nn.Embedding``) and output head (a plain ``nn.Linear``)
+    of the meta ``model`` whose weights the source stores as plain floats: module path -> where
+    (a tied head reads the embedding's rows)."""
+    from safetensors import safe_open
+
+    files = _weight_files(source_dir)
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    paths = {id(m): n for n, m in model.named_modules()}
+
+    def stored(name: str) -> tuple[Path, str] | None:
+        for key in (name, name.removeprefix(prefix)):
+            if key in files:
+                with safe_open(str(files[key]), framework="pt") as f:
+                    if f.get_slice(key).get_dtype() in MAPPED_DTYPES:
+                        return files[key], key
+                return None
+        return None
+
+    found: dict[str, _StoredTensor] = {}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embedding_at: tuple[Path, str] | None = None
+    if type(embedding) is nn.Embedding and id(embedding) in paths:
+        path = paths[id(embedding)]
+        embedding_at = stored(f"{path}.weight")
+        if embedding_at is not None:
+            found[path] = _StoredTensor("embedding", *embedding_at)
+    if type(head) is nn.Linear and id(head) in paths:
+        path = paths[id(head)]
+        at = stored(f"{path}.weight")
+        tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+        at = at if at is not None or not tied else embedding_at
+        bias = stored(f"{path}.bias") if head.bias is not None else None
+        if at is not None and (head.bias is None) == (bias is None):
+            found[path] = _StoredTensor("head", *at, bias=bias)
+    return found
+
+
+class MappedEmbedding(nn.Module):
+    """Stands in for a plain ``nn.Embedding``: the rows of the input's token ids, read from the
+    memory-mapped file in their stored dtype, cast to ``dtype`` as transformers casts the
+    weight (the dtype of the module it stands in for, as loaded)."""
+
+    def __init__(self, stored: _StoredTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.stored, self.dtype = stored, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from safetensors import safe_open
+
+        unique, inverse = torch.unique(input_ids.reshape(-1), return_inverse=True)
+        with safe_open(str(self.stored.file), framework="pt") as f:
+            rows = f.get_slice(self.stored.key)
+            gathered = torch.cat([rows[i : i + 1] for i in unique.tolist()])
+        out = gathered.to(self.dtype)[inverse]
+        return out.reshape(*input_ids.shape, out.shape[-1])
+
+
+class MappedHead(nn.Module):
+    """Stands in for a plain ``nn.Linear`` output head: the logits of a block of
+    :data:`HEAD_BLOCK_BYTES` of vocabulary rows at a time, read from the memory-mapped file in
+    their stored dtype and upcast to float32, as are the hidden states (float32 logits)."""
+
+    def __init__(self, stored: _StoredTensor) -> None:
+        super().__init__()
+        self.stored = stored
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from safetensors import safe_open
+
+        h = hidden.float()
+        with safe_open(str(self.stored.file), framework="pt") as f:
+            vocab = int(f.get_slice(self.stored.key).get_shape()[0])
+        out = torch.empty(*hidden.shape[:-1], vocab, dtype=torch.float32)
+        step = max(1, HEAD_BLOCK_BYTES // (4 * hidden.shape[-1]))
+        for start in range(0, vocab, step):
+            # The file is mapped afresh for each block: the pages a block touched leave the
+            # process's resident set with it (the kernel's page cache may keep them, reclaimably).
+            with safe_open(str(self.stored.file), framework="pt") as f:
+                block = f.get_slice(self.stored.key)[start : start + step]
+            out[..., start : start + step] = h @ block.float().T
+        if self.stored.bias is not None:
+            with safe_open(str(self.stored.bias[0]), framework="pt") as f:
+                out += f.get_tensor(self.stored.bias[1]).float()
+        return out
+
+
+def _replace_module(model: Any, path: str, stored: _StoredTensor) -> None:
+    """Put the mapped stand-in where transformers' module (never loaded: on ``disk``) was."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    loaded = model.get_submodule(path).weight.dtype
+    made = MappedEmbedding(stored, loaded) if stored.kind == "embedding" else MappedHead(stored)
+    setattr(parent, name, made)

@@ -1,0 +1,44 @@
+"""transformers' independent reference layer by layer, on real SmolLM2 (bf16, tied head).
+
+Layer by layer, the embedding and the output head are never loaded: their rows come from the
+memory-mapped safetensors file (a tied head reads the embedding's). What that computes must be
+what transformers computes with the whole model loaded, within the agreement the job holds its
+own model to in that mode.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from transformers import LlamaForCausalLM
+
+from service.checkpoint.independent import independent_reference
+from service.exporters.common.parity import relative_agreement
+from service.exporters.common.reference import fixed_input_ids
+from service.jobs.pipeline import REFERENCE_AGREEMENT
+from service.logits import FIXED_TEXT
+from tests.fixtures.real_models import real_model
+
+
+def test_layer_by_layer_reads_embedding_and_head_from_the_file_and_agrees_with_whole(
+    tmp_path: Path,
+) -> None:
+    source = real_model("smollm2")
+    ids = fixed_input_ids(json.loads((source / "config.json").read_text())["vocab_size"])
+    whole = independent_reference(source, LlamaForCausalLM, ids, FIXED_TEXT, 2**34, tmp_path / "w")
+    layered = independent_reference(
+        source, LlamaForCausalLM, ids, FIXED_TEXT, 64 << 20, tmp_path / "l"
+    )
+    assert (whole.mode, layered.mode) == ("whole", "layer-by-layer")
+    assert layered.info["mapped_from_file"] == ["lm_head", "model.embed_tokens"], layered.info
+
+    agreement = relative_agreement(
+        whole.outputs, layered.outputs, REFERENCE_AGREEMENT["layer-by-layer"]
+    )
+    assert agreement["passed"], agreement
+    for a, b in zip(whole.chunk_logits(), layered.chunk_logits(), strict=True):
+        scored = np.abs(a).sum(axis=1) > 0
+        top1 = (a[scored].argmax(axis=1) == b[scored].argmax(axis=1)).mean()
+        assert top1 >= 0.9, f"top-1 agreement {top1:.2f} between whole and layer by layer"
