@@ -12,6 +12,7 @@ import anyio.to_thread
 
 from service.artifact_store import ArtifactStore, check_destination
 from service.checkpoint.consistency import check_config_matches_weights, safetensors_tensors
+from service.checkpoint.headers import CheckpointHeaders
 from service.checkpoint.lora import check_adapter_matches, plan_adapter
 from service.checkpoint.quantization import plan_quantization, without_quantization
 from service.config import Settings
@@ -39,6 +40,16 @@ from service.plan import JobPlan
 from service.sources import LocalSource, check_source, local_source
 
 
+def _check_quantization(headers: CheckpointHeaders) -> None:
+    """:class:`UnsupportedQuantization` for a checkpoint whose config.json and tensor headers
+    show a quantization the readers do not implement (``service.checkpoint.quantization``).
+    Only judged where the tensors are known (safetensors): a method over float tensors is a
+    stale config, ignored, and only the tensors can say so."""
+    if headers.format != "safetensors" or not headers.tensors:
+        return
+    plan_quantization(headers.config, {t.name: (t.dtype, t.shape) for t in headers.tensors})
+
+
 @dataclass
 class JobService:
     settings: Settings
@@ -57,6 +68,8 @@ class JobService:
             check_destination(spec.destination, tenant, self.settings)
         if local is not None:
             self._check_plan(spec)
+        else:
+            self._check_remote_quantization(spec)
         job = Job(
             id=uuid.uuid4().hex,
             status=JobStatus.QUEUED,
@@ -98,12 +111,27 @@ class JobService:
         if not plan.fits:
             raise PlanDoesNotFit("; ".join(plan.refusals) + ' (see "dry_run": true)')
 
+    def _check_remote_quantization(self, spec: JobSpec) -> None:
+        """Refuse now (422, :class:`UnsupportedQuantization` naming the method) a remote
+        checkpoint quantized in a way the readers do not implement, as a local one is: a hub
+        commit's or an S3 prefix's config.json and safetensors headers are a few range reads,
+        and a GPTQ model must not be downloaded only to fail. Sources that do not describe
+        themselves (an HTTP file has no config.json, a pickle no headers) or cannot be reached
+        now are left to the job, which fails with the same error."""
+        try:
+            headers = source_headers(spec, self.settings)
+        except (CheckpointError, SourceError, OSError):
+            return
+        _check_quantization(headers)
+
     def plan(self, spec: JobSpec, tenant: str | None = None) -> JobPlan:
         """What the job would hold in memory and write to disk, and whether it fits, from the
         source's headers (a remote source's too: range reads, never the weights); checked as
         :meth:`submit` checks a job, but nothing is queued."""
         self._check_request(spec)
-        return plan_spec(spec, source_headers(spec, self.settings), self.settings)
+        headers = source_headers(spec, self.settings)
+        _check_quantization(headers)
+        return plan_spec(spec, headers, self.settings)
 
     def _check_adapter(self, spec: JobSpec, local: LocalSource | None) -> None:
         """The adapter's source is allowed; a local adapter is a LoRA adapter that can be
