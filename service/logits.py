@@ -95,6 +95,25 @@ class LogitBounds:
         return out
 
 
+RUNTIME_LOGIT_BOUNDS: dict[str, LogitBounds] = {
+    "float32": LogitBounds(kl_mean=0.002, kl_p99=0.02, top1=0.97, ppl_ratio=1.02),
+    "float16": LogitBounds(kl_mean=0.005, kl_p99=0.05, top1=0.95, ppl_ratio=1.03),
+    "bfloat16": LogitBounds(kl_mean=0.02, kl_p99=0.1, top1=0.9, ppl_ratio=1.06),
+}
+"""The worst figures a graph runtime's logits (onnxruntime for ONNX, tract for NNEF) may show
+against transformers' float32 run of the source, by the dtype the graph computes in: the same
+for both formats, so one model exported to both is held to one standard. float32 and float16
+as the GGUF check's f32/f16 (``gguf.llama_check.LOGIT_BOUNDS``) with room for a runtime's own
+kernels; bfloat16 as GGUF's between bf16 and q8_0 (bfloat16 keeps 8 bits of mantissa through
+every activation, not only the weights). A misread or miswritten model lands at KL ~1-10."""
+
+
+def runtime_bounds(dtype: str) -> LogitBounds:
+    """:data:`RUNTIME_LOGIT_BOUNDS` of ``dtype`` (a dtype name, ``float16``); a dtype not listed
+    gets float16's."""
+    return RUNTIME_LOGIT_BOUNDS.get(dtype, RUNTIME_LOGIT_BOUNDS["float16"])
+
+
 def chunk_tokens(tokens: Iterable[int], n_ctx: int, bos: int | None = None) -> np.ndarray:
     """The text's tokens as whole chunks ``(n_chunk, n_ctx)`` (a partial last chunk dropped);
     with ``bos`` each chunk starts with it, as llama.cpp evaluates a chunk when its vocabulary

@@ -233,6 +233,12 @@ def export_nnef(
                 io, report = _export_causal_lm(
                     spec, built, launcher, work / "stage", out_dir, ctx, mode
                 )
+                independent = inputs.independent
+                if (
+                    mode == "whole" and report is not None
+                    and independent is not None and independent.chunks is not None
+                ):  # fmt: skip
+                    report = _with_logits(report, spec, built, io, independent, out_dir, work, ctx)
             else:
                 io, report = _export_encoder(spec, built, launcher, work / "stage", out_dir, ctx)
     finally:
@@ -468,6 +474,27 @@ def _verify_archive(
     report = run(archive, tolerance.atol, tolerance.rtol, stage / "verify")
     ctx.advance(steps)
     return report
+
+
+def _with_logits(
+    report: ParityReport,
+    spec: NNEFSpec,
+    built: OffloadedModel,
+    io: IOSpec,
+    independent: Any,
+    out_dir: Path,
+    work: Path,
+    ctx: JobContext,
+) -> ParityReport:
+    """``report`` with tract's figures on the fixed text against the job's independent
+    reference (``verify.check_logits``; VerificationFailed beyond the dtype's bounds)."""
+    from service.exporters.nnef.verify import check_logits
+
+    figures = check_logits(
+        out_dir / ARCHIVE_NAME, io, str(built.dtype).removeprefix("torch."), spec.compression,
+        independent, work=work / "logits", check_abort=ctx.check_abort,
+    )  # fmt: skip
+    return replace(report, extra={**report.extra, "logits": figures})
 
 
 def _collect(archive: Path, tests: Path, out_dir: Path) -> None:

@@ -10,11 +10,15 @@ subset of the real CLI that torch-to-nnef invokes (``inference_target/tract.py``
           (--assert-output-bundle OUT.npz [--approx LEVEL] | --save-outputs-npz OUT.npz)
           [--allow-float-casts]
 
-One command of its own serves :mod:`service.exporters.nnef.verify`, which runs tract in a child
+Two commands of its own serve :mod:`service.exporters.nnef.verify`, which runs tract in a child
 process (tract holds the whole archive in RAM; the job process must not)::
 
     tract MODEL.nnef.tgz decode --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
           [--layer-outputs WORK_DIR]
+    tract MODEL.nnef.tgz logits --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
+
+``logits`` (:func:`run_chunks`) gives the logits of the fixed text's scored positions, chunk by
+chunk, for the check against transformers' (``service.logits``).
 
 ``REQUEST.npz`` holds ``prompt`` [1,S], ``tokens`` [n] and ``cache_shapes`` [k,4] (past axis 0,
 dtypes ``cache_dtypes``); it replays a greedy decode feeding back tract's own KV cache and saves
@@ -131,6 +135,27 @@ def run_decode(
         caches = outputs[1:]
         step_ids = np.asarray([[int(token)]], dtype=np.int64)
     return np.stack(found), (np.stack(layers) if extra_outputs else None)
+
+
+def run_chunks(runnable: Any, request: dict[str, np.ndarray]) -> np.ndarray:
+    """The logits of positions ``[first, last)`` of each chunk of ``request["chunks"]``
+    ``(n_chunk, n_ctx)``, each chunk from empty caches, as ``(n_chunk, last - first, vocab)``.
+
+    The archive's graph gives the last position's logits only, so each chunk is the prompt up
+    to ``first`` then one token a step with tract's own caches fed back (how it is served);
+    ``cache_shapes``/``cache_dtypes`` as for ``decode``."""
+    first, last = int(request["first"]), int(request["last"])
+    found = []
+    for chunk in np.asarray(request["chunks"], dtype=np.int64):
+        steps = {
+            "prompt": chunk[None, : first + 1],
+            "tokens": chunk[first + 1 : last + 1],
+            "cache_shapes": request["cache_shapes"],
+            "cache_dtypes": request["cache_dtypes"],
+        }
+        logits, _ = run_decode(runnable, steps)
+        found.append(logits.astype(np.float32))
+    return np.stack(found)
 
 
 def _last_position(x: np.ndarray) -> np.ndarray:
@@ -332,11 +357,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if (
         args.model is None
-        or args.command not in ("run", "decode", "layerwise")
+        or args.command not in ("run", "decode", "layerwise", "logits")
         or args.input_from_bundle is None
     ):
-        print("ERROR unsupported invocation (only --version, run, decode and layerwise)", file=sys.stderr)
+        print(
+            "ERROR unsupported invocation (only --version, run, decode, layerwise and logits)",
+            file=sys.stderr,
+        )
         return 2
+    if args.command == "logits":
+        if args.save_outputs_npz is None:
+            print("ERROR logits needs --save-outputs-npz", file=sys.stderr)
+            return 2
+        with np.load(args.input_from_bundle) as bundle:
+            request = {k: bundle[k] for k in bundle.files}
+        np.savez(args.save_outputs_npz, logits=run_chunks(load_runnable(Path(args.model)), request))
+        return 0
     with np.load(args.input_from_bundle) as bundle:
         inputs = {k: bundle[k] for k in bundle.files}
     if args.command == "layerwise":

@@ -26,6 +26,7 @@ from service.exporters.common.child_process import ChildRun, memory_limit, run_n
 from service.exporters.common.parity import ParityReport, Tolerance, compare_outputs
 from service.exporters.common.reference import GreedyReference
 from service.exporters.nnef import tract_cli
+from service.logits import LogitBounds, compare_logits, runtime_bounds, scored
 from service.plan import VerificationMode
 from service.plan.formats import tract_mode, tract_peaks
 
@@ -157,6 +158,13 @@ def decode_request(io: IOSpec, expected: GreedyReference) -> dict[str, np.ndarra
     return {
         "prompt": np.asarray([expected.prompt], dtype=np.int64),
         "tokens": np.asarray(expected.tokens, dtype=np.int64),
+        **_empty_caches(io),
+    }
+
+
+def _empty_caches(io: IOSpec) -> dict[str, np.ndarray]:
+    """The archive's KV cache inputs, empty (past axis 0): what tract_cli starts a decode with."""
+    return {
         "cache_shapes": np.asarray(
             [[0 if dim == "P" else int(dim) for dim in t.shape] for t in io.inputs[1:]],
             dtype=np.int64,
@@ -242,3 +250,49 @@ def verify_encoder(
         "tract", comparison, len(found), peak_rss_bytes=run.peak_rss_bytes,
         extra={"mode": "whole"},
     )
+
+
+def check_logits(
+    archive: Path,
+    io: IOSpec,
+    dtype: str,
+    compression: str | None,
+    reference: Any,
+    *,
+    work: Path,
+    check_abort: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """tract's logits on each chunk of the fixed text against transformers' (the job's
+    independent reference, :class:`service.checkpoint.independent.IndependentReference`): KL
+    mean and p99, top-1 agreement, perplexity ratio (``service.logits``, the figures ONNX and
+    GGUF report); VerificationFailed beyond the dtype's bounds (:data:`RUNTIME_LOGIT_BOUNDS`).
+
+    A compressed archive (``q4_0``) reports its figures unjudged: torch-to-nnef's min-max q4_0
+    has no calibrated bound, and its decode is checked against the compressed weights."""
+    chunks = reference.chunks
+    window = scored(int(chunks.shape[1]))
+    request = {
+        "chunks": np.asarray(chunks, dtype=np.int64),
+        "first": np.asarray(window.start, dtype=np.int64),
+        "last": np.asarray(window.stop, dtype=np.int64),
+        **_empty_caches(io),
+    }
+    run = run_tract(archive, "logits", request, work, check_abort)
+    found = run.outputs["logits"]
+
+    def placed(rows: np.ndarray) -> np.ndarray:
+        full = np.zeros((int(chunks.shape[1]), rows.shape[-1]), dtype=np.float32)
+        full[window] = rows
+        return full
+
+    figures = compare_logits(reference.chunk_logits(), [placed(r) for r in found], chunks)
+    bounds: LogitBounds | None = None if compression else runtime_bounds(dtype)
+    report = {"reference": reference.summary()["implementation"], **figures.as_dict(),
+              "bounds": None if bounds is None else asdict(bounds)}  # fmt: skip
+    failed = [] if bounds is None else bounds.violations(figures)
+    if failed:
+        raise VerificationFailed(
+            f"tract's run of the NNEF archive is too far from transformers' run of the source "
+            f"on the fixed text: {'; '.join(failed)}"
+        )
+    return report

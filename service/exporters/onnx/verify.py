@@ -34,7 +34,7 @@ from service.exporters.common.parity import (
 )
 from service.exporters.common.reference import greedy_reference, prompt_ids
 from service.exporters.onnx import ort_cli
-from service.logits import LogitBounds, compare_logits, scored
+from service.logits import compare_logits, runtime_bounds, scored
 
 if TYPE_CHECKING:
     from torch import nn
@@ -178,13 +178,6 @@ def _judged(comparison: Comparison) -> Comparison:
     return comparison
 
 
-LOGIT_BOUNDS: dict[str, LogitBounds] = {
-    "float32": LogitBounds(kl_mean=0.002, kl_p99=0.02, top1=0.97, ppl_ratio=1.02),
-    "float16": LogitBounds(kl_mean=0.005, kl_p99=0.05, top1=0.95, ppl_ratio=1.03),
-}
-"""Per export dtype, as the GGUF check's for f32/f16 (``gguf.llama_check.LOGIT_BOUNDS``)."""
-
-
 def check_logits(
     model_path: Path,
     dtype: str,
@@ -211,7 +204,7 @@ def check_logits(
         return full
 
     figures = compare_logits(reference.chunk_logits(), [placed(r) for r in found], chunks)
-    bounds = LOGIT_BOUNDS.get(dtype, LOGIT_BOUNDS["float16"])
+    bounds = runtime_bounds(dtype)
     failed = bounds.violations(figures)
     if failed:
         raise VerificationFailed(

@@ -234,6 +234,22 @@ def test_each_fp8_artifact_runs_in_its_consumer_like_the_float_model(
     assert_within(figures, bounds, f"FP8 SmolLM2 as {dirname} {spec}", ppl=spec["format"] != "gguf")
 
 
+@pytest.mark.parametrize("dirname", ["nnef", "onnx"])
+def test_nnef_and_onnx_report_their_runtimes_logit_figures_in_the_manifest(
+    fp8_job: Job, dirname: str
+) -> None:
+    """The job's own check: tract's and onnxruntime's logits on the fixed text against
+    transformers' run of the source, the figures GGUF's llama.cpp check reports, within the
+    bounds the job judged them by."""
+    logits = fp8_job.export(dirname)["verify"]["logits"]
+    assert logits["reference"].startswith("transformers.")
+    assert logits["positions"] == 126 and logits["bounds"] is not None
+    bounds = LogitBounds(**logits["bounds"])
+    figures = LogitFigures(**{k: logits[k] for k in ("kl_mean", "kl_p99", "top1", "ppl_ratio", "positions")})
+    assert bounds.violations(figures) == []
+    assert figures.kl_mean < FP8_BOUNDS.kl_mean and figures.top1 >= FP8_BOUNDS.top1
+
+
 # --- the stale GGUF quantization_config ---------------------------------------------------------
 
 STALE_DIRS = ["safetensors", "gguf", "nnef", "onnx"]
