@@ -39,7 +39,14 @@ from service.errors import (
     PublishFailed,
     ServiceError,
 )
-from service.objectstore import S3Location, call, store_for
+from service.objectstore import (
+    COPY_OBJECT_MAX_BYTES,
+    MultipartCopy,
+    S3Location,
+    call,
+    public_endpoint_of,
+    store_for,
+)
 from service.stage import JobContext
 
 if TYPE_CHECKING:
@@ -150,7 +157,8 @@ class ArtifactStore:
         ctx: JobContext | None = None,
     ) -> None:
         """Server-side copies of ``source``'s published set under ``target``, manifest last
-        (result reuse: no byte passes through this process). A missing object is
+        (result reuse: no byte passes through this process): CopyObject up to S3's 5 GB limit,
+        UploadPartCopy ranges beyond it (:class:`MultipartCopy`). A missing object is
         :class:`ObjectNotFound` (the source set was removed meanwhile); what was copied is then
         removed."""
         store = self._store(source)
@@ -158,16 +166,27 @@ class ArtifactStore:
             raise ObjectNotFound(f"{source.uri} and {target.uri} are in different buckets")
         done: list[str] = []
         order = sorted(n for n in names if n != MANIFEST) + [MANIFEST]
+        large: MultipartCopy | None = None
         try:
             for name in order:
                 src, dst = source.key(name), target.key(name)
-                call(functools.partial(obstore.copy, store, src, dst), source.uri, self.settings)
+                meta = call(functools.partial(obstore.head, store, src), source.uri,
+                            self.settings)
+                if int(meta["size"]) > COPY_OBJECT_MAX_BYTES:  # beyond CopyObject: in parts
+                    large = large or MultipartCopy(source.bucket, self.settings, None)
+                    large.copy(src, dst, int(meta["size"]), meta.get("e_tag"))
+                else:
+                    call(functools.partial(obstore.copy, store, src, dst), source.uri,
+                         self.settings)
                 done.append(name)
                 if ctx is not None:
                     ctx.advance(1)
         except BaseException:
             self._discard(store, target, done)
             raise
+        finally:
+            if large is not None:
+                large.close()
 
     def published(self, location: S3Location) -> bool:
         """Whether the set at ``location`` is published (its manifest exists)."""
@@ -187,8 +206,10 @@ class ArtifactStore:
         return loaded
 
     def url(self, location: S3Location, name: str) -> str:
-        """A presigned GET of one artifact, valid ``artifact_url_seconds``."""
-        store = self._store(location)
+        """A presigned GET of one artifact, valid ``artifact_url_seconds``, naming the public
+        endpoint (a signature covers the host, so it is signed for the address clients use)."""
+        store = store_for(location.bucket, self.settings, None,
+                          endpoint=public_endpoint_of(self.settings))
         seconds = self.settings.artifact_url_seconds
         return obstore.sign(store, "GET", location.key(name), timedelta(seconds=seconds))
 

@@ -22,7 +22,8 @@ A job's request never carries a key: ``s3://`` URIs with user info are refused. 
 logged nor put in error messages (obstore's messages name the URL and status, never headers).
 
 Error mapping (:func:`classify`): a missing bucket or key is :class:`ObjectNotFound`, a refused
-signature, unknown key or missing permission :class:`AccessDenied`, a connection failure a
+signature, unknown key or missing permission :class:`AccessDenied`, bytes that do not match
+the checksum sent with them (``BadDigest``) :class:`ChecksumMismatch`, a connection failure a
 transient error that is retried and then :class:`SourceUnreachable`. ``obstore`` raises typed
 exceptions for object requests (NotFoundError, PermissionDeniedError, UnauthenticatedError)
 but a bare ``GenericError`` for listings; for those the HTTP status and S3 error code in its
@@ -32,16 +33,21 @@ message are read (tests/unit/test_objectstore.py pins that assumption).
 from __future__ import annotations
 
 import configparser
+import contextlib
 import errno
+import hashlib
+import hmac
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
+from xml.etree import ElementTree
 
+import httpx
 import obstore
 from obstore.exceptions import (
     BaseError,
@@ -78,6 +84,10 @@ _DENIED_CODES = (
     "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken",
     "ExpiredToken", "AllAccessDisabled",
 )  # fmt: skip
+
+
+_DIGEST_CODES = ("BadDigest", "XAmzContentSHA256Mismatch", "InvalidDigest")
+"""What a server answers a part whose bytes do not match the checksum sent with it."""
 
 
 @dataclass(frozen=True)
@@ -186,14 +196,24 @@ def _shared_file_credentials() -> S3Config | None:
     return found
 
 
+def public_endpoint_of(settings: Settings) -> str:
+    """The endpoint presigned URLs name: where clients outside the service's network reach the
+    store (``s3_public_endpoint``), else the one the service uses."""
+    if settings.s3_public_endpoint:
+        return settings.s3_public_endpoint.rstrip("/")
+    return endpoint_of(settings)
+
+
 def store_for(
-    bucket: str, settings: Settings, tenant: str | None, *, checksum: bool = False
+    bucket: str, settings: Settings, tenant: str | None, *, checksum: bool = False,
+    endpoint: str | None = None,
 ) -> S3Store:
     """A client of ``bucket`` with the tenant's credentials, else the standard chain.
 
     ``checksum``: every upload (each part of a multipart one) carries its SHA-256, which the
-    server checks against the bytes it received."""
-    endpoint = endpoint_of(settings)
+    server checks against the bytes it received. ``endpoint``: another address of the same
+    store (presigning for clients elsewhere); default :func:`endpoint_of`."""
+    endpoint = endpoint or endpoint_of(settings)
     config: S3Config = {"region": settings.s3_region, "endpoint": endpoint}
     if checksum:
         config["checksum_algorithm"] = "sha256"
@@ -244,6 +264,11 @@ def classify(exc: BaseException, what: str) -> ServiceError | None:
             return ObjectNotFound(f"{what} not found in the object store")
         if status in (401, 403) or any(code in message for code in _DENIED_CODES):
             return AccessDenied(f"the object store refused access to {what} (HTTP {status})")
+        if any(f"<Code>{code}</Code>" in message for code in _DIGEST_CODES):
+            return ChecksumMismatch(
+                f"the object store refused {what}: the bytes it received do not match the "
+                "checksum sent with them"
+            )
         if status is not None and 400 <= status < 500 and status not in (408, 429):
             return SourceError(f"the object store answered HTTP {status} for {what}")
         return None
@@ -277,3 +302,196 @@ def list_dir(store: S3Store, location: S3Location, settings: Settings) -> list[o
     result = call(lambda: obstore.list_with_delimiter(store, location.prefix or None),
                   location.uri, settings)
     return sorted(result["objects"], key=lambda meta: meta["path"])
+
+
+# --- multipart copy ----------------------------------------------------------------------------
+#
+# S3's CopyObject copies at most 5 GB; a larger object is copied with a multipart upload whose
+# parts are UploadPartCopy requests (``x-amz-copy-source`` + ``x-amz-copy-source-range``), each
+# copying a range server-side. ``obstore.copy`` (object_store 0.12) sends CopyObject only and
+# offers no multipart primitives, so these four requests are signed here (AWS SigV4, header
+# form) and sent with httpx. SeaweedFS implements UploadPartCopy (``CopyObjectPartHandler``,
+# ranges of the source's chunks copied between volume servers); MinIO, Ceph RGW and AWS too.
+
+COPY_OBJECT_MAX_BYTES = 5 * 1000**3
+"""S3's CopyObject limit (5 GB); a larger source is copied part by part."""
+COPY_PART_BYTES = 1024**3
+"""UploadPartCopy range size: within S3's 5 MiB..5 GiB, 10,000 parts cover 10 TiB."""
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+@dataclass(frozen=True)
+class StaticCredentials:
+    """A key pair (and session token) this process holds itself, to sign requests obstore
+    cannot make."""
+
+    access_key_id: str
+    secret_access_key: str
+    session_token: str | None = None
+
+
+def static_credentials(settings: Settings, tenant: str | None) -> StaticCredentials:
+    """The keys :func:`store_for` would use, when they are keys: the tenant's, the
+    environment's, or the shared file's. Web identity and instance credentials are resolved
+    inside object_store, out of reach: copying a > 5 GB object then fails typed
+    (:class:`AccessDenied`, naming the reason), never by moving the bytes through here."""
+    entry = settings.s3_credentials.get(tenant) if tenant is not None else None
+    if entry is not None:
+        return StaticCredentials(
+            entry.access_key_id, entry.secret_access_key.get_secret_value(),
+            entry.session_token.get_secret_value() if entry.session_token else None,
+        )
+    env = os.environ
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        return StaticCredentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
+                                 env.get("AWS_SESSION_TOKEN") or None)
+    shared = _shared_file_credentials()
+    if shared is not None:
+        return StaticCredentials(shared["access_key_id"], shared["secret_access_key"],
+                                 shared.get("session_token"))
+    raise AccessDenied(
+        "copying an object larger than 5 GB needs a key pair (tenant, AWS_* environment or "
+        "shared credentials file); web identity and instance credentials cannot sign it here"
+    )
+
+
+def _quote_key(key: str) -> str:
+    return "/".join(quote(segment, safe="-_.~") for segment in key.split("/"))
+
+
+def _canonical_query(query: dict[str, str]) -> str:
+    return "&".join(
+        f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items())
+    )
+
+
+def sigv4_headers(
+    method: str, url: str, query: dict[str, str], headers: dict[str, str], payload: bytes,
+    credentials: StaticCredentials, region: str, now: datetime | None = None,
+) -> dict[str, str]:
+    """``headers`` plus the SigV4 ``Authorization``, ``x-amz-date`` and
+    ``x-amz-content-sha256`` of one S3 request (``url`` without its query, path already
+    quoted as sent)."""
+    parts = urlsplit(url)
+    now = now or datetime.now(UTC)
+    amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    payload_hash = hashlib.sha256(payload).hexdigest() if payload else _EMPTY_SHA256
+    signed = {k.lower(): v.strip() for k, v in headers.items()}
+    signed.update({"host": parts.netloc, "x-amz-date": amz_date,
+                   "x-amz-content-sha256": payload_hash})
+    if credentials.session_token:
+        signed["x-amz-security-token"] = credentials.session_token
+    names = sorted(signed)
+    canonical = "\n".join([
+        method, parts.path or "/", _canonical_query(query),
+        *(f"{n}:{signed[n]}" for n in names), "", ";".join(names), payload_hash,
+    ])
+    scope = f"{day}/{region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope,
+                         hashlib.sha256(canonical.encode()).hexdigest()])
+    key = ("AWS4" + credentials.secret_access_key).encode()
+    for part in (day, region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    out = {k: v for k, v in signed.items() if k != "host"}
+    out["authorization"] = (f"AWS4-HMAC-SHA256 Credential={credentials.access_key_id}/{scope}, "
+                            f"SignedHeaders={';'.join(names)}, Signature={signature}")
+    return out
+
+
+class _Transient(Exception):
+    """A 5xx, throttling or a dropped connection: :func:`call` tries again."""
+
+
+def _s3_error_code(body: bytes) -> str | None:
+    """The ``<Code>`` of an S3 error document, None when ``body`` is not one (S3 may answer a
+    copy with 200 and an error document: the status alone is not the outcome)."""
+    try:
+        root = ElementTree.fromstring(body)
+    except ElementTree.ParseError:
+        return None
+    if root.tag.rpartition("}")[2] != "Error":
+        return None
+    return root.findtext("Code") or "Error"
+
+
+def _element(body: bytes, name: str) -> str:
+    root = ElementTree.fromstring(body)
+    for element in root.iter():
+        if element.tag.rpartition("}")[2] == name and element.text:
+            return element.text
+    raise SourceError(f"the object store's answer has no {name}")
+
+
+class MultipartCopy:
+    """Copy one object of a bucket to another key with UploadPartCopy, no byte through here.
+
+    Each request goes through :func:`call` (retries, typed errors); a failure aborts the
+    upload so the store drops the copied parts."""
+
+    def __init__(self, bucket: str, settings: Settings, tenant: str | None) -> None:
+        self._bucket = bucket
+        self._settings = settings
+        self._credentials = static_credentials(settings, tenant)
+        read = min(600.0, max(60.0, settings.download_stall_seconds))
+        # a part copy answers when the store has copied the range: allow for 1 GiB of it
+        self._http = httpx.Client(timeout=httpx.Timeout(read, connect=10.0))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(
+        self, method: str, key: str, query: dict[str, str], headers: dict[str, str] | None = None,
+        payload: bytes = b"",
+    ) -> httpx.Response:
+        url = f"{endpoint_of(self._settings)}/{self._bucket}/{_quote_key(key)}"
+        what = f"s3://{self._bucket}/{key}"
+
+        def send() -> httpx.Response:
+            signed = sigv4_headers(method, url, query, headers or {}, payload,
+                                   self._credentials, self._settings.s3_region)
+            response = self._http.request(method, url + "?" + _canonical_query(query),
+                                          headers=signed, content=payload or None)
+            code = _s3_error_code(response.content) if response.content else None
+            if response.is_success and code is None:
+                return response
+            status = response.status_code
+            if status >= 500 or status in (408, 429) or code in ("SlowDown", "InternalError"):
+                raise _Transient(f"HTTP {status} {code}")
+            if status in (401, 403) or (code or "") in _DENIED_CODES:
+                raise AccessDenied(f"the object store refused access to {what} (HTTP {status})")
+            if status == 404 or (code or "") in (*_NOT_FOUND_CODES, "NoSuchUpload"):
+                raise ObjectNotFound(f"{what} not found in the object store ({code})")
+            raise SourceError(f"the object store answered HTTP {status} {code} for {what}")
+
+        return call(send, what, self._settings)
+
+    def copy(self, source: str, target: str, size: int, etag: str | None = None) -> str:
+        """Copy ``source`` (``size`` bytes; ``etag``: refuse a source that changed meanwhile)
+        to ``target`` in parts of :data:`COPY_PART_BYTES`; returns the new object's ETag."""
+        created = self._request("POST", target, {"uploads": ""})
+        upload_id = _element(created.content, "UploadId")
+        try:
+            parts = []
+            copy_source = f"/{self._bucket}/{_quote_key(source)}"
+            for number, start in enumerate(range(0, max(size, 1), COPY_PART_BYTES), 1):
+                end = min(size, start + COPY_PART_BYTES) - 1
+                headers = {"x-amz-copy-source": copy_source,
+                           "x-amz-copy-source-range": f"bytes={start}-{end}"}
+                if etag:
+                    headers["x-amz-copy-source-if-match"] = etag
+                copied = self._request("PUT", target, {"partNumber": str(number),
+                                                       "uploadId": upload_id}, headers)
+                parts.append((number, _element(copied.content, "ETag")))
+            body = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{e}</ETag></Part>"
+                           for n, e in parts)
+            done = self._request(
+                "POST", target, {"uploadId": upload_id},
+                {"content-type": "application/xml"},
+                f"<CompleteMultipartUpload>{body}</CompleteMultipartUpload>".encode(),
+            )
+            return _element(done.content, "ETag")
+        except BaseException:
+            with contextlib.suppress(Exception):  # the store may be why it failed
+                self._request("DELETE", target, {"uploadId": upload_id})
+            raise

@@ -18,9 +18,11 @@ from obstore.store import S3Store
 
 from service.artifact_store import MANIFEST, ArtifactStore, check_destination
 from service.config import Settings
-from service.errors import Forbidden, InvalidRequest, PublishFailed
-from service.objectstore import S3Location
+from service.errors import ChecksumMismatch, Forbidden, InvalidRequest, PublishFailed
+from service.fsutil import sha256_file
+from service.objectstore import COPY_OBJECT_MAX_BYTES, COPY_PART_BYTES, S3Location
 from service.stage import InMemoryContext
+from tests.fixtures.corrupting_proxy import corrupting_proxy
 from tests.fixtures.seaweedfs import S3Server, seaweedfs  # noqa: F401  (fixture)
 
 
@@ -145,3 +147,80 @@ def test_destinations_only_under_granted_prefixes(tmp_path: Path) -> None:
             check_destination(destination, tenant, settings)
     with pytest.raises(InvalidRequest):
         check_destination("s3://team-acme/models/../x", "acme", settings)
+
+
+def _io_bytes() -> int:
+    """Bytes this process moved through read/write syscalls (sockets included)."""
+    counters = dict(line.split(": ") for line in
+                    Path("/proc/self/io").read_text().splitlines())
+    return int(counters["rchar"]) + int(counters["wchar"])
+
+
+@pytest.mark.timeout(1800)
+def test_reuse_copies_an_object_beyond_copyobject_s_5_gb_in_parts_server_side(
+    tmp_path: Path, seaweedfs: S3Server, bucket: str,  # noqa: F811
+) -> None:
+    """S3's CopyObject stops at 5 GB: a larger artifact is copied with UploadPartCopy ranges
+    (the new object's ETag is a multipart one, ``-<parts>``), and no byte of it passes through
+    this process."""
+    settings = _settings(tmp_path, seaweedfs, bucket, download_stall_seconds=600)
+    store = ArtifactStore.configured(settings)
+    assert store is not None
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    size = COPY_OBJECT_MAX_BYTES + 3 * 1024 * 1024
+    big = staging / "model.gguf"
+    with big.open("wb") as f:  # sparse: zeros but for a marked head and tail
+        f.write(b"head" * 1024)
+        f.seek(size - 4096)
+        f.write(b"tail" * 1024)
+    digests = {"model.gguf": sha256_file(big)}
+    (staging / MANIFEST).write_text(json.dumps({"files": digests}))
+    first = store.location_for("2" * 32, None)
+    store.publish(staging, first, digests)
+    big.unlink()
+
+    second = store.location_for("3" * 32, None)
+    before = _io_bytes()
+    store.copy(first, second, ["model.gguf", MANIFEST])
+    moved = _io_bytes() - before
+    # requests, answers, a CA bundle read: kilobytes to a few MB, not the 5 GB object
+    assert moved < 16 * 1024 * 1024, f"{moved} bytes went through this process"
+
+    client = S3Store(bucket, endpoint=seaweedfs.endpoint, region="us-east-1",
+                     access_key_id=seaweedfs.access_key, secret_access_key=seaweedfs.secret_key,
+                     client_options={"allow_http": True})
+    key = f"{second.prefix}/model.gguf"
+    meta = obstore.head(client, key)
+    parts = -(-size // COPY_PART_BYTES)
+    assert meta["size"] == size
+    assert str(meta["e_tag"]).strip('"').endswith(f"-{parts}"), meta["e_tag"]
+    head = bytes(obstore.get(client, key, options={"range": (0, 4096)}).bytes())
+    tail = bytes(obstore.get(client, key, options={"range": (size - 4096, size)}).bytes())
+    middle = bytes(obstore.get(client, key, options={
+        "range": (COPY_PART_BYTES - 8, COPY_PART_BYTES + 8)}).bytes())
+    assert head == b"head" * 1024 and tail == b"tail" * 1024 and middle == b"\0" * 16
+    assert store.manifest(second) == {"files": digests}
+    store.remove(first)
+    store.remove(second)
+
+
+def test_a_part_corrupted_after_hashing_is_refused_by_the_server_and_nothing_is_published(
+    tmp_path: Path, seaweedfs: S3Server, bucket: str,  # noqa: F811
+) -> None:
+    """One byte of a part's body flipped on the wire (after the client computed the part's
+    SHA-256, before the server read it): the server refuses the part, the publication fails
+    typed and leaves no manifest."""
+    staging = tmp_path / "staging"
+    digests = _staging(staging, {"a.bin": 1024, "b.bin": 40 * 1024 * 1024})
+    with corrupting_proxy(seaweedfs.endpoint, offset=4 * 1024 * 1024) as proxy:
+        settings = _settings(tmp_path, seaweedfs, bucket)
+        store = ArtifactStore.configured(settings.model_copy(
+            update={"s3_endpoint": proxy.endpoint}))
+        assert store is not None
+        location = store.location_for("4" * 32, None)
+        with pytest.raises(ChecksumMismatch) as failed:
+            store.publish(staging, location, digests)
+        assert proxy.corrupted.is_set()
+    assert failed.value.code == "checksum_mismatch"
+    assert _keys(seaweedfs, bucket, location.prefix) == []
