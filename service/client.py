@@ -284,21 +284,26 @@ class ModelprepClient:
     ) -> None:
         size: int = artifact["size"]
         part = target.with_name(target.name + ".part")
+        validator = target.with_name(target.name + ".part.etag")
         target.parent.mkdir(parents=True, exist_ok=True)
         backoff = _backoff(retries)
         while True:
             offset = part.stat().st_size if part.exists() else 0
+            # what the .part was cut from; without a record, the API's own ETag (the sha256)
+            etag = validator.read_text() if validator.exists() else f'"{artifact["sha256"]}"'
             if offset > size:
-                part.unlink()
                 offset = 0
             try:
                 if offset < size:
-                    self._fetch_range(artifact, part, offset, on_progress)
+                    self._fetch_range(artifact, part, validator, offset, etag, on_progress)
                 break
+            except _ChangedSinceCut:
+                continue  # the object changed since the .part was cut: restarted from 0
             except ServiceUnreachable:
                 if not backoff.failed():
                     raise
         digest = sha256_file(part)
+        validator.unlink(missing_ok=True)
         if part.stat().st_size != size or digest != artifact["sha256"]:
             part.unlink()
             raise ArtifactCorrupt(
@@ -310,23 +315,41 @@ class ModelprepClient:
         self,
         artifact: Mapping[str, Any],
         part: Path,
+        validator: Path,
         offset: int,
+        etag: str,
         on_progress: DownloadProgress | None,
     ) -> None:
+        """Append ``offset-`` to ``part``, or rewrite it whole when the server sends it whole.
+
+        A resume names the ETag the ``.part`` was cut from (kept beside it in ``.part.etag``,
+        as the server that answered sent it: the API's sha256, or an object store's own ETag
+        behind the API's redirect) twice: ``If-Range``, so a server that honours it sends the
+        whole new file when it changed, and ``If-Match``, so one that ignores ``If-Range``
+        (S3: SeaweedFS, AWS) refuses with 412 instead of sending bytes of another object to
+        splice onto ours; the ``.part`` is then dropped (:class:`_ChangedSinceCut`)."""
         headers = {}
         if offset:
-            # If-Range: resume only if the file is still the one we started; else a full 200.
-            headers = {"Range": f"bytes={offset}-", "If-Range": f'"{artifact["sha256"]}"'}
+            headers = {"Range": f"bytes={offset}-", "If-Range": etag, "If-Match": etag}
         try:
             # An artifact store answers with a redirect to a presigned URL; httpx drops the
-            # Authorization header when the redirect leaves the API's origin.
+            # Authorization header when the redirect leaves the API's origin and keeps the rest.
             with self._http.stream("GET", artifact["url"], headers=headers,
                                    follow_redirects=True) as response:
+                if response.status_code == 412 and offset:
+                    response.read()
+                    part.unlink(missing_ok=True)
+                    validator.unlink(missing_ok=True)
+                    raise _ChangedSinceCut(artifact["path"])
                 if not response.is_success:
                     response.read()
                     _raise_for_problem(response)
                 mode = "ab" if response.status_code == 206 else "wb"
                 done = offset if mode == "ab" else 0
+                if mode == "wb":  # a new cut: remember what it is cut from before any byte
+                    validator.unlink(missing_ok=True)
+                    if response.headers.get("etag"):
+                        validator.write_text(response.headers["etag"])
                 with part.open(mode) as f:
                     for chunk in response.iter_bytes(CHUNK):
                         f.write(chunk)
@@ -337,6 +360,10 @@ class ModelprepClient:
                     os.fsync(f.fileno())
         except httpx.HTTPError as exc:
             raise self._unreachable(f"download of {artifact['path']}", exc) from exc
+
+
+class _ChangedSinceCut(Exception):
+    """A resumed download's object is no longer the one its ``.part`` was cut from."""
 
 
 def _backoff(retries: int) -> Backoff:
