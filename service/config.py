@@ -140,6 +140,12 @@ class Settings(BaseSettings):
         description="Endpoint URL of an S3-compatible store (MinIO, Ceph RGW, SeaweedFS) for "
         "s3:// sources and the artifact store; default: AWS S3 of s3_region.",
     )
+    s3_public_endpoint: str | None = Field(
+        default=None,
+        description="Endpoint URL that presigned artifact URLs name, when clients reach the "
+        "object store at another address than the service does (a compose network's "
+        "http://objectstore:8333 is http://HOST:8333 outside it); default: s3_endpoint.",
+    )
     s3_region: str = Field(
         default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$",
         description="Region of s3:// sources and of the artifact store.",
