@@ -34,9 +34,7 @@ test: install chromium
 # The fast tier (tests/unit): no built tools, model packages or servers, so only the venv is needed;
 # tests/fixtures/fast_tier.py fails a test there that uses one. `make test` runs it too.
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q tests/unit -m 'not postgres and not container' \
-	  --ignore=tests/unit/exporters/gguf --ignore=tests/unit/exporters/test_gguf.py \
-	  --ignore=tests/unit/exporters/test_gguf_quantize.py --ignore=tests/unit/exporters/test_gguf_stream.py
+	$(PY) -m pytest -q tests/unit -m 'not postgres and not container'
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check service tests bench

@@ -60,24 +60,21 @@ Llama-2's); the others get SmolLM2's real byte-level BPE."""
 def _spm_tokenizer(out: Path) -> tuple[int, int]:
     """A real SentencePiece BPE with byte fallback trained offline; (vocab size, number of
     leading ids generation must avoid)."""
-    import sentencepiece as spm
     from transformers import LlamaTokenizer
 
-    from tests.unit.exporters.test_gguf import CORPUS
+    from tests.fixtures.models import CORPUS, train_sentencepiece
 
     work = out.parent / "spm"
     work.mkdir(parents=True, exist_ok=True)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter([*CORPUS, PROMPT + " Paris."] * 3), model_prefix=str(work / "tok"),
-        vocab_size=340, model_type="bpe", byte_fallback=True, character_coverage=1.0,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    model_file = train_sentencepiece(
+        work / "tok", 340, [*CORPUS, PROMPT + " Paris."] * 3,
         control_symbols=["<|endoftext|>"],  # llama.cpp's phi3 vocabulary expects Phi-3's own
     )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    LlamaTokenizer.from_pretrained(str(work), vocab_file=str(work / "tok.model")).save_pretrained(
+    LlamaTokenizer.from_pretrained(str(work), vocab_file=str(model_file)).save_pretrained(
         str(out)
     )
-    shutil.copy(work / "tok.model", out / "tokenizer.model")
+    shutil.copy(model_file, out / "tokenizer.model")
     return 340, 4 + 256  # unk, bos, eos, <|endoftext|>, then the 256 byte pieces
 
 

@@ -1,96 +1,130 @@
-"""The GGUF writer's fast path and its output layouts: torch encoders byte-identical to
-gguf.quants, "verify": false checking only the layout, a failing disk write surfacing from the
-writer thread, and llama.cpp's split files (loaded by llama.cpp itself from the first, merged by
-llama-gguf-split into the single file's tensor bytes, checked by the read-back).
+"""Writing and reading back a GGUF (``service.exporters.gguf.stream``): the read-back catches
+unpermuted q/k, block and piece sizes change no byte, "verify": false checks only the layout, a
+failing disk write surfaces from the writer thread, each block is read back from the file as it
+is written (a byte the disk changes fails the export), and llama.cpp's split files (loaded by
+llama.cpp itself from the first, merged by llama-gguf-split into the single file's tensor bytes,
+checked by the read-back).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import pytest
-from pydantic import ValidationError
+import torch
+from transformers import LlamaForCausalLM
 
-from service.checkpoint import open_checkpoint
+from service.checkpoint import WeightReader, open_checkpoint
 from service.errors import VerificationFailed
-from service.exporters.base import ExportInputs, ExportResult
-from service.exporters.gguf import GGUFExporter, GGUFSpec
 from service.exporters.gguf.directory import read_directory
 from service.exporters.gguf.llama_check import perplexity
-from service.exporters.gguf.plan import GGUFPlan, plan_gguf
-from service.exporters.gguf.stream import (
-    RowBlockReader,
-    VerifyReport,
-    verify_gguf,
-    write_gguf_files,
+from service.exporters.gguf.plan import (
+    GGUFPlan,
+    add_metadata,
+    plan_gguf,
 )
+from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf, write_gguf_files
 from service.llama_cpp import llama_cpp_tool
-from service.stage import InMemoryContext
-from tests.unit.exporters.test_gguf import _ctx
-from tests.unit.exporters.test_gguf_quantize import wide_llama  # noqa: F401 (a fixture)
+from tests.fixtures.gguf_files import (
+    IDS,
+    export_gguf,
+    gguf_ctx,
+    gguf_forward,
+    reference_logits,
+)
 
 
-def _plan(root: Path, c: Any) -> GGUFPlan:
-    """llama.cpp's converter's plan (computed tensors are evaluated once per plan)."""
-    return plan_gguf(root, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
+def _plan(ckpt_dir: Path, type_: str) -> GGUFPlan:
+    with open_checkpoint(ckpt_dir) as ckpt:
+        assert ckpt.config is not None
+        return plan_gguf(
+            ckpt_dir, ckpt.config, ckpt.reader, type_,  # type: ignore[arg-type]
+            pre_tokenizer_fallback="default",
+        )  # fmt: skip
 
 
-class _NoReader:
-    def tensor_infos(self) -> list[Any]:
-        return []
+def test_without_qk_permutation_verification_fails(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    """Negative control: the read-back check notices q/k rows in transformers' order."""
 
-    def aliases(self) -> dict[str, str]:
-        return {}
+    ckpt_dir, model = llama
+    path = tmp_path / "unpermuted.gguf"
 
+    def unpermuted() -> GGUFPlan:
+        plan = _plan(ckpt_dir, "f32")
+        names = {t.name: t for t in plan.tensors}
+        assert names["blk.0.attn_q.weight"].compute is not None  # llama.cpp permutes it
+        plain = {
+            f"blk.{i}.attn_{w}.weight": f"model.layers.{i}.self_attn.{w}_proj.weight"
+            for i in range(2)
+            for w in "qk"
+        }
+        tensors = tuple(
+            dataclasses.replace(t, source=plain[t.name], compute=None) if t.name in plain else t
+            for t in plan.tensors
+        )
+        return dataclasses.replace(plan, tensors=tensors)
 
-def _edge_rows() -> np.ndarray:
-    """Rows whose q8_0 blocks hit every rounding case: zeros, exact halves, subnormal scales."""
-    rng = np.random.default_rng(7)
-    rows = (rng.standard_normal((64, 1024)) * 0.02).astype(np.float32)
-    rows[0, :32] = 0.0  # d == 0: id is 0, not inf
-    rows[1, :32] = np.arange(32, dtype=np.float32) / 2 - 8  # x * id lands on .5
-    rows[2, :32] = -127.5 / 127
-    rows[3] *= np.float32(1e-30)  # the scale rounds to an f16 subnormal (or 0)
-    rows[4] *= np.float32(1e4)
-    rows[5, :32] = np.float32(1e-45)
-    return rows
-
-
-@pytest.mark.parametrize("type_name", ["f32", "f16", "q8_0"])
-def test_torch_encoders_write_the_bytes_gguf_quants_writes(type_name: str) -> None:
-    rows = _edge_rows()
-    qtype = gguf.GGMLQuantizationType[type_name.upper()]
-    blocks = RowBlockReader(_NoReader())  # type: ignore[arg-type]
-    want = gguf.quants.quantize(rows, qtype).tobytes()
-    for slot in (0, 1):  # both output slots, the second reusing nothing of the first
-        assert bytes(blocks.encode(rows, int(qtype), type_name, slot)) == want
-    # a non-contiguous block (a permuted q/k view) encodes like its contiguous copy
-    view = rows[:, ::-1]
-    assert (
-        bytes(blocks.encode(view, int(qtype), type_name))
-        == gguf.quants.quantize(np.ascontiguousarray(view), qtype).tobytes()
-    )
+    with open_checkpoint(ckpt_dir) as ckpt:
+        broken = unpermuted()
+        write_gguf(path, broken, ckpt.reader, lambda w: add_metadata(w, broken), gguf_ctx(tmp_path))
+        verify_gguf(path, unpermuted(), ckpt.reader, gguf_ctx(tmp_path))  # consistent with itself
+        with pytest.raises(VerificationFailed, match=r"attn_[qk]\.weight"):
+            verify_gguf(path, _plan(ckpt_dir, "f32"), ckpt.reader, gguf_ctx(tmp_path))
+    # ...and such a file does not run like the model under llama.cpp's rope.
+    ref = reference_logits(model)
+    assert np.abs(gguf_forward(path, IDS) - ref).max() / np.abs(ref).max() > 1e-2
 
 
-def _export(ckpt: Path, out: Path, **spec: Any) -> tuple[ExportResult, InMemoryContext]:
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = _ctx(out)
-    with open_checkpoint(ckpt) as c:
-        spec.setdefault("pre_tokenizer_fallback", "default")  # a tokenizer trained here
-        result = GGUFExporter().export(GGUFSpec(**spec), ExportInputs(c), out, ctx)
-    return result, ctx
+class OddChunks:
+    """The real checkpoint reader, asked for pieces of 7 elements whatever the caller wants:
+    the writer must reassemble rows split anywhere, as a reader with its own limits may do."""
+
+    def __init__(self, reader: WeightReader) -> None:
+        self._reader = reader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+    def iter_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]:
+        return self._reader.iter_chunks(name, 7 * 4)
+
+
+def test_blocks_of_any_size_produce_the_same_file(
+    llama: tuple[Path, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    """Tiny blocks (one head of q/k at a time) and reader pieces split mid-row change nothing."""
+    ckpt_dir, _ = llama
+    digests = []
+    with open_checkpoint(ckpt_dir) as ckpt:
+        runs: list[tuple[Any, int]] = [
+            (ckpt.reader, 1 << 26),
+            (ckpt.reader, 1000),
+            (OddChunks(ckpt.reader), 1000),
+        ]
+        for i, (reader, chunk) in enumerate(runs):
+            path = tmp_path / f"run{i}.gguf"
+            plan = _plan(ckpt_dir, "q8_0")  # computed tensors are evaluated once per plan
+            digests.append(write_gguf(path, plan, reader, lambda w: None, gguf_ctx(tmp_path), chunk))
+            assert digests[-1] == hashlib.sha256(path.read_bytes()).hexdigest()
+            verify_gguf(path, _plan(ckpt_dir, "q8_0"), reader, gguf_ctx(tmp_path), chunk)
+    assert digests[0] == digests[1] == digests[2]
 
 
 def test_verify_false_checks_the_layout_and_reads_nothing_back(
-    wide_llama: Path,  # noqa: F811
+    wide_llama: Path,
     tmp_path: Path,
 ) -> None:
-    checked, _ = _export(wide_llama, tmp_path / "checked", type="q8_0")
-    fast, ctx = _export(wide_llama, tmp_path / "fast", type="q8_0", verify=False)
+    checked, _ = export_gguf(wide_llama, tmp_path / "checked", "q8_0")
+    fast, ctx = export_gguf(wide_llama, tmp_path / "fast", "q8_0", verify=False)
     assert checked.digests == fast.digests  # same bytes either way
     assert checked.summary["verification"]["read_back"] is True
     assert checked.summary["verification"]["tensors_checked"] == checked.summary["tensors"]
@@ -102,7 +136,7 @@ def test_verify_false_checks_the_layout_and_reads_nothing_back(
 
 
 def test_a_failing_write_in_the_writer_thread_fails_the_export_and_leaves_nothing(
-    wide_llama: Path,  # noqa: F811
+    wide_llama: Path,
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
@@ -123,7 +157,7 @@ def test_a_failing_write_in_the_writer_thread_fails_the_export_and_leaves_nothin
             return getattr(self.real, name)
 
     with open_checkpoint(wide_llama) as c:
-        plan = _plan(wide_llama, c)
+        plan = plan_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
 
         def metadata(writer: gguf.GGUFWriter) -> None:
             real_open = writer.open_output_file
@@ -136,7 +170,7 @@ def test_a_failing_write_in_the_writer_thread_fails_the_export_and_leaves_nothin
             writer.open_output_file = open_full  # type: ignore[method-assign]
 
         with pytest.raises(OSError, match="No space left"):
-            write_gguf_files(out / "m.gguf", plan, c.reader, metadata, _ctx(tmp_path))
+            write_gguf_files(out / "m.gguf", plan, c.reader, metadata, gguf_ctx(tmp_path))
     assert list(out.iterdir()) == []
 
 
@@ -162,14 +196,14 @@ class _FlippingDisk:
 
 @pytest.mark.parametrize("flip", [0, 3])
 def test_each_block_is_read_back_from_the_file_as_it_is_written(
-    wide_llama: Path,  # noqa: F811
+    wide_llama: Path,
     tmp_path: Path,
     flip: int,
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
     with open_checkpoint(wide_llama) as c:
-        plan = _plan(wide_llama, c)
+        plan = plan_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
 
         def metadata(writer: gguf.GGUFWriter) -> None:
             real_open = writer.open_output_file
@@ -185,14 +219,14 @@ def test_each_block_is_read_back_from_the_file_as_it_is_written(
         if flip:
             with pytest.raises(VerificationFailed, match="beyond the f16 tolerance"):
                 write_gguf_files(
-                    out / "m.gguf", plan, c.reader, metadata, _ctx(tmp_path), check=report
+                    out / "m.gguf", plan, c.reader, metadata, gguf_ctx(tmp_path), check=report
                 )
             assert list(out.iterdir()) == []
             return
-        write_gguf_files(out / "m.gguf", plan, c.reader, metadata, _ctx(tmp_path), check=report)
+        write_gguf_files(out / "m.gguf", plan, c.reader, metadata, gguf_ctx(tmp_path), check=report)
         assert report.tensors_checked == len(plan.tensors) and report.files == 1
         assert 0 < report.worst_fraction_of_bound["f16"] <= 1.0
-        again = verify_gguf(out / "m.gguf", _plan(wide_llama, c), c.reader, _ctx(tmp_path))
+        again = verify_gguf(out / "m.gguf", plan_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default"), c.reader, gguf_ctx(tmp_path))
         assert report.as_dict() == again.as_dict()  # the same figures as a read-back after
 
 
@@ -217,40 +251,17 @@ def _merge(first: Path, dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module")
-def deep_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """wide_llama's shapes with 10 layers: its Q4_K_M is ~4 MB, so llama-gguf-split (whose
-    unit is the megabyte) has something to split."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.unit.exporters.test_gguf import _randomize, _write_bpe_tokenizer
-
-    out = tmp_path_factory.mktemp("gguf-deep-llama")
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=10,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    _randomize(model, 0)
-    model.save_pretrained(str(out))
-    _write_bpe_tokenizer(out)
-    return out
-
-
 @pytest.mark.parametrize("type_", ["f16", "Q4_K_M"])
 def test_split_files_load_in_llama_cpp_and_merge_to_the_single_file(
-    wide_llama: Path,  # noqa: F811
+    wide_llama: Path,
     deep_llama: Path,
     tmp_path: Path,
     type_: str,
 ) -> None:
     ckpt = deep_llama if type_ == "Q4_K_M" else wide_llama
-    # the file's own llama.cpp checks are test_gguf_quantize's; here: the layout
-    whole, _ = _export(ckpt, tmp_path / "whole", type=type_, verify=False)
-    split, _ = _export(ckpt, tmp_path / "split", type=type_, max_shard_size="1MB", verify=False)
+    # the file's own llama.cpp checks are test_quantize's and test_llama_check's; here: the layout
+    whole, _ = export_gguf(ckpt, tmp_path / "whole", type_, verify=False)
+    split, _ = export_gguf(ckpt, tmp_path / "split", type_, max_shard_size="1MB", verify=False)
     names = split.files
     n = len(names)
     assert n >= 3
@@ -277,11 +288,11 @@ def test_split_files_load_in_llama_cpp_and_merge_to_the_single_file(
 
 
 def test_split_layout_is_checked_by_the_read_back(
-    wide_llama: Path,  # noqa: F811
+    wide_llama: Path,
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
-    result, _ = _export(wide_llama, out, type="f16", max_shard_size=600_000)
+    result, _ = export_gguf(wide_llama, out, "f16", max_shard_size=600_000)
     files = [out / n for n in result.files]
     n = len(files)
     assert n >= 3 and result.files == [
@@ -289,16 +300,10 @@ def test_split_layout_is_checked_by_the_read_back(
     ]
     assert sorted(p.name for p in out.iterdir() if p.is_file()) == result.files
     with open_checkpoint(wide_llama) as c:
-        plan = _plan(wide_llama, c)
-        report = verify_gguf(files, plan, c.reader, _ctx(tmp_path))
+        plan = plan_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
+        report = verify_gguf(files, plan, c.reader, gguf_ctx(tmp_path))
         assert report.files == len(files) and report.tensors_checked == len(plan.tensors)
         with pytest.raises(Exception, match="split keys"):
-            verify_gguf(files[::-1], plan, c.reader, _ctx(tmp_path), read_back=False)
+            verify_gguf(files[::-1], plan, c.reader, gguf_ctx(tmp_path), read_back=False)
         with pytest.raises(Exception, match="split.count"):
-            verify_gguf(files[0], plan, c.reader, _ctx(tmp_path), read_back=False)
-
-
-@pytest.mark.parametrize("size", ["0", "-1GB", "ten", 0])
-def test_an_unparseable_max_shard_size_is_refused_at_submission(size: object) -> None:
-    with pytest.raises(ValidationError):
-        GGUFSpec.model_validate({"type": "f16", "max_shard_size": size})
+            verify_gguf(files[0], plan, c.reader, gguf_ctx(tmp_path), read_back=False)
