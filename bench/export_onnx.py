@@ -27,7 +27,7 @@ Peak RSS of the modelprep job: about 0.33 GiB (torch, transformers, onnx) + the 
 weights). Weight bytes do not enter it: 0.83 GiB at 1.1 GB and 0.90 GiB at 4.2 GB here (same
 250 MiB largest tensor; the 0.07 GiB between them are the 15 more layers of graph).
 
-Run of 2026-11-23 08:47-08:55 UTC, 2 cores shared with other engineers' work (whole-process
+Run of 2026-11-23 08:47-08:55 UTC, 2 cores shared with other workloads (whole-process
 figures; peak RSS of the job process, the onnxruntime child apart):
 
 =============  ============================  ============================
