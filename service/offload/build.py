@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.adapters.transformers_keys import key_renamer
 from service.checkpoint.base import Checkpoint, TensorInfo
 from service.config import Settings
 from service.errors import NoModelConfig
@@ -249,8 +250,11 @@ def match_keys(
     matched: set[str] = set()
     unexpected: list[str] = []
     checkpoint_set = set(checkpoint_names)
+    rename = key_renamer(model)
     for name in checkpoint_names:
         target = resolve_name(name, module_set, prefix)
+        if target is None:  # a layout transformers renames at load (a VLM's sub-models)
+            target = resolve_name(rename(name), module_set, prefix)
         if target is None:
             unexpected.append(name)
             continue
@@ -258,7 +262,9 @@ def match_keys(
             renamed[name] = target
         matched.add(target)
     for alias, canonical in (aliases or {}).items():
-        target = resolve_name(alias, module_set, prefix)
+        target = resolve_name(alias, module_set, prefix) or resolve_name(
+            rename(alias), module_set, prefix
+        )
         if target is not None and canonical in checkpoint_set:
             matched.add(target)
     missing = [

@@ -8,12 +8,14 @@ formats are streamed once into the store in chunks. Tied parameters share one ha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from service.adapters.transformers_keys import key_renamer
 from service.checkpoint.base import TensorInfo, WeightReader
 from service.errors import WeightsMismatch
 from service.offload.build import BuiltModel, resolve_name, tied_names
@@ -131,6 +133,8 @@ class _Dispatcher:
     groups: dict[str, list[Slot]]
     """Canonical name -> the slots of every tied name in its group."""
     prefix: str
+    rename: Callable[[str], str] = field(default=str)
+    """transformers' own rename rules for the model (``adapters.transformers_keys``)."""
     done: dict[str, str] = field(default_factory=dict)
     """Canonical name -> store key, or ``cpu``."""
     placed: dict[str, int] = field(
@@ -153,7 +157,10 @@ class _Dispatcher:
         for name, name_slots in slots.items():
             groups.setdefault(tied.get(name, name), []).extend(name_slots)
         prefix = getattr(model, "base_model_prefix", "") or ""
-        return cls(reader, device_map, store, quantization, slots, tied, groups, prefix)
+        return cls(
+            reader, device_map, store, quantization, slots, tied, groups, prefix,
+            key_renamer(model),
+        )  # fmt: skip
 
     def load_all(self, infos: list[TensorInfo], ctx: JobContext) -> None:
         """Every stored tensor, then every alias the reader knows (a tied name stored once),
@@ -162,12 +169,16 @@ class _Dispatcher:
         by_name = {i.name: i for i in infos}
         for info in infos:
             ctx.check_abort()
-            target = resolve_name(info.name, module_names, self.prefix)
+            target = resolve_name(info.name, module_names, self.prefix) or resolve_name(
+                self.rename(info.name), module_names, self.prefix
+            )
             if target is not None:
                 self.load(info, info.name, target)
             ctx.advance(info.nbytes)
         for alias, canonical_source in self.reader.aliases().items():
-            target = resolve_name(alias, module_names, self.prefix)
+            target = resolve_name(alias, module_names, self.prefix) or resolve_name(
+                self.rename(alias), module_names, self.prefix
+            )
             if target is not None and canonical_source in by_name:
                 self.load(by_name[canonical_source], canonical_source, target)
         self.store.commit()

@@ -1,0 +1,56 @@
+"""service.adapters.transformers_keys: transformers' own per-model key renaming.
+
+If one of these fails after a transformers upgrade, ``conversion_mapping.get_model_conversion_mapping``
+or ``core_model_loading.rename_source_key`` changed: the job's meta build would no longer find a
+published VLM layout's weights (``WeightsMismatch`` naming ``model.vision_tower.*``).
+"""
+
+from __future__ import annotations
+
+from accelerate import init_empty_weights
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    SiglipVisionConfig,
+)
+
+from service.adapters.transformers_keys import key_renamer
+
+
+def _gemma3() -> Gemma3ForConditionalGeneration:
+    text = Gemma3TextConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=8)  # fmt: skip
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4)  # fmt: skip
+    with init_empty_weights():
+        return Gemma3ForConditionalGeneration(config)
+
+
+def test_the_published_gemma3_layout_is_renamed_to_the_modules_names() -> None:
+    model = _gemma3()
+    names = {n for n, _ in model.named_parameters()}
+    rename = key_renamer(model)
+    published = {
+        "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight":
+            "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight",
+        "language_model.model.layers.0.self_attn.q_proj.weight":
+            "model.language_model.layers.0.self_attn.q_proj.weight",
+        "multi_modal_projector.mm_input_projection_weight":
+            "model.multi_modal_projector.mm_input_projection_weight",
+    }  # fmt: skip
+    for key, module_name in published.items():
+        assert rename(key) == module_name and module_name in names, key
+
+
+def test_a_model_without_rules_keeps_its_keys() -> None:
+    with init_empty_weights():
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    rename = key_renamer(model)
+    assert rename("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
