@@ -28,6 +28,7 @@ TOOLS = (
     "llama-completion",
     "llama-embedding",
     "llama-gguf-split",
+    "llama-mtmd-cli",
 )
 
 

@@ -97,8 +97,8 @@ def converter_dir(bin_dir: Path | None = None) -> Path:
     return path
 
 
-@lru_cache(maxsize=4)
-def _text_model_map(init_file: Path) -> dict[str, str]:
+@lru_cache(maxsize=8)
+def _text_model_map(init_file: Path, literal: str = "TEXT_MODEL_MAP") -> dict[str, str]:
     tree = ast.parse(init_file.read_text(encoding="utf-8"))
     for node in tree.body:
         target: ast.expr | None = None
@@ -107,16 +107,32 @@ def _text_model_map(init_file: Path) -> dict[str, str]:
             target, value_node = node.target, node.value
         elif isinstance(node, ast.Assign) and len(node.targets) == 1:
             target, value_node = node.targets[0], node.value
-        if isinstance(target, ast.Name) and target.id == "TEXT_MODEL_MAP" and value_node:
+        if isinstance(target, ast.Name) and target.id == literal and value_node:
             value = ast.literal_eval(value_node)
             if isinstance(value, dict):
                 return {str(k): str(v) for k, v in value.items()}
-    raise ToolMissing(f"{init_file} has no TEXT_MODEL_MAP literal: not the converter checked here")
+    raise ToolMissing(f"{init_file} has no {literal} literal: not the converter checked here")
 
 
 def supported_architectures(bin_dir: Path | None = None) -> dict[str, str]:
     """Hugging Face architecture name -> upstream module, read without importing the converter."""
     return _text_model_map(converter_dir(bin_dir) / "conversion" / "__init__.py")
+
+
+def supported_mmproj_architectures(bin_dir: Path | None = None) -> dict[str, str]:
+    """Architecture name -> upstream module of the multimodal projectors upstream writes
+    (``MMPROJ_MODEL_MAP``, what ``convert_hf_to_gguf.py --mmproj`` dispatches on)."""
+    return _text_model_map(converter_dir(bin_dir) / "conversion" / "__init__.py", "MMPROJ_MODEL_MAP")
+
+
+def mmproj_architecture(config: dict[str, Any]) -> str | None:
+    """The architecture ``--mmproj`` dispatches on (``vision_config.architectures`` first, as
+    upstream's ``get_model_architecture``), or None for a config without a vision tower."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        return None
+    names = vision.get("architectures") or config.get("architectures") or []
+    return str(names[0]) if names else None
 
 
 def _import_package(name: str, directory: Path) -> ModuleType:
@@ -407,11 +423,16 @@ def plan_conversion(
     metadata: bool = True,
     vocab: bool = True,
     pre_tokenizer_fallback: str | None = None,
+    mmproj: bool = False,
 ) -> Conversion:
     """Run upstream's class for ``root`` on metadata only: names, shapes, types, KV, vocabulary.
 
     Weights are read only when a :class:`PlannedTensor`'s ``compute`` is called. ``vocab=False``
-    writes ``tokenizer.ggml.model = none`` (a checkpoint without tokenizer files).
+    writes ``tokenizer.ggml.model = none`` (a checkpoint without tokenizer files). ``mmproj``
+    plans the multimodal projector instead of the text model: upstream's ``MmprojModel``
+    subclass for the architecture (``get_model_class(arch, mmproj=True)``, what
+    ``convert_hf_to_gguf.py --mmproj`` runs), which keeps the vision tower and projector
+    tensors and writes the ``clip.*`` keys; it has no vocabulary.
     """
     conversion = load_converter(bin_dir)
     import gguf
@@ -419,11 +440,12 @@ def plan_conversion(
 
     base_mod = importlib.import_module("conversion.base")
     lazy_type: Any = base_mod.LazyTorchTensor
-    arch = hf_architecture(config)
+    arch = (mmproj_architecture(config) if mmproj else None) or hf_architecture(config)
     try:
-        model_class: Any = conversion.get_model_class(arch)
+        model_class: Any = conversion.get_model_class(arch, mmproj=mmproj)
     except NotImplementedError:
-        raise UnsupportedExport(f"llama.cpp's converter does not support {arch}") from None
+        what = "a multimodal projector for" if mmproj else ""
+        raise UnsupportedExport(f"llama.cpp's converter does not support {what} {arch}") from None
 
     infos = {info.name: info for info in reader.tensor_infos()}
     for alias, canonical in reader.aliases().items():
@@ -506,17 +528,14 @@ def plan_conversion(
             del kv[key]  # whatever a failed writer added before it gave up
         self._set_vocab_none()
 
-    fed = type(
-        f"Fed{model_class.__name__}",
-        (model_class,),
-        {
-            "model_arch": model_class.model_arch,
-            "index_tensors": index_tensors,
-            "modify_tensors": modify_tensors,
-            "get_vocab_base_pre": get_vocab_base_pre,
-            "set_vocab": set_vocab,
-        },
-    )
+    overrides: dict[str, Any] = {
+        "model_arch": model_class.model_arch,
+        "index_tensors": index_tensors,
+        "modify_tensors": modify_tensors,
+    }
+    if not mmproj:  # a projector has no vocabulary: upstream's MmprojModel writes none
+        overrides |= {"get_vocab_base_pre": get_vocab_base_pre, "set_vocab": set_vocab}
+    fed = type(f"Fed{model_class.__name__}", (model_class,), overrides)
     work = Path(root)
     try:
         hparams = dict(model_class.load_hparams(work, False))

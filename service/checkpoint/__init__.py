@@ -55,6 +55,8 @@ AUX_PATTERNS = (
     "sentencepiece.bpe.model",
     "chat_template.jinja",
     "chat_template.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
     "adapter_config.json",
 )
 """Files that travel with the weights (exports carry them over), top level only, as fnmatch

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from service.errors import MissingTokenizer, NoModelConfig
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.exporters.gguf.mmproj import MMPROJ_PREFIX, is_multimodal, mmproj_type
 from service.exporters.gguf.plan import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.spec import GGUFSpec
 from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
@@ -62,7 +63,7 @@ class GGUFExporter(Exporter):
         reference = inputs.independent
         if reference is None or reference.chunks is None:
             return {"logits": {"skipped": "no tokenizer: the fixed text cannot be tokenized"}}
-        files = sorted(out_dir.glob("*.gguf"))
+        files = sorted(p for p in out_dir.glob("*.gguf") if not p.name.startswith(MMPROJ_PREFIX))
         work = ctx.work_dir / f"gguf-logits-{out_dir.name}"
         work.mkdir(parents=True, exist_ok=True)
         report = check_logits(
@@ -144,6 +145,7 @@ class GGUFExporter(Exporter):
             )  # fmt: skip
 
         plan = make_plan(metadata=True)
+        projector = self._plan_projector(spec, checkpoint.root, config, reader, bin_dir)
         tokenizer = _tokenizer_summary(plan)
         if spec.runs_llama_cpp and tokenizer["model"] == "none":
             raise MissingTokenizer(
@@ -161,7 +163,8 @@ class GGUFExporter(Exporter):
         # Progress counts passes over the weights: the write, the read-back when verifying, and
         # llama-quantize's pass for its types (which write f16 to the work dir first).
         passes = 1 + int(spec.verify) + int(spec.quantized)
-        ctx.set_phase(Phase.EXPORT, total=passes * plan.data_bytes, unit="bytes")
+        projector_bytes = (1 + int(spec.verify)) * projector.data_bytes if projector else 0
+        ctx.set_phase(Phase.EXPORT, total=passes * plan.data_bytes + projector_bytes, unit="bytes")
         # The read-back runs as the file is written: each block is read back from the file and
         # compared with the rows it was encoded from (stream.write_gguf_files); the layout
         # check reads the finished file's directory after.
@@ -197,6 +200,16 @@ class GGUFExporter(Exporter):
         if checked is not None:
             report = checked
         files = list(digests)
+        mmproj: dict[str, Any] | None = None
+        if projector is not None:
+            mmproj = self._write_projector(
+                spec, projector, checkpoint, config, out_dir / files[0], out_dir, ctx
+            )
+            digests[mmproj["file"]] = mmproj.pop("sha256")
+            files.append(mmproj["file"])
+        elif is_multimodal(config):
+            mmproj = {"skipped": f"llama.cpp's converter writes no projector for "
+                      f"{config.get('architectures')}: the text model alone was written"}  # fmt: skip
         size = sum((out_dir / n).stat().st_size for n in files)
         ctx.add_metric("bytes_written", size)
 
@@ -228,8 +241,81 @@ class GGUFExporter(Exporter):
             "skipped": list(plan.skipped),
             "tokenizer": tokenizer,
             "verification": report.as_dict(),
+            **({"mmproj": mmproj} if mmproj is not None else {}),
         }
         return ExportResult(files=files, summary=summary, digests=digests)
+
+    @staticmethod
+    def _plan_projector(
+        spec: GGUFSpec, root: Path, config: dict[str, Any], reader: Any, bin_dir: Path | None
+    ) -> GGUFPlan | None:
+        """The VLM's projector planned by upstream's MmprojModel class (``mmproj``), with its
+        vision tower checked present (llama.cpp #22656); None for a text model."""
+        from service.exporters.gguf.mmproj import check_tower, mmproj_architecture, plan_mmproj
+
+        if mmproj_architecture(config, bin_dir) is None:
+            return None
+        plan = plan_mmproj(root, config, reader, mmproj_type(spec.type), bin_dir=bin_dir)
+        check_tower(plan, reader, config)
+        return plan
+
+    @staticmethod
+    def _write_projector(
+        spec: GGUFSpec,
+        plan: GGUFPlan,
+        checkpoint: Any,
+        config: dict[str, Any],
+        text_file: Path,
+        out_dir: Path,
+        ctx: JobContext,
+    ) -> dict[str, Any]:
+        """Stream the projector beside the text model, read it back like the text model, and
+        with ``verify`` run llama-mtmd-cli on both files against transformers
+        (``mtmd_check``); the summary, with the file's sha256 under ``sha256``."""
+        from service.exporters.gguf.mmproj import check_tower
+        from service.exporters.gguf.mtmd_check import check_mtmd
+        from service.exporters.gguf.plan import add_metadata
+        from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf
+
+        reader = checkpoint.reader
+        bin_dir = ctx.settings.llama_cpp_dir
+        name = f"{MMPROJ_PREFIX}model-{plan.out_type}.gguf"
+        path = out_dir / name
+
+        def metadata(writer: Any) -> None:
+            add_metadata(writer, plan)
+            add_provenance(writer, spec, ctx.details.get("source", {}))
+
+        # read back block by block as it is written, like the text model (stream.write_gguf_files)
+        checked = VerifyReport() if spec.verify else None
+        digest = write_gguf(path, plan, reader, metadata, ctx, check=checked)
+        report = verify_gguf(path, plan, reader, ctx, read_back=False)
+        report = checked if checked is not None else report
+        summary: dict[str, Any] = {
+            "file": name,
+            "type": plan.out_type,
+            "architecture": plan.hf_architecture,
+            "converter": f"llama.cpp {LLAMA_CPP_PYTHON_VERSION} {plan.converter_class}",
+            "tensors": len(plan.tensors),
+            "bytes": path.stat().st_size,
+            "tower": check_tower(plan, reader, config),
+            "verification": report.as_dict(),
+            "sha256": digest,
+        }
+        if not spec.verify:
+            return summary
+        if spec.quantized:
+            summary["mtmd"] = {"skipped": f"greedy agreement is not expected of {spec.type}"}
+            return summary
+        try:
+            summary["mtmd"] = check_mtmd(
+                text_file, path, checkpoint.root, config, ctx.work_dir / "gguf-mtmd",
+                ctx.check_abort, bin_dir,
+            )  # fmt: skip
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return summary
 
     @staticmethod
     def _llama_tokenize(path: Path, root: Path, ctx: JobContext) -> dict[str, Any]:

@@ -49,7 +49,12 @@ from pydantic import Field
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
 from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
 from service.exporters.common.aux_files import copy_aux_files
-from service.exporters.common.families import ENCODER_TYPES, GraphExporter, is_causal_lm
+from service.exporters.common.families import (
+    ENCODER_TYPES,
+    GraphExporter,
+    is_causal_lm,
+    refuse_multimodal,
+)
 from service.stage import Phase
 
 if TYPE_CHECKING:
@@ -138,6 +143,7 @@ class NNEFExporter(GraphExporter):
         nspec = _nnef_spec(spec)
         if config is None:
             raise UnsupportedExport("NNEF export builds the model graph and needs a config.json")
+        refuse_multimodal(config, "NNEF")
         check_architecture(config)
         installed = installed_tract_version()
         if nspec.tract_version is not None and nspec.tract_version != installed:

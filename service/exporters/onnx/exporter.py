@@ -68,7 +68,12 @@ from service.exporters.base import (
     register,
 )
 from service.exporters.common.aux_files import copy_aux_files
-from service.exporters.common.families import ENCODER_TYPES, GraphExporter, is_causal_lm
+from service.exporters.common.families import (
+    ENCODER_TYPES,
+    GraphExporter,
+    is_causal_lm,
+    refuse_multimodal,
+)
 from service.stage import Phase
 from service.tensors import dtype_name
 
@@ -164,6 +169,7 @@ class ONNXExporter(GraphExporter):
         ospec = _onnx_spec(spec)
         if config is None:
             raise UnsupportedExport("ONNX export builds the model graph and needs a config.json")
+        refuse_multimodal(config, "ONNX")
         resolve_task(config, ospec.task)
 
     def export(

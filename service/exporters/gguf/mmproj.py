@@ -1,0 +1,173 @@
+"""A vision-language model's multimodal projector (``mmproj-*.gguf``), planned by llama.cpp.
+
+A VLM in llama.cpp is two files: the text model (``plan.plan_gguf``, upstream's text class, which
+drops the vision tensors) and the projector that ``llama-mtmd-cli`` / ``llama-server --mmproj``
+load beside it: the vision tower, the projector and the ``clip.*`` keys (image size, patch size,
+mean/std, projector type). Upstream's ``convert_hf_to_gguf.py --mmproj`` writes it with the
+architecture's ``MmprojModel`` subclass (``MMPROJ_MODEL_MAP``); here the same class is run
+through ``service.adapters.llama_cpp_convert.plan_conversion(mmproj=True)`` on lazy tensors fed
+by the job's reader, and the file is written by the same streaming writer as the text model, so
+the vision tower is read tensor by tensor in row blocks, never whole.
+
+The projector's type follows the text model's where llama.cpp allows it: ``f32`` stays ``f32``,
+``q8_0`` and ``q4_0`` give a ``q8_0`` projector (upstream's converter decides per tensor: patch
+embeddings and norms stay f16/f32), everything else an ``f16`` one (llama-quantize's types are
+made from the f16 text model; llama.cpp does not quantize a projector with them).
+
+llama.cpp #22656: a converter class whose name filter matched nothing wrote a ~1 KB projector
+with the keys and no tower, which loads and then fails at the first image. :func:`check_tower`
+refuses a plan that does not hold every block of the vision tower and at least half of the
+checkpoint's vision bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from service.errors import ExportFailed
+from service.exporters.gguf.plan import FILE_TYPES, GGUFPlan, OutType, TensorPlan
+
+if TYPE_CHECKING:
+    from service.checkpoint.base import WeightReader
+
+MMPROJ_PREFIX = "mmproj-"
+"""File name prefix of a projector (``convert_hf_to_gguf.py --mmproj`` adds the same)."""
+
+VISION_PREFIXES = (
+    "vision_tower.",
+    "vision_model.",
+    "model.vision_tower.",
+    "model.vision_model.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+    "visual.",
+    "model.visual.",
+    "model.connector.",
+    "connector.",
+)
+"""Where the VLMs transformers writes keep their vision tower and projector."""
+
+
+def is_multimodal(config: dict[str, Any]) -> bool:
+    """Whether the config describes a vision-language model (it has a ``vision_config``)."""
+    return isinstance(config.get("vision_config"), dict)
+
+
+def mmproj_type(text_type: str) -> OutType:
+    """The projector's storage type for a text model of ``text_type`` (see the module doc)."""
+    low = text_type.lower()
+    if low == "f32":
+        return "f32"
+    if low in ("q8_0", "q4_0"):
+        return "q8_0"
+    return "f16"
+
+
+def mmproj_architecture(config: dict[str, Any], bin_dir: Path | None = None) -> str | None:
+    """The architecture upstream writes a projector for, or None when it writes none."""
+    from service.adapters.llama_cpp_convert import (
+        mmproj_architecture as upstream_arch,
+    )
+    from service.adapters.llama_cpp_convert import (
+        supported_mmproj_architectures,
+    )
+
+    if not is_multimodal(config):
+        return None
+    arch = upstream_arch(config)
+    return arch if arch in supported_mmproj_architectures(bin_dir) else None
+
+
+def plan_mmproj(
+    root: Path,
+    config: dict[str, Any],
+    reader: WeightReader,
+    out_type: OutType,
+    *,
+    bin_dir: Path | None = None,
+    metadata: bool = True,
+) -> GGUFPlan:
+    """What upstream's ``MmprojModel`` class writes for this checkpoint, as the writer's plan."""
+    import gguf
+
+    from service.adapters.llama_cpp_convert import plan_conversion
+
+    conversion = plan_conversion(
+        root, config, reader, out_type, bin_dir=bin_dir, metadata=metadata, vocab=False,
+        mmproj=True,
+    )  # fmt: skip
+    aliases = reader.aliases()
+    itemsize = {info.name: info.dtype.itemsize for info in reader.tensor_infos()}
+    tensors = []
+    for t in conversion.tensors:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        nbytes = math.prod(t.shape) // block * type_size
+        if nbytes != t.nbytes:
+            raise ExportFailed(f"{t.name}: {t.nbytes} bytes planned upstream, {nbytes} here")
+        source = aliases.get(t.source, t.source) if t.source else None
+        parts = tuple(aliases.get(p, p) for p in t.parts)
+        first = source or (parts[0] if parts else None)
+        tensors.append(
+            TensorPlan(
+                t.name,
+                source,
+                t.shape,
+                t.ggml_type,
+                nbytes,
+                source_itemsize=itemsize.get(first, 4) if first else 4,
+                compute=t.compute,
+                parts=parts,
+            )
+        )
+    return GGUFPlan(
+        arch_name=conversion.arch_name,
+        hf_architecture=conversion.hf_architecture,
+        converter_class=conversion.model_class,
+        out_type=out_type,
+        file_type=int(gguf.LlamaFileType[FILE_TYPES[out_type]]),
+        tensors=tuple(tensors),
+        skipped=tuple(conversion.unused),
+        metadata=tuple(conversion.metadata),
+    )
+
+
+def vision_tensors(reader: WeightReader) -> dict[str, int]:
+    """The checkpoint's vision tower and projector tensors: name -> bytes."""
+    return {
+        info.name: int(info.nbytes)
+        for info in reader.tensor_infos()
+        if info.name.startswith(VISION_PREFIXES)
+    }
+
+
+def check_tower(plan: GGUFPlan, reader: WeightReader, config: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a projector without its vision tower (llama.cpp #22656); returns the figures.
+
+    Every block of the vision config (``v.blk.<i>``) must be in the plan, and the plan must
+    hold at least half of the checkpoint's vision bytes at the plan's storage width (an f16
+    projector of a bfloat16 tower is the same size; q8_0 is ~53%)."""
+    vision = config.get("vision_config") or {}
+    layers = next(
+        (int(vision[k]) for k in ("num_hidden_layers", "depth", "num_layers") if k in vision), 0
+    )
+    blocks = {int(m.group(1)) for t in plan.tensors if (m := re.match(r"v\.blk\.(\d+)\.", t.name))}
+    missing = sorted(set(range(layers)) - blocks)
+    source = vision_tensors(reader)
+    source_bytes = sum(source.values())
+    planned = plan.data_bytes
+    if missing or source_bytes == 0 or planned * 2 < source_bytes * 0.5:
+        raise ExportFailed(
+            f"llama.cpp's {plan.converter_class} planned a projector without its vision tower "
+            f"(llama.cpp #22656): {len(plan.tensors)} tensors, {planned} bytes for "
+            f"{len(source)} vision tensors of {source_bytes} bytes in the checkpoint; "
+            f"vision blocks missing: {missing[:8]}"
+        )
+    return {
+        "vision_blocks": len(blocks),
+        "vision_tensors_in_checkpoint": len(source),
+        "vision_bytes_in_checkpoint": source_bytes,
+        "mmproj_tensor_bytes": planned,
+    }

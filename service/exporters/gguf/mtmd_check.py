@@ -1,0 +1,254 @@
+"""A VLM's two GGUF files checked by llama.cpp's multimodal tool against transformers, on an image.
+
+Reading the projector back (``stream.verify_gguf``) proves its tensors are the checkpoint's; it
+cannot prove llama.cpp runs them as transformers does (the image preprocessing, the pooling, the
+special tokens around the image, the attention over image positions). So the job runs
+``llama-mtmd-cli`` on the text model, the projector, a fixed image (:func:`fixed_image`: a
+deterministic RGB pattern drawn at the vision tower's own input size, so neither side resamples
+it) and a fixed prompt, greedy, and compares its output with transformers' greedy continuation
+of the same token sequence.
+
+The sequence is llama.cpp's, built on the transformers side by the family's layout
+(:data:`LAYOUTS`): ``llama-mtmd-cli`` gets a chat template that returns the user's text as it is,
+so its prompt is ``<bos>`` + the image + the prompt text, and mtmd wraps the image in the
+family's markers (Gemma 3: ``<start_of_image>`` + one embedding per soft token +
+``<end_of_image>``). transformers is given those ids, the image's ``pixel_values`` from the
+checkpoint's own image processor, and generates greedily in float32.
+
+**The bound.** llama.cpp's output must equal transformers' first :data:`TOKENS` greedy tokens
+(compared as bytes: llama.cpp prints token pieces, which may split a UTF-8 character), except
+that comparison stops at the first step where transformers' top-1 logit leads its top-2 by less
+than :data:`NEAR_TIE` (that step's token may differ, and nothing after it is comparable). Why
+0.05: an f16 file moves llama.cpp's logits by about 1e-3 to 1e-2 of their scale against
+float32 transformers (the text logit checks measure it, ``service.logits``), so a lead of 0.05
+cannot flip through rounding, while a wrong projector moves every image-conditioned logit by
+O(1). A comparison left with fewer than :data:`MIN_COMPARED` tokens is reported inconclusive
+rather than passed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.errors import VerificationFailed
+from service.exporters.common.child_process import run_child
+from service.llama_cpp import llama_cpp_tool
+
+TOKENS = 16
+"""Greedy tokens generated on each side."""
+NEAR_TIE = 0.05
+"""transformers' top-1 minus top-2 logit below which a step may legitimately differ."""
+MIN_COMPARED = 4
+"""Fewer comparable tokens than this and the check is inconclusive (reported, not passed)."""
+PROMPT = "Describe the image."
+PASS_THROUGH_TEMPLATE = "{{ messages[0]['content'] }}"
+"""Chat template given to llama-mtmd-cli: the user's text as it is, so both sides see one
+sequence whatever the checkpoint's own template says."""
+MEDIA_MARKER = "<__media__>"
+"""mtmd's default media marker (``mtmd_default_marker()``)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How mtmd lays out one image in the token sequence of a family."""
+
+    begin: str
+    """Token text before the image's embeddings."""
+    end: str
+    """Token text after them."""
+    placeholder: str
+    """The token transformers replaces with one image embedding."""
+    per_image: Callable[[dict[str, Any]], int]
+    """Embeddings per image, from the config."""
+
+
+LAYOUTS: dict[str, Layout] = {
+    "Gemma3ForConditionalGeneration": Layout(
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+        lambda config: int(config.get("mm_tokens_per_image", 256)),
+    ),
+}
+"""Families whose mtmd layout the check reproduces (mtmd.cpp ``PROJECTOR_TYPE_GEMMA3``)."""
+
+
+def image_size(config: dict[str, Any]) -> int:
+    """The vision tower's input side in pixels."""
+    vision = config.get("vision_config") or {}
+    return int(vision.get("image_size", 224))
+
+
+def fixed_image(path: Path, size: int) -> Path:
+    """Write the fixed image: a deterministic RGB pattern (gradients and a checkerboard, so
+    every patch differs from its neighbours) of ``size`` x ``size`` pixels, as PNG."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:size, 0:size]
+    step = max(1, size // 16)
+    red = (x * 256) // size
+    green = (y * 256) // size
+    blue = np.where(((x // step) + (y // step)) % 2 == 0, 230, 25)
+    pixels = np.stack([red, green, blue], axis=-1).astype(np.uint8)
+    Image.fromarray(pixels, "RGB").save(path, format="PNG")
+    return path
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes llama.cpp prints for a token: SentencePiece pieces (``▁`` is a space,
+    ``<0xNN>`` a byte) or byte-level BPE pieces (GPT-2's byte-to-unicode table undone)."""
+    piece = str(tokenizer.convert_ids_to_tokens(int(token_id)))
+    byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    if byte is not None:
+        return bytes([int(byte.group(1), 16)])
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if type(decoder).__name__ == "ByteLevel":
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        table = {v: k for k, v in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
+        return bytes(table[c] for c in piece if c in table)
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+@dataclass
+class Greedy:
+    ids: list[int]
+    margins: list[float]
+    pieces: list[bytes]
+
+
+def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: int) -> Greedy:
+    """transformers' greedy continuation of llama.cpp's sequence (see the module doc)."""
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    arch = str((config.get("architectures") or [""])[0])
+    layout = LAYOUTS[arch]
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    processor: Any = AutoImageProcessor.from_pretrained(str(root), local_files_only=True)  # type: ignore[no-untyped-call]
+    with Image.open(image) as img:
+        pixels = processor(images=[img.convert("RGB")], return_tensors="pt")["pixel_values"]
+    ids_of = tokenizer.convert_tokens_to_ids
+    placeholder = int(ids_of(layout.placeholder))
+    ids = [int(tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []
+    ids += [int(ids_of(layout.begin)), *[placeholder] * layout.per_image(config)]
+    ids += [int(ids_of(layout.end)), *tokenizer(PROMPT, add_special_tokens=False).input_ids]
+    model: Any = AutoModelForImageTextToText.from_pretrained(
+        str(root), dtype=torch.float32, local_files_only=True
+    )
+    model.eval()
+    input_ids = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            pixel_values=pixels.to(torch.float32),
+            token_type_ids=(input_ids == placeholder).long(),
+            max_new_tokens=tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    new = [int(t) for t in out.sequences[0, len(ids) :]]
+    margins = []
+    for scores in out.scores:
+        top = scores[0].float().topk(2).values
+        margins.append(float(top[0] - top[1]))
+    eos = set(_ids(getattr(model.generation_config, "eos_token_id", None)))
+    if new and new[-1] in eos:  # llama.cpp stops before printing an end-of-generation token
+        new, margins = new[:-1], margins[: len(new) - 1]
+    return Greedy(new, margins, [token_bytes(tokenizer, t) for t in new])
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def run_mtmd(
+    text_gguf: Path,
+    mmproj: Path,
+    image: Path,
+    tokens: int,
+    work: Path,
+    check_abort: Callable[[], None],
+    bin_dir: Path | None = None,
+) -> tuple[bytes, int]:
+    """llama-mtmd-cli's greedy output (bytes, as printed) and its peak RSS."""
+    out = work / "mtmd-output.txt"
+    tool = str(llama_cpp_tool("llama-mtmd-cli", bin_dir))
+    argv = [
+        tool, "-m", str(text_gguf), "--mmproj", str(mmproj), "--image", str(image),
+        "-p", MEDIA_MARKER + PROMPT, "--jinja", "--chat-template", PASS_THROUGH_TEMPLATE,
+        "-n", str(tokens), "--temp", "0", "--seed", "0", "-t", "1", "-c", "1024",
+        "--no-warmup",
+    ]  # fmt: skip
+    # the generated text is the tool's stdout (its log goes to stderr): a shell sends it to a
+    # file and execs the tool, so the child whose peak is measured is llama-mtmd-cli itself
+    shell = ["/bin/sh", "-c", 'out="$1"; shift; exec "$@" > "$out"', "sh", str(out), *argv]
+    peak = run_child(shell, work, "llama-mtmd-cli", check_abort, timeout=1800.0)
+    return out.read_bytes(), peak
+
+
+def compare(printed: bytes, reference: Greedy) -> dict[str, Any]:
+    """The stated bound (module doc) on llama.cpp's output against transformers' greedy tokens;
+    VerificationFailed beyond it."""
+    text = printed.strip(b"\n")  # the tool prints a newline before and after the response
+    comparable = next(
+        (i for i, m in enumerate(reference.margins) if m < NEAR_TIE), len(reference.ids)
+    )
+    agreed = 0
+    prefix = b""
+    for piece in reference.pieces:
+        prefix += piece
+        if not text.startswith(prefix):
+            break
+        agreed += 1
+    report = {
+        "tokens": len(reference.ids),
+        "agreed_tokens": agreed,
+        "comparable_tokens": comparable,
+        "near_tie": NEAR_TIE,
+        "min_margin": round(min(reference.margins), 4) if reference.margins else None,
+        "llama_cpp_output": text[:200].decode("utf-8", "replace"),
+    }
+    if agreed < comparable:
+        raise VerificationFailed(
+            f"llama-mtmd-cli's greedy output diverges from transformers' at token {agreed} of "
+            f"{comparable} comparable ones (transformers' lead there "
+            f"{reference.margins[agreed]:.3g} >= {NEAR_TIE}): the projector or the text model "
+            f"does not run in llama.cpp as in transformers; llama.cpp printed "
+            f"{text[:120]!r}, transformers {b''.join(reference.pieces)[:120]!r}"
+        )
+    report["result"] = "agree" if comparable >= MIN_COMPARED else "inconclusive"
+    return report
+
+
+def check_mtmd(
+    text_gguf: Path,
+    mmproj: Path,
+    root: Path,
+    config: dict[str, Any],
+    work: Path,
+    check_abort: Callable[[], None],
+    bin_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Run both sides on the fixed image and prompt and apply the bound; the report."""
+    arch = str((config.get("architectures") or [""])[0])
+    if arch not in LAYOUTS:
+        return {"skipped": f"no mtmd sequence layout for {arch} in this check"}
+    work.mkdir(parents=True, exist_ok=True)
+    image = fixed_image(work / "fixed-image.png", image_size(config))
+    printed, peak = run_mtmd(text_gguf, mmproj, image, TOKENS, work, check_abort, bin_dir)
+    reference = reference_greedy(root, config, image, TOKENS)
+    report = compare(printed, reference)
+    report |= {"image": f"{image_size(config)}x{image_size(config)} fixed pattern",
+               "prompt": PROMPT, "peak_rss_bytes": peak}  # fmt: skip
+    return report

@@ -1,0 +1,152 @@
+"""A vision-language model through the service: GGUF writes the text model and its projector,
+llama-mtmd-cli agrees with transformers on the fixed image, safetensors keeps every sub-model and
+the processor files, and the graph formats refuse it at submission.
+
+The checkpoint is a tiny random Gemma 3 (``tests.fixtures.vlm``: no registry ships a small VLM's
+weights), the real consumer is llama.cpp's own ``llama-mtmd-cli`` and the reference is
+transformers' ``Gemma3ForConditionalGeneration``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.checkpoint import open_checkpoint
+from service.config import Settings
+from service.errors import ExportFailed, UnsupportedExport, VerificationFailed
+from service.exporters.base import ExportInputs
+from service.exporters.gguf import GGUFExporter, GGUFSpec
+from service.exporters.gguf.mmproj import check_tower, plan_mmproj, vision_tensors
+from service.exporters.gguf.mtmd_check import NEAR_TIE, TOKENS, check_mtmd
+from service.jobs.layout import JobLayout
+from service.jobs.pipeline import check_spec, run_pipeline
+from service.jobs.spec import JobSpec
+from service.stage import InMemoryContext
+from tests.fixtures.vlm import write_tiny_gemma3
+
+PROCESSOR_FILES = ("processor_config.json", "chat_template.jinja", "tokenizer.model",
+                   "tokenizer.json", "tokenizer_config.json", "config.json")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("vlm") / "models" / "gemma3"
+    write_tiny_gemma3(root)
+    return root
+
+
+def _export(ckpt: Path, out: Path, **spec: Any) -> dict[str, Any]:
+    ctx = InMemoryContext(Settings(data_dir=out / ".var"), out / ".work")
+    out.mkdir(parents=True, exist_ok=True)
+    with open_checkpoint(ckpt) as c:
+        result = GGUFExporter().export(GGUFSpec(**spec), ExportInputs(c), out, ctx)
+    assert result.files == sorted(result.files, key=lambda n: n.startswith("mmproj-"))
+    assert set(result.digests) == set(result.files)
+    return result.summary
+
+
+def test_a_verified_vlm_job_writes_gguf_with_its_projector_and_safetensors_with_every_part(
+    gemma3: Path, tmp_path: Path
+) -> None:
+    """The whole pipeline, max_memory small enough that both towers stream through the
+    offload store layer by layer."""
+    settings = Settings(data_dir=tmp_path / "data", local_roots=[gemma3.parent])
+    layout = JobLayout.for_job(settings, "d" * 32)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="d" * 32)
+    spec = JobSpec.model_validate({
+        "source": f"file://{gemma3}", "max_memory": "100KB",
+        "exports": [{"format": "safetensors"}, {"format": "gguf", "type": "f16"}],
+    })  # fmt: skip
+    run_pipeline(spec, ctx, layout)
+    manifest = json.loads((layout.artifacts / "manifest.json").read_text())
+    safetensors, gguf = manifest["exports"]
+
+    names = {Path(a["path"]).name for a in manifest["files"]}
+    assert set(PROCESSOR_FILES) <= names, f"processor files missing from {sorted(names)}"
+    assert {"model-f16.gguf", "mmproj-model-f16.gguf"} <= names
+    from safetensors import safe_open
+
+    with open_checkpoint(gemma3) as source:
+        wanted = {i.name for i in source.reader.tensor_infos()}
+        vision_bytes = sum(vision_tensors(source.reader).values())
+    written: set[str] = set()
+    for path in (layout.artifacts / "safetensors").glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            written |= set(f.keys())
+    assert written == wanted  # the vision tower, the projector and the language model
+    assert safetensors["verify"]["passed"]
+
+    mmproj = gguf["mmproj"]
+    assert mmproj["converter"].endswith("Gemma3VisionModel")
+    assert mmproj["tower"]["vision_blocks"] == 2 and mmproj["verification"]["read_back"]
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    )
+    assert mtmd["min_margin"] >= NEAR_TIE
+    offload = ctx.details["offload"]  # the tower went to the store like the text model's layers
+    stored = offload["bytes_referenced"] + offload["bytes_written"]
+    assert stored >= vision_bytes, f"{stored} bytes in the store, the tower alone is {vision_bytes}"
+
+
+def test_a_q8_0_vlm_gets_a_q8_0_projector_that_llama_cpp_runs_like_transformers(
+    gemma3: Path, tmp_path: Path
+) -> None:
+    summary = _export(gemma3, tmp_path / "out", type="q8_0")
+    mmproj = summary["mmproj"]
+    assert mmproj["type"] == "q8_0" and mmproj["file"] == "mmproj-model-q8_0.gguf"
+    assert "q8_0" in mmproj["verification"]["max_abs_error"]
+    assert mmproj["mtmd"]["agreed_tokens"] >= mmproj["mtmd"]["comparable_tokens"] >= 4
+
+
+def test_another_models_projector_fails_the_mtmd_check(gemma3: Path, tmp_path: Path) -> None:
+    """The check can fail: the same text model with a projector of another seed's vision
+    tower (right shapes, right keys, wrong weights) diverges from transformers."""
+    other = tmp_path / "other"
+    write_tiny_gemma3(other, seed=1)
+    mine = _export(gemma3, tmp_path / "mine", type="f16", verify=False)
+    theirs = _export(other, tmp_path / "theirs", type="f16", verify=False)
+    assert "mtmd" not in mine["mmproj"] and "mtmd" not in theirs["mmproj"]
+    with open_checkpoint(gemma3) as c:
+        config = c.config
+    assert config is not None
+    with pytest.raises(VerificationFailed, match="diverges from transformers"):
+        check_mtmd(
+            tmp_path / "mine" / "model-f16.gguf", tmp_path / "theirs" / "mmproj-model-f16.gguf",
+            gemma3, config, tmp_path / "work", lambda: None,
+        )  # fmt: skip
+    shutil.rmtree(other)
+
+
+def test_a_projector_plan_without_its_vision_tower_is_refused(gemma3: Path) -> None:
+    """llama.cpp #22656: keys and a projector but no tower loads, then fails on an image."""
+    with open_checkpoint(gemma3) as c:
+        assert c.config is not None
+        plan = plan_mmproj(gemma3, c.config, c.reader, "f16")
+        check_tower(plan, c.reader, c.config)
+        towerless = dataclasses.replace(
+            plan, tensors=tuple(t for t in plan.tensors if not t.name.startswith("v."))
+        )
+        with pytest.raises(ExportFailed, match="22656"):
+            check_tower(towerless, c.reader, c.config)
+
+
+@pytest.mark.parametrize("fmt", ["nnef", "onnx"])
+def test_the_graph_formats_refuse_a_vlm_at_submission_naming_what_they_take(
+    gemma3: Path, tmp_path: Path, fmt: str
+) -> None:
+    settings = Settings(data_dir=tmp_path, local_roots=[gemma3.parent])
+    config = json.loads((gemma3 / "config.json").read_text())
+    spec = JobSpec.model_validate({"source": f"file://{gemma3}", "exports": [{"format": fmt}]})
+    with pytest.raises(UnsupportedExport) as refused:
+        check_spec(spec, settings, config, config_known=True)
+    message = str(refused.value)
+    assert "Gemma3ForConditionalGeneration" in message
+    assert "text models" in message and "safetensors" in message and "GGUF" in message
