@@ -247,3 +247,40 @@ def test_object_server_stopped_during_publication_fails_the_job_typed_with_no_ma
         assert done["error"]["type"].endswith("publish_failed"), done["error"]
         keys = Cluster(api, [], seaweedfs, "e2e-stopped").keys(f"jobs/_/{done['id']}")
         assert f"jobs/_/{done['id']}/manifest.json" not in keys
+
+
+@pytest.mark.timeout(300)
+def test_wrong_credentials_fail_the_source_and_the_publication_access_denied(
+    tmp_path: Path, seaweedfs: S3Server,  # noqa: F811
+) -> None:
+    """The service's key pair is refused by the store: a job reading s3:// fails at its
+    download, a job from a local checkpoint at its publication, both ``access_denied``, and
+    nothing is published."""
+    root = tmp_path / "models"
+    build_checkpoint(root / "llama", "llama", "safetensors")
+    seaweedfs.create_bucket("e2e-denied")
+    _upload(seaweedfs, "e2e-denied", "src", root / "llama")
+    env = {
+        "MODELPREP_ARTIFACT_STORE": "s3://e2e-denied/jobs",
+        "MODELPREP_S3_ENDPOINT": seaweedfs.endpoint,
+        "MODELPREP_EGRESS_ALLOWLIST": '["127.0.0.1"]',
+        "MODELPREP_DOWNLOAD_RETRIES": "1",
+        "AWS_ACCESS_KEY_ID": seaweedfs.access_key,
+        "AWS_SECRET_ACCESS_KEY": "not-the-secret-0123456789",
+    }
+    with running_service(tmp_path / "api", [root], env=env) as api:
+        failed = {}
+        for label, source in (("source", "s3://e2e-denied/src"),
+                              ("publication", (root / "llama").as_uri())):
+            with api.client() as client:
+                response = client.post("/v1/jobs", json={
+                    "source": source, "exports": [{"format": "safetensors"}]})
+            assert response.status_code == 202, response.text
+            failed[label] = api.wait_for(response.json()["id"], timeout=240)
+    for label, done in failed.items():
+        assert done["status"] == "failed", (label, done)
+        assert done["error"]["type"].endswith("access_denied"), (label, done["error"])
+        assert "not-the-secret" not in json.dumps(done)
+    assert failed["source"]["phase"] != "publishing"
+    keys = Cluster(api, [], seaweedfs, "e2e-denied").keys("jobs/")
+    assert keys == [], keys
