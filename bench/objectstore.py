@@ -100,12 +100,27 @@ def timed_copy(src: Path, dest: Path) -> float:
     return time.perf_counter() - start
 
 
-def child(code: str, args: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (the S3 server's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child(code: str, args: list[str], env: dict[str, str], log: Path,
+          server_pid: int) -> dict[str, float]:
+    """Run ``code`` in a child; its seconds, peak RSS, and the CPU seconds the child and the
+    server each spent (where the time goes: the server's write path, not the client)."""
+    server_before = cpu_seconds(server_pid)
+    before = os.times()
     result = run_measured([sys.executable, "-c", code, *args], log, cwd=ROOT, env=env)
+    after = os.times()
     if result["exit"] != 0:
         raise SystemExit(f"child failed:\n{log.read_text()[-3000:]}")
     seconds = json.loads(log.read_text().strip().splitlines()[-1])["seconds"]
-    return {"seconds": float(seconds), "peak_rss": float(result["peak_rss"])}
+    return {"seconds": float(seconds), "peak_rss": float(result["peak_rss"]),
+            "cpu": (after.children_user + after.children_system
+                    - before.children_user - before.children_system),
+            "server_cpu": cpu_seconds(server_pid) - server_before}
 
 
 def main() -> None:
@@ -127,11 +142,11 @@ def main() -> None:
             total = write_checkpoint(src, size)
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             server.create_bucket(bucket)
-            publish = child(_PUBLISH, [str(src), bucket], env, run / "publish.log")
+            publish = child(_PUBLISH, [str(src), bucket], env, run / "publish.log", proc.pid)
             local_publish = timed_copy(src, run / "copy-publish")
             shutil.rmtree(run / "copy-publish")
             read = child(_READ, [f"s3://{bucket}/bench/job", str(run / "data")], env,
-                         run / "read.log")
+                         run / "read.log", proc.pid)
             local_read = timed_copy(src, run / "copy-read")
             mb = total / 1e6
             rows.append({
@@ -142,6 +157,10 @@ def main() -> None:
                 "read_local_cp_MBps": round(mb / local_read, 1),
                 "publish_peak_rss_MiB": round(publish["peak_rss"] / 1024**2, 1),
                 "read_peak_rss_MiB": round(read["peak_rss"] / 1024**2, 1),
+                "publish_cpu_s_per_GiB": round(publish["cpu"] / (total / 1024**3), 1),
+                "publish_server_cpu_s_per_GiB": round(publish["server_cpu"] / (total / 1024**3), 1),
+                "read_cpu_s_per_GiB": round(read["cpu"] / (total / 1024**3), 1),
+                "read_server_cpu_s_per_GiB": round(read["server_cpu"] / (total / 1024**3), 1),
             })
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(run)
