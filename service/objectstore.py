@@ -28,6 +28,13 @@ transient error that is retried and then :class:`SourceUnreachable`. ``obstore``
 exceptions for object requests (NotFoundError, PermissionDeniedError, UnauthenticatedError)
 but a bare ``GenericError`` for listings; for those the HTTP status and S3 error code in its
 message are read (tests/unit/test_objectstore.py pins that assumption).
+
+Why one module of over 450 lines: every request to a bucket shares the credential chain, the
+egress check and :func:`classify`'s error mapping above, and that is one contract with S3.
+About a third of it is the server-side copy of objects over CopyObject's 5 GB limit
+(:class:`MultipartCopy`): obstore has no UploadPartCopy, so those requests are signed here
+(:func:`sigv4_headers`) with the same credentials :func:`store_for` uses, which keeps them
+beside it. If that part grows, it is the piece to move into a module of its own.
 """
 
 from __future__ import annotations
