@@ -11,8 +11,9 @@ dequantized by its ``Fp8Dequantize``, bit for bit what ``service.checkpoint.fp8`
   float32, run on the inputs.
 * **layer-by-layer**: it does not: the same ``from_pretrained`` with a device map that leaves
   the layer stack on ``disk`` (:func:`layers_on_disk`) and an ``offload_folder`` in the job's work
-  directory, so accelerate's hooks load each layer's weights when it runs; computed in the
-  model's dtype. transformers' own forward runs every layer, mask and norm. Only the two
+  directory, so accelerate's hooks load each layer's weights when it runs, cast to float32 as
+  it loads them: computed in float32, as whole (in the model's own dtype the reference, not the
+  artifact, would be the larger error). transformers' own forward runs every layer, mask and norm. Only the two
   vocabulary-sized matrices are not loaded: a plain input embedding gathers the rows of the
   input's token ids (:class:`MappedEmbedding`) and a plain output head multiplies by a block of
   vocabulary rows at a time, upcast to float32 (:class:`MappedHead`), both read from the
@@ -134,12 +135,17 @@ def independent_reference(
         ) from exc
     if adapter_dir is not None:
         model = _merged_with_peft(model, adapter_dir)
+    # float32 in both modes: nn.Module's own cast (transformers' refuses a model it calls
+    # quantized, a config naming a method over float weights is, though every weight here is a
+    # float tensor). Layer by layer, the layers' weights are on meta until accelerate loads each
+    # and casts it to its parameter's dtype, float32 from here: the reference computes in
+    # float32 whatever the source's dtype. In bfloat16 it would be no reference for an f16
+    # artifact: through Qwen2.5-0.5B's 24 layers bfloat16's rounding alone is KL 0.14 from
+    # float32, where the f16 GGUF is 0.0002 (docs/exports.md). Cast before the mapped
+    # stand-ins replace the embedding and head: they take the dtype of what they replace.
+    model = torch.nn.Module.float(model)
     for path, stored in mapped.items():
         _replace_module(model, path, stored)
-    if whole:
-        # nn.Module's own cast: transformers' refuses a model it calls quantized (a config
-        # naming a method over float weights is), though every weight here is a float tensor.
-        model = torch.nn.Module.float(model)
     model.eval()
     chunks = text_chunks(source_dir, text) if causal else None
     logits_dir = work / "reference-logits"
@@ -162,7 +168,7 @@ def independent_reference(
         logits_dir=logits_dir if chunks is not None else None,
         vocab_size=int(getattr(config, "vocab_size", 0) or 0),
         info={
-            "compute_dtype": "float32" if whole else str(getattr(config, "dtype", "")).removeprefix("torch."),
+            "compute_dtype": "float32",
             **({"mapped_from_file": sorted(mapped)} if mapped else {}),
         },
     )

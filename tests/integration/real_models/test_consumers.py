@@ -111,22 +111,9 @@ def assert_same_continuation(llama_text: str, hf_text: str) -> None:
     assert llama_text == hf_text, (llama_text, hf_text)
 
 
-QWEN2_F16_LOGITS = pytest.mark.xfail(
-    strict=True,
-    raises=VerificationFailed,
-    reason=(
-        "known defect: the job's llama.cpp logits check fails Qwen2.5-Coder-0.5B's f16 GGUF "
-        "(mean KL 0.14 > 0.001, p99 1.16 > 0.01, top-1 0.83 < 0.97, ppl ratio 1.11 > 1.02 "
-        "against transformers' float32 on the fixed text) although llama.cpp's greedy text "
-        "equals transformers'; the f16 bounds were calibrated on SmolLM2 alone. Strict: this "
-        "fails the suite once the check and the bounds agree on Qwen2.5."
-    ),
-)
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "name", ["smollm2", pytest.param("qwen2", marks=QWEN2_F16_LOGITS), "gemma3"]
+    "name", ["smollm2", "qwen2", "gemma3"]
 )
 def test_gguf_f16_of_a_real_model_runs_in_llama_cpp_like_transformers(
     name: str, tmp_path: Path
