@@ -393,8 +393,11 @@ class _RecordingTokenizer:
 def hf_architecture(config: dict[str, Any]) -> str:
     """The architecture name upstream dispatches on (``architectures[0]``; text_config's for VLMs)."""
     names = config.get("architectures") or []
-    if not names and isinstance(config.get("text_config"), dict):
-        names = config["text_config"].get("architectures") or []
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict) and text_config.get("architectures"):
+        # upstream's get_model_architecture: a VLM's text model by its text_config's own name
+        # (SmolVLM's VLlama3ForCausalLM), which upstream prefers to the top-level one
+        names = text_config["architectures"]
     if names:
         return str(names[0])
     # an old config with only model_type: transformers' own auto-class tables name the class

@@ -178,3 +178,24 @@ def test_the_converter_refuses_a_gguf_that_is_not_its_llama_cpps(tmp_path: Path)
     assert mismatch is not None and "constants.py" in mismatch
     with pytest.raises(ToolMissing, match="not llama.cpp .*'s gguf-py"):
         conv.load_converter(other / "bin")
+
+
+def test_a_vlms_text_model_is_named_by_its_text_config_as_upstream_does() -> None:
+    """SmolVLM's config names Idefics3ForConditionalGeneration at the top (no text class
+    upstream) and VLlama3ForCausalLM in text_config, which upstream's
+    get_model_architecture converts as the text model; its projector is the top-level name."""
+    from service.adapters.llama_cpp_convert import (
+        hf_architecture,
+        mmproj_architecture,
+        supported_architectures,
+        supported_mmproj_architectures,
+    )
+
+    smolvlm = {
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "text_config": {"architectures": ["VLlama3ForCausalLM"], "model_type": "llama"},
+        "vision_config": {"model_type": "idefics3_vision"},
+    }
+    assert hf_architecture(smolvlm) == "VLlama3ForCausalLM" in supported_architectures()
+    assert mmproj_architecture(smolvlm) == "Idefics3ForConditionalGeneration"
+    assert "Idefics3ForConditionalGeneration" in supported_mmproj_architectures()
