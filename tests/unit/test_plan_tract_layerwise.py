@@ -4,11 +4,18 @@ refused naming both needs when not even that fits. Headers alone, no torch, no t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from service.checkpoint.headers import local_file_header
+from service.config import Settings
 from service.errors import VerificationTooLarge
+from service.exporters.nnef.exporter import NNEFExporter, NNEFSpec
 from service.exporters.nnef.verify import ensure_tract_fits
 from service.plan.formats import block_weight_bytes, plan_export, tract_mode, tract_peaks
+from tests.fixtures.models import build_checkpoint
 from tests.unit.test_plan import GiB, llama, spec
 
 
@@ -62,3 +69,19 @@ def test_a_check_that_fits_not_even_one_block_is_refused_naming_both_needs() -> 
     assert "MODELPREP_TRACT_MAX_MEMORY" in message
     with pytest.raises(VerificationTooLarge, match="cannot be checked block by block"):
         ensure_tract_fits(archive, str(layerwise), None)
+
+
+def test_submission_accepts_a_budget_that_holds_one_block_and_refuses_one_that_does_not(
+    tmp_path: Path,
+) -> None:
+    llama_dir = build_checkpoint(tmp_path / "llama", "llama", "safetensors")
+    config = json.loads((llama_dir / "config.json").read_text())
+    tensors = [t for f in llama_dir.glob("*.safetensors") for t in local_file_header(f)]
+    weights = sum(t.nbytes for t in tensors)
+    whole, layerwise = tract_peaks(weights, block_weight_bytes((t.name, t.nbytes) for t in tensors))
+    assert layerwise < whole
+    between = Settings(data_dir=tmp_path / "d", tract_max_memory=str(layerwise))
+    NNEFExporter().check_files(NNEFSpec(), config, llama_dir, between)  # layer by layer
+    below = Settings(data_dir=tmp_path / "d", tract_max_memory=str(layerwise - 1))
+    with pytest.raises(VerificationTooLarge, match=r"whole and [0-9.]+ GiB block by block"):
+        NNEFExporter().check_files(NNEFSpec(), config, llama_dir, below)

@@ -16,6 +16,7 @@ import pytest
 from service.adapters.torch_to_nnef import weights_only_unpickling
 from service.checkpoint import open_checkpoint
 from service.checkpoint.consistency import safetensors_weight_bytes
+from service.checkpoint.headers import local_file_header
 from service.config import Settings
 from service.errors import VerificationFailed
 from service.exporters.common.offloaded_model import offloaded_model
@@ -24,7 +25,8 @@ from service.exporters.nnef import NNEFSpec
 from service.exporters.nnef.layerwise import cut_blocks, unpack, verify_causal_lm_layerwise
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
-from service.plan.formats import tract_peaks
+from service.plan.formats import block_weight_bytes, tract_peaks
+from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.real_models import Variant, real_variant
 from tests.integration.exporters.test_nnef import scale_weight
 from tests.unit.exporters.test_nnef import Exported, _export
@@ -160,3 +162,18 @@ def test_a_budget_below_the_whole_archive_checks_real_smollm2_block_by_block(
     assert all(b["max_abs_err"] <= b["tolerance"] for b in verify["blocks"]), verify["blocks"]
     assert verify["tract_peak_rss_bytes"] < whole - (40 << 20)
     assert np.isfinite(verify["max_abs_err"])
+
+
+def test_a_tiny_llama_job_under_a_budget_for_one_block_is_checked_layer_by_layer(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    source = tiny_checkpoint("llama", "safetensors")
+    tensors = [t for f in source.glob("*.safetensors") for t in local_file_header(f)]
+    block = block_weight_bytes((t.name, t.nbytes) for t in tensors)
+    _, layerwise = tract_peaks(sum(t.nbytes for t in tensors), block)
+    settings = Settings(data_dir=tmp_path / "data", tract_max_memory=str(layerwise))
+    done = _export(source, tmp_path, NNEFSpec(decode_steps=2), settings)
+    verify = done.result.summary["verify"]
+    assert verify["mode"] == "layerwise", verify
+    assert [b["block"] for b in verify["blocks"]] == ["layer 0", "layer 1", "head"]
+    assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
