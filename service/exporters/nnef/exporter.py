@@ -166,12 +166,13 @@ class NNEFExporter(GraphExporter):
         nspec = _nnef_spec(spec)
         weight_bytes = safetensors_weight_bytes(root)
         if nspec.verify and nspec.compression is None and weight_bytes is not None:
-            block = None
-            if is_causal_lm(config or {}):
-                tensors = [t for f in sorted(root.glob("*.safetensors"))
-                           for t in local_file_header(f)]  # fmt: skip
-                block = block_weight_bytes((t.name, t.nbytes) for t in tensors)
-            ensure_tract_fits(weight_bytes, settings.tract_max_memory, block)
+            # As the export writes them: float16 stays, anything else becomes float32.
+            tensors = [t for f in sorted(root.glob("*.safetensors")) for t in local_file_header(f)]
+            sizes = [(t.name, t.numel * (2 if t.dtype == "F16" else 4) if t.floating else t.nbytes)
+                     for t in tensors]  # fmt: skip
+            block = block_weight_bytes(sizes) if is_causal_lm(config or {}) else None
+            exported = sum(size for _, size in sizes) or weight_bytes
+            ensure_tract_fits(exported, settings.tract_max_memory, block)
 
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext

@@ -144,6 +144,7 @@ def test_a_broken_head_fails_the_block_by_block_check_after_every_layer_agrees(
         verify_causal_lm_layerwise(bad, io_spec, reference, atol, rtol, work=tmp_path / "head")
 
 
+@pytest.mark.timeout(900)
 def test_a_budget_below_the_whole_archive_checks_real_smollm2_block_by_block(
     tmp_path: Path,
 ) -> None:
