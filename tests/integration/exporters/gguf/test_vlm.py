@@ -28,7 +28,7 @@ from service.jobs.layout import JobLayout
 from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
-from tests.fixtures.vlm import write_tiny_gemma3
+from tests.fixtures.vlm import write_tiny_gemma3, write_tiny_idefics3
 
 PROCESSOR_FILES = ("processor_config.json", "chat_template.jinja", "tokenizer.model",
                    "tokenizer.json", "tokenizer_config.json", "config.json")  # fmt: skip
@@ -104,6 +104,20 @@ def test_a_q8_0_vlm_gets_a_q8_0_projector_that_llama_cpp_runs_like_transformers(
     assert mmproj["type"] == "q8_0" and mmproj["file"] == "mmproj-model-q8_0.gguf"
     assert "q8_0" in mmproj["verification"]["max_abs_error"]
     assert mmproj["mtmd"]["agreed_tokens"] >= mmproj["mtmd"]["comparable_tokens"] >= 4
+
+
+def test_a_smolvlm_layout_gets_its_text_model_and_projector_read_back(tmp_path: Path) -> None:
+    """Idefics3/SmolVLM: the text model by text_config's VLlama3ForCausalLM, the projector by
+    upstream's SmolVLM class; the mtmd check has no sequence layout for it yet (skipped,
+    said so)."""
+    ckpt = write_tiny_idefics3(tmp_path / "smolvlm")
+    summary = _export(ckpt, tmp_path / "out", type="f16")
+    assert summary["hf_architecture"] == "VLlama3ForCausalLM"
+    mmproj = summary["mmproj"]
+    assert mmproj["file"] == "mmproj-model-f16.gguf"
+    assert mmproj["tower"]["vision_blocks"] == 3 and mmproj["verification"]["read_back"]
+    assert mmproj["verification"]["tensors_checked"] == mmproj["tensors"]
+    assert "no mtmd sequence layout" in mmproj["mtmd"]["skipped"]
 
 
 def test_another_models_projector_fails_the_mtmd_check(gemma3: Path, tmp_path: Path) -> None:
