@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 from transformers import LlamaForCausalLM
 
 from service.checkpoint.independent import independent_reference
 from service.exporters.common.parity import relative_agreement
 from service.exporters.common.reference import fixed_input_ids
 from service.jobs.pipeline import REFERENCE_AGREEMENT
-from service.logits import FIXED_TEXT
+from service.logits import FIXED_TEXT, compare_logits
 from tests.fixtures.real_models import real_model
 
 
@@ -38,7 +37,10 @@ def test_layer_by_layer_reads_embedding_and_head_from_the_file_and_agrees_with_w
         whole.outputs, layered.outputs, REFERENCE_AGREEMENT["layer-by-layer"]
     )
     assert agreement["passed"], agreement
-    for a, b in zip(whole.chunk_logits(), layered.chunk_logits(), strict=True):
-        scored = np.abs(a).sum(axis=1) > 0
-        top1 = (a[scored].argmax(axis=1) == b[scored].argmax(axis=1)).mean()
-        assert top1 >= 0.9, f"top-1 agreement {top1:.2f} between whole and layer by layer"
+    # Both compute in float32 (accelerate casts each layer's bf16 weights as it loads them):
+    # only the order of summation differs, not bfloat16's rounding through every layer.
+    assert layered.info["compute_dtype"] == "float32"
+    assert relative_agreement(whole.outputs, layered.outputs, 1e-4)["passed"]
+    assert whole.chunks is not None
+    figures = compare_logits(whole.chunk_logits(), layered.chunk_logits(), whole.chunks)
+    assert figures.top1 == 1.0 and figures.kl_mean < 1e-6, figures
