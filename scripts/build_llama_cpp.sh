@@ -10,7 +10,8 @@
 # Usage: scripts/build_llama_cpp.sh [VERSION]   (default: the version service/llama_cpp.py pins)
 # Output: $MODELPREP_CACHE_HOME/llama.cpp/$VERSION/bin/llama-*  (MODELPREP_CACHE_HOME defaults to
 #         ${XDG_CACHE_HOME:-~/.cache}/modelprep), and .../$VERSION/convert/{conversion,gguf-py}: the
-#         same llama.cpp's HF->GGUF converter classes, used as a library by
+#         same llama.cpp's HF->GGUF converter classes (and convert_lora_to_gguf.py, whose LoRA
+#         tensor class the GGUF LoRA export uses), used as a library by
 #         service/adapters/llama_cpp_convert.py, and the gguf-py they need (newer than PyPI's gguf
 #         of the same version string), which scripts/install_gguf_py.sh makes the venv's `gguf`.
 #         A second run with everything present does nothing.
@@ -24,7 +25,8 @@ TOOLS=(llama-quantize llama-imatrix llama-perplexity llama-tokenize llama-simple
        llama-embedding llama-gguf-split llama-mtmd-cli)
 
 have_bins() { for t in "${TOOLS[@]}"; do [ -x "$dest/bin/$t" ] || return 1; done; }
-have_convert() { [ -f "$dest/convert/conversion/__init__.py" ] && [ -f "$dest/convert/gguf-py/gguf/__init__.py" ]; }
+have_convert() { [ -f "$dest/convert/conversion/__init__.py" ] && [ -f "$dest/convert/gguf-py/gguf/__init__.py" ] \
+  && [ -f "$dest/convert/convert_lora_to_gguf.py" ]; }
 have_all() { have_bins && have_convert; }
 if have_all; then echo "llama.cpp $VERSION: cached in $dest"; exit 0; fi
 
@@ -41,7 +43,15 @@ python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cp
 tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src=$work/llama_cpp_python-$VERSION/vendor/llama.cpp
 mkdir -p "$work/convert"
-cp -r "$src/conversion" "$src/gguf-py" "$src/convert_hf_to_gguf.py" "$src/LICENSE" "$work/convert/"
+cp -r "$src/conversion" "$src/gguf-py" "$src/convert_hf_to_gguf.py" "$src/convert_lora_to_gguf.py" \
+  "$src/LICENSE" "$work/convert/"
+if have_bins && [ -f "$dest/convert/conversion/__init__.py" ]; then
+  # a cache from before the LoRA converter was kept: add that one file, renamed into place (the
+  # converter classes beside it may be in use by a running job)
+  cp "$work/convert/convert_lora_to_gguf.py" "$dest/convert/.convert_lora_to_gguf.py.tmp"
+  mv "$dest/convert/.convert_lora_to_gguf.py.tmp" "$dest/convert/convert_lora_to_gguf.py"
+  echo "llama.cpp $VERSION: LoRA converter added to $dest/convert"; exit 0
+fi
 if have_bins; then                        # a cache from before the converter was kept: add it
   rm -rf "$dest/convert" && mv "$work/convert" "$dest/convert"
   echo "llama.cpp $VERSION: converter classes added to $dest/convert"; exit 0

@@ -199,3 +199,38 @@ def test_a_vlms_text_model_is_named_by_its_text_config_as_upstream_does() -> Non
     assert hf_architecture(smolvlm) == "VLlama3ForCausalLM" in supported_architectures()
     assert mmproj_architecture(smolvlm) == "Idefics3ForConditionalGeneration"
     assert "Idefics3ForConditionalGeneration" in supported_mmproj_architectures()
+
+
+def test_the_lora_converter_is_the_lora_model_the_adapter_mirrors() -> None:
+    """plan_lora_conversion rebuilds upstream's LoraModel (defined under ``__main__``, so not
+    importable) from the script's importable parts: each overridden method, the tensor class,
+    the adapter keys and the prepare_tensors path that lets ``.lora_a``/``.lora_b`` be typed."""
+    import ast
+
+    module = conv.load_lora_converter()
+    source = (conv.converter_dir() / conv.LORA_SCRIPT).read_text(encoding="utf-8")
+    classes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]
+    lora_model = next((c for c in classes if c.name == "LoraModel"), None)
+    assert lora_model is not None, "assumption broken: convert_lora_to_gguf.py defines LoraModel"
+    methods = {n.name for n in lora_model.body if isinstance(n, ast.FunctionDef)} - {"__init__"}
+    assert methods == set(conv.LORA_MODEL_METHODS), (
+        f"assumption broken: LoraModel overrides exactly {sorted(conv.LORA_MODEL_METHODS)}; it "
+        f"now overrides {sorted(methods)}: mirror the new ones in plan_lora_conversion"
+    )
+    for needle in ("gguf.GGUFType.ADAPTER", "gguf.Keys.Adapter.TYPE, \"lora\"",
+                   "gguf.Keys.Adapter.LORA_ALPHA, self.lora_alpha",
+                   'yield (dest_name + ".lora_a", lora_a)', "get_lora_A_B()"):  # fmt: skip
+        assert needle in source, f"assumption broken: LoraModel writes {needle}"
+    a, b = torch.randn(4, 32), torch.randn(64, 4)
+    lora = module.LoraTorchTensor(a, b)
+    permuted = lora.reshape(8, 2, 4, 32).swapaxes(1, 2).reshape(64, 32)
+    got_a, got_b = permuted.get_lora_A_B()
+    want = (b @ a).reshape(8, 2, 4, 32).swapaxes(1, 2).reshape(64, 32)
+    assert torch.allclose(got_b @ got_a, want, atol=1e-5), (
+        "assumption broken: LoraTorchTensor follows a q/k row permutation on B"
+    )
+    base = importlib.import_module("conversion.base")
+    prepare = inspect.getsource(base.ModelBase.prepare_tensors)
+    assert '".lora_a", ".lora_b"' in prepare, (
+        "assumption broken: prepare_tensors stores .lora_a/.lora_b at the file type"
+    )
