@@ -433,6 +433,15 @@ class AdapterMismatch(AdapterError):
     title = "Adapter does not match the source"
 
 
+class UnmergedAdapterUnsupported(AdapterError):
+    """``"merge": false`` keeps the adapter apart, and an export that can only write weights
+    (safetensors, NNEF, ONNX, a GGUF without ``"lora": true``) cannot take it: refused at
+    submission, naming the export."""
+
+    code = "unmerged_adapter_unsupported"
+    title = "Export cannot take an unmerged adapter"
+
+
 # --- access control and tenants ------------------------------------------------------------------
 
 

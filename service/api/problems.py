@@ -115,6 +115,8 @@ FIXES: dict[str, str] = {
     "with PEFT first.",
     "adapter_mismatch": "The detail names the first module the source lacks or whose shape "
     "differs: pass the adapter's base model as `source`.",
+    "unmerged_adapter_unsupported": "With `\"merge\": false` every export must write the "
+    "adapter itself (`{\"format\": \"gguf\", \"lora\": true}`); merge it for the others.",
     "job_cancelled": "The job was cancelled (`POST /v1/jobs/{id}/cancel` or `DELETE`).",
     "job_timeout": "The job ran longer than its `timeout` or `MODELPREP_JOB_TIMEOUT`.",
     "worker_crashed": "The job's process died (often the kernel's OOM killer): lower "

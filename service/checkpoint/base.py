@@ -108,6 +108,9 @@ class Checkpoint:
     adapter_root: Path | None = None
     """The PEFT LoRA adapter the reader merges into the weights (``checkpoint.lora``), if any:
     the independent reference merges it too."""
+    unmerged_adapter: Path | None = None
+    """The PEFT LoRA adapter the job keeps apart (``"merge": false``): the reader serves the
+    base's weights, and exports that take an adapter unmerged write it beside them."""
 
     def close(self) -> None:
         self.reader.close()

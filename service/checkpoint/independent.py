@@ -105,11 +105,13 @@ def independent_reference(
     max_memory_bytes: int,
     work: Path,
     adapter_dir: Path | None = None,
+    merge_adapter: bool = True,
 ) -> IndependentReference:
     """transformers' outputs for ``input_ids`` and, for a causal LM, its logits on ``text``,
     within the budget; ``model_class`` the transformers class the job built (the one
     config.json names), loaded by its own ``from_pretrained``; with ``adapter_dir``, the PEFT
-    LoRA adapter there merged into it by PEFT."""
+    LoRA adapter there merged into it by PEFT (``merge_adapter``), or run beside it by PEFT's
+    ``PeftModel`` (the reference of an adapter kept apart)."""
     import transformers
     from transformers import AutoConfig
 
@@ -134,7 +136,7 @@ def independent_reference(
             f"source: {type(exc).__name__}: {exc}"
         ) from exc
     if adapter_dir is not None:
-        model = _merged_with_peft(model, adapter_dir)
+        model = _with_peft(model, adapter_dir, merge_adapter)
     # float32 in both modes: nn.Module's own cast (transformers' refuses a model it calls
     # quantized, a config naming a method over float weights is, though every weight here is a
     # float tensor). Layer by layer, the layers' weights are on meta until accelerate loads each
@@ -159,8 +161,11 @@ def independent_reference(
     finally:
         del model
         shutil.rmtree(offload, ignore_errors=True)
+    peft = "" if adapter_dir is None else " + peft." + (
+        "merge_and_unload" if merge_adapter else "PeftModel"
+    )
     return IndependentReference(
-        implementation=f"transformers.{model_class.__name__}.from_pretrained",
+        implementation=f"transformers.{model_class.__name__}.from_pretrained{peft}",
         version=transformers.__version__,
         mode="whole" if whole else "layer-by-layer",
         outputs=outputs,
@@ -206,13 +211,16 @@ def _save_chunk(logits: np.ndarray, path: Path, window: slice) -> None:
     np.save(path, kept)
 
 
-def _merged_with_peft(model: Any, adapter_dir: Path) -> Any:
+def _with_peft(model: Any, adapter_dir: Path, merge: bool) -> Any:
     """``model`` with the LoRA adapter in ``adapter_dir`` merged by PEFT's own
-    ``merge_and_unload``: the reference for a job that merges it while reading."""
+    ``merge_and_unload`` (the reference for a job that merges it while reading), or unmerged,
+    PEFT's ``PeftModel`` computing ``W x + scale * B A x`` (for an adapter kept apart; the
+    mapped embedding and head stand-ins are not used with an adapter)."""
     from peft import PeftModel
 
     try:
-        return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+        return peft_model.merge_and_unload() if merge else peft_model
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise ReferenceUnavailable(
             f"PEFT, the job's independent reference for the adapter, cannot merge it: "

@@ -129,6 +129,12 @@ class Exporter(Protocol):
         """What the job must prepare for this export (see :class:`Needs`)."""
         return Needs()
 
+    def takes_unmerged_adapter(self, spec: ExportSpec) -> bool:
+        """Whether this export writes the job's adapter apart from the weights
+        (``"merge": false``: a GGUF LoRA); the default exports only weights, so the adapter
+        must be merged into them."""
+        return False
+
     def modules(self) -> tuple[str, ...]:
         """The modules ``export`` and ``verify`` import when they run (heavy imports stay out of
         the API process) that every job should find already imported: the job forkserver

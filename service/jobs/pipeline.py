@@ -25,7 +25,13 @@ from service.artifact_store import ArtifactStore
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import Checkpoint
 from service.config import Settings
-from service.errors import NoModelConfig, ReferenceUnavailable, VerificationFailed
+from service.errors import (
+    InvalidRequest,
+    NoModelConfig,
+    ReferenceUnavailable,
+    UnmergedAdapterUnsupported,
+    VerificationFailed,
+)
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec, Needs
 from service.fsutil import atomic_write_json, atomic_write_text, fsync_tree, sha256_file
@@ -47,6 +53,7 @@ from service.stage import JobContext, Phase
 
 if TYPE_CHECKING:
     from service.checkpoint.independent import IndependentReference
+    from service.checkpoint.lora import AdapterPlan
     from service.offload.build import BuiltModel
     from service.offload.store import OffloadStore
 
@@ -89,6 +96,7 @@ def check_spec(
     exporters = registry()
     for export in spec.export_specs():
         exporters[export.format].check_request(export, settings)
+    _check_adapter_use(spec)
     if not config_known:
         return
     for export in spec.export_specs():
@@ -96,6 +104,25 @@ def check_spec(
             exporters[export.format].check_files(export, config, source_dir, settings)
         else:
             exporters[export.format].check(export, config, settings)
+
+
+def _check_adapter_use(spec: JobSpec) -> None:
+    """An export that writes the adapter apart needs one kept apart (an adapter, ``"merge":
+    false``); with ``"merge": false`` every export must be one that does
+    (:class:`UnmergedAdapterUnsupported` names the first that is not)."""
+    exporters = registry()
+    for i, export in enumerate(spec.export_specs()):
+        unmerged = exporters[export.format].takes_unmerged_adapter(export)
+        if unmerged and (spec.adapter is None or spec.merge):
+            raise InvalidRequest(
+                f"exports[{i}] ({export.format}) writes the job's adapter unmerged: it needs "
+                '"adapter" and "merge": false'
+            )
+        if not unmerged and spec.adapter is not None and not spec.merge:
+            raise UnmergedAdapterUnsupported(
+                f'exports[{i}] ({export.format}) cannot take an unmerged adapter ("merge": '
+                'false); only {"format": "gguf", "lora": true} writes one, beside the base'
+            )
 
 
 class ReuseGate(Protocol):
@@ -146,8 +173,10 @@ def run_pipeline(
             return shared
     ctx.set_phase(Phase.READ, unit="tensors")
     with open_checkpoint(checkpoint_dir) as checkpoint:
-        if adapter is not None:
+        if adapter is not None and spec.merge:
             _merge_adapter(checkpoint, adapter[0], ctx)
+        elif adapter is not None:
+            _keep_adapter(checkpoint, adapter[0], ctx)
         summaries, digests, model_info = _export_checkpoint(checkpoint, spec, ctx, layout)
     if adapter is not None:
         source_info = {**source_info, "adapter": ctx.details["source"]["adapter"]}
@@ -278,14 +307,35 @@ def _merge_adapter(checkpoint: Checkpoint, adapter_dir: Path, ctx: JobContext) -
     adapter = open_adapter(adapter_dir)
     checkpoint.reader = LoraMergeReader(checkpoint.reader, adapter)
     checkpoint.adapter_root = adapter_dir
+    _adapter_detail(adapter.plan, True, ctx)
+
+
+def _keep_adapter(checkpoint: Checkpoint, adapter_dir: Path, ctx: JobContext) -> None:
+    """READ with ``"merge": false``: the reader serves the base; the adapter is judged against
+    it as a merge would be (:class:`AdapterMismatch` naming the first module) and handed to the
+    exports that write it apart."""
+    from service.checkpoint.lora import check_adapter_matches, plan_adapter
+
+    plan = plan_adapter(adapter_dir)
+    reader = checkpoint.reader
+    shapes: dict[str, Any] = {i.name: i.shape for i in reader.tensor_infos()}
+    for alias, canonical in reader.aliases().items():
+        shapes.setdefault(alias, shapes.get(canonical, ()))
+    check_adapter_matches(plan, shapes)
+    checkpoint.unmerged_adapter = adapter_dir
+    _adapter_detail(plan, False, ctx)
+
+
+def _adapter_detail(plan: AdapterPlan, merged: bool, ctx: JobContext) -> None:
+    """The job's ``adapter`` section: what the adapter is and whether it was merged."""
     ctx.set_detail("adapter", {
         "peft_type": "LORA",
-        "merged": True,
-        "modules": len(adapter.factors),
-        "r": adapter.plan.config.get("r"),
-        "lora_alpha": adapter.plan.config.get("lora_alpha"),
-        "use_rslora": bool(adapter.plan.config.get("use_rslora", False)),
-        "base_model": adapter.plan.config.get("base_model_name_or_path"),
+        "merged": merged,
+        "modules": len(plan.targets),
+        "r": plan.config.get("r"),
+        "lora_alpha": plan.config.get("lora_alpha"),
+        "use_rslora": bool(plan.config.get("use_rslora", False)),
+        "base_model": plan.config.get("base_model_name_or_path"),
     })  # fmt: skip
 
 

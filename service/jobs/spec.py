@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from service.exporters import registry
 from service.exporters.base import ExportSpec
@@ -90,7 +90,10 @@ class JobSpec(BaseModel):
     merge: bool = Field(
         default=True,
         description="With `adapter`: merge it into the source's weights tensor by tensor "
-        "(W + alpha/r * B @ A, as PEFT's merge_and_unload), so every export is the merged model.",
+        "(W + alpha/r * B @ A, as PEFT's merge_and_unload), so every export is the merged "
+        'model. false keeps it apart: every export must then write it itself ({"format": '
+        '"gguf", "lora": true}: the base GGUF plus a GGUF LoRA for llama.cpp\'s --lora); '
+        "other exports are refused (unmerged_adapter_unsupported).",
     )
     sha256: str | None = Field(
         default=None, pattern=r"^[0-9a-fA-F]{64}$",
@@ -158,12 +161,6 @@ class JobSpec(BaseModel):
                 "give its directory as file://, hf:// or s3://"
             )
         return value
-
-    @model_validator(mode="after")
-    def _merge_needs_adapter(self) -> JobSpec:
-        if self.adapter is not None and not self.merge:
-            raise ValueError('"merge": false is not implemented: an adapter is merged')
-        return self
 
     def adapter_request(self, tenant: str | None = None) -> SourceRequest | None:
         """The adapter to fetch, None without one (a hub adapter at its default branch)."""

@@ -52,24 +52,37 @@ class GGUFExporter(Exporter):
         assert isinstance(spec, GGUFSpec)
         return Needs(independent=spec.verify)
 
+    def takes_unmerged_adapter(self, spec: ExportSpec) -> bool:
+        """``"lora": true`` writes the job's adapter as a GGUF LoRA beside the base."""
+        assert isinstance(spec, GGUFSpec)
+        return spec.lora
+
     def verify(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> dict[str, Any]:
         """The file's logits in llama.cpp against transformers' on the fixed text
-        (``llama_check.check_logits``); VerificationFailed beyond the type's bounds."""
+        (``llama_check.check_logits``); VerificationFailed beyond the type's bounds. With
+        ``"lora": true``, also the base with the GGUF LoRA (``--lora``) against PEFT's run
+        of the base with the adapter (``lora.verify_lora``)."""
         from service.exporters.gguf.llama_check import check_logits
 
         assert isinstance(spec, GGUFSpec)
         reference = inputs.independent
         if reference is None or reference.chunks is None:
             return {"logits": {"skipped": "no tokenizer: the fixed text cannot be tokenized"}}
-        files = sorted(p for p in out_dir.glob("*.gguf") if not p.name.startswith(MMPROJ_PREFIX))
+        files = sorted(
+            p for p in out_dir.glob("*.gguf") if not p.name.startswith((MMPROJ_PREFIX, "lora-"))
+        )
         work = ctx.work_dir / f"gguf-logits-{out_dir.name}"
         work.mkdir(parents=True, exist_ok=True)
         report = check_logits(
             files[0], spec.type, reference, work, ctx.check_abort, ctx.settings.llama_cpp_dir
         )
-        return {"logits": report}
+        if not spec.lora:
+            return {"logits": report}
+        from service.exporters.gguf.lora import verify_lora
+
+        return {"logits": report, "lora_logits": verify_lora(spec, inputs, out_dir, ctx)}
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
@@ -210,6 +223,12 @@ class GGUFExporter(Exporter):
         elif is_multimodal(config):
             mmproj = {"skipped": f"llama.cpp's converter writes no projector for "
                       f"{config.get('architectures')}: the text model alone was written"}  # fmt: skip
+        lora: dict[str, Any] = {}
+        if spec.lora:
+            from service.exporters.gguf.lora import export_lora
+
+            lora_name, digests[lora_name], lora = export_lora(spec, inputs, out_dir, ctx)
+            files.append(lora_name)
         size = sum((out_dir / n).stat().st_size for n in files)
         ctx.add_metric("bytes_written", size)
 
@@ -242,6 +261,7 @@ class GGUFExporter(Exporter):
             "tokenizer": tokenizer,
             "verification": report.as_dict(),
             **({"mmproj": mmproj} if mmproj is not None else {}),
+            **({"lora": lora} if lora else {}),
         }
         return ExportResult(files=files, summary=summary, digests=digests)
 

@@ -211,11 +211,13 @@ def check_logits(
     work: Path,
     check_abort: Callable[[], None],
     bin_dir: Path | None = None,
+    lora: Path | None = None,
 ) -> dict[str, Any]:
     """The GGUF's logits in llama.cpp against transformers' on the fixed text
     (``llama-perplexity --kl-divergence`` over a base file written from the reference): KL
     mean and p99, top-1 agreement, perplexity ratio; VerificationFailed beyond the type's
-    bounds (:data:`LOGIT_BOUNDS`)."""
+    bounds (:data:`LOGIT_BOUNDS`). With ``lora``, llama.cpp applies that GGUF LoRA to the
+    file (``--lora``)."""
     assert reference.chunks is not None
     chunks = reference.chunks
     logits = reference.chunk_logits()
@@ -227,6 +229,8 @@ def check_logits(
     argv = [str(llama_cpp_tool("llama-perplexity", bin_dir)), "-m", str(gguf_path),
             "--kl-divergence-base", str(base), "--kl-divergence",
             "-c", str(n_ctx), "-b", str(n_ctx)]  # fmt: skip
+    if lora is not None:
+        argv += ["--lora", str(lora)]
     out = ""
     for _ in range(_ATTEMPTS):
         out, _ = _tool_output(argv, work, "llama-kl-divergence", check_abort)

@@ -106,6 +106,14 @@ class GGUFSpec(ExportSpec):
             parse_size(value)
         return value
 
+    lora: bool = Field(
+        default=False,
+        description='With the job\'s "adapter" and "merge": false: the base model as this '
+        "GGUF, and beside it the adapter itself as a GGUF LoRA (lora-<type>.gguf, written by "
+        "llama.cpp's convert_lora_to_gguf classes; f16 unless the type is f32, bf16 or q8_0) "
+        "for llama.cpp's --lora; verified by llama.cpp with --lora against PEFT's run of the "
+        "base with the adapter.",
+    )
     pre_tokenizer_fallback: Literal["default"] | None = Field(
         default=None,
         description="When llama.cpp does not know the tokenizer's BPE pre-tokenizer (its hash), "

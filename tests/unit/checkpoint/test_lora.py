@@ -84,11 +84,30 @@ def test_the_first_mismatching_module_is_named(tmp_path: Path) -> None:
         check_adapter_matches(plan, {})
 
 
-def test_an_adapter_is_a_directory_and_is_merged() -> None:
+def test_an_adapter_is_a_directory() -> None:
     exports = [{"format": "safetensors"}]
     with pytest.raises(ValidationError, match="give its directory"):
         JobSpec.model_validate({"source": "file:///m", "adapter": "https://h/a.safetensors",
                                 "exports": exports})  # fmt: skip
-    with pytest.raises(ValidationError, match='"merge": false is not implemented'):
-        JobSpec.model_validate({"source": "file:///m", "adapter": "file:///a", "merge": False,
-                                "exports": exports})  # fmt: skip
+
+
+def test_merge_false_needs_every_export_to_take_the_adapter_apart(tmp_path: Path) -> None:
+    from service.config import Settings
+    from service.errors import InvalidRequest, UnmergedAdapterUnsupported
+    from service.jobs.pipeline import check_spec
+
+    settings = Settings(data_dir=tmp_path, local_roots=[tmp_path])
+    lora = {"format": "gguf", "lora": True}
+
+    def check(exports: list[dict[str, object]], **job: object) -> None:
+        spec = JobSpec.model_validate({"source": "hf://o/m", "exports": exports, **job})
+        check_spec(spec, settings, None, config_known=False)
+
+    check([lora], adapter="hf://o/l", merge=False)
+    check([{"format": "safetensors"}], adapter="hf://o/l")
+    with pytest.raises(UnmergedAdapterUnsupported, match=r"exports\[1\] \(onnx\) cannot"):
+        check([lora, {"format": "onnx"}], adapter="hf://o/l", merge=False)
+    with pytest.raises(InvalidRequest, match='needs "adapter" and "merge": false'):
+        check([lora], adapter="hf://o/l")
+    with pytest.raises(InvalidRequest, match='needs "adapter"'):
+        check([lora])
