@@ -49,6 +49,7 @@ from service.sources import (
     fetch_source,
     identify_source,
 )
+from service.sources.adapter import fetch_adapter, identify_adapter
 from service.stage import JobContext, Phase
 
 if TYPE_CHECKING:
@@ -276,7 +277,7 @@ def _identify(
     identity = identify_source(request, ctx.settings, ctx, fetched=fetched)
     if adapter_request is None or identity is None:
         return identity, adapter_request
-    adapter = identify_source(adapter_request, ctx.settings, ctx, fetched=adapter_fetched)
+    adapter = identify_adapter(adapter_request, ctx.settings, ctx, fetched=adapter_fetched)
     if adapter is None:
         return None, adapter_request
     combined = SourceIdentity(f"{identity.key}+adapter:{adapter.key}", identity.request)
@@ -289,7 +290,7 @@ def _download_adapter(
     """DOWNLOAD of the job's adapter: its local directory, recorded in the ``source`` section's
     ``adapter``."""
     source = dict(ctx.details.get("source", {}))
-    resolved = fetch_source(request, ctx.settings, ctx)
+    resolved = fetch_adapter(request, ctx.settings, ctx)
     info: dict[str, Any] = {"uri": resolved.uri, "cache_hit": resolved.cache_hit}
     if resolved.revision:
         info["revision"] = resolved.revision

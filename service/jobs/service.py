@@ -37,7 +37,8 @@ from service.jobs.store import JobStore, utcnow
 from service.objectstore import S3Location
 from service.offload.usage import OFFLOAD_COUNTERS, offload_usage
 from service.plan import JobPlan
-from service.sources import LocalSource, check_source, local_source
+from service.sources import LocalSource, local_source
+from service.sources.adapter import check_adapter_source, is_http
 
 
 def _check_quantization(headers: CheckpointHeaders) -> None:
@@ -139,9 +140,9 @@ class JobService:
         a module it targets missing or of another shape is refused now (adapter_mismatch)."""
         request = spec.adapter_request()
         assert request is not None
-        adapter = local_source(request, self.settings)
+        adapter = local_source(request, self.settings) if not is_http(request) else None
         if adapter is None:
-            check_source(request, self.settings)
+            check_adapter_source(request, self.settings)
             return
         plan = plan_adapter(adapter.directory)
         tensors = safetensors_tensors(local.directory) if local is not None else None

@@ -82,9 +82,10 @@ class JobSpec(BaseModel):
     adapter: str | None = Field(
         default=None, min_length=1,
         description="A PEFT LoRA adapter trained on `source` (a directory holding "
-        "adapter_config.json and adapter_model.safetensors): file:///abs/path, hf://org/repo "
-        "or s3://bucket/prefix. Refused (adapter_mismatch) when a module it targets is missing "
-        "from the source or has another shape.",
+        "adapter_config.json and adapter_model.safetensors): file:///abs/path, hf://org/repo, "
+        "s3://bucket/prefix, or https://host/dir/ (both files are fetched from under it). "
+        "Refused (adapter_mismatch) when a module it targets is missing from the source or has "
+        "another shape.",
         examples=["file:///models/tiny-llama-lora"],
     )
     merge: bool = Field(
@@ -150,16 +151,6 @@ class JobSpec(BaseModel):
     def _valid_size(cls, value: str | None) -> str | None:
         if value is not None:
             parse_size(value)
-        return value
-
-    @field_validator("adapter")
-    @classmethod
-    def _adapter_directory(cls, value: str | None) -> str | None:
-        if value is not None and urlsplit(value).scheme in ("http", "https"):
-            raise ValueError(
-                "an adapter is two files (adapter_config.json, adapter_model.safetensors): "
-                "give its directory as file://, hf:// or s3://"
-            )
         return value
 
     def adapter_request(self, tenant: str | None = None) -> SourceRequest | None:

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from service.checkpoint.lora import (
@@ -84,11 +83,16 @@ def test_the_first_mismatching_module_is_named(tmp_path: Path) -> None:
         check_adapter_matches(plan, {})
 
 
-def test_an_adapter_is_a_directory() -> None:
+def test_an_https_adapter_names_the_directory_of_its_two_files() -> None:
+    from service.sources.adapter import adapter_urls
+
+    want = {"adapter_config.json": "https://h/l/adapter_config.json?sig=1",
+            "adapter_model.safetensors": "https://h/l/adapter_model.safetensors?sig=1"}
+    for uri in ("https://h/l?sig=1", "https://h/l/?sig=1",
+                "https://h/l/adapter_model.safetensors?sig=1"):
+        assert adapter_urls(uri) == want, uri
     exports = [{"format": "safetensors"}]
-    with pytest.raises(ValidationError, match="give its directory"):
-        JobSpec.model_validate({"source": "file:///m", "adapter": "https://h/a.safetensors",
-                                "exports": exports})  # fmt: skip
+    JobSpec.model_validate({"source": "file:///m", "adapter": "https://h/l/", "exports": exports})
 
 
 def test_merge_false_needs_every_export_to_take_the_adapter_apart(tmp_path: Path) -> None:
