@@ -25,7 +25,11 @@ names each assumption):
 * a lazy operation recording its function and arguments in ``_func``/``_args``/``_kwargs``
   (``data[:n]`` as ``torch.Tensor.__getitem__``, a MoE layer's ``torch.stack(experts, dim=0)``
   as ``torch.stack``), read by :func:`leading_rows` and :func:`stacked_rows`;
-* ``conversion/base.py`` leaving ``sys.path`` alone when ``NO_LOCAL_GGUF`` is set.
+* ``conversion/base.py`` leaving ``sys.path`` alone when ``NO_LOCAL_GGUF`` is set;
+* ``convert_lora_to_gguf.py`` importable as a module (its script body runs under ``__main__``),
+  its ``LoraTorchTensor(A, B)`` following the base class's tensor transforms, and its
+  ``LoraModel`` overriding exactly :data:`LORA_MODEL_METHODS`, which
+  :func:`plan_lora_conversion` mirrors (the class itself is defined under ``__main__``).
 
 The converter needs the gguf-py of the same llama.cpp, which is newer than PyPI's ``gguf`` of the
 same version string. It is the venv's one ``gguf`` package (``make install``, the image and CI
