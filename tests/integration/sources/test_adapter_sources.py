@@ -161,3 +161,34 @@ def test_a_hub_adapter_repository_is_fetched_and_merged_by_the_job(
     manifest = _merged_job(settings, base, f"hf://{repo}")
     torch.testing.assert_close(manifest["weight"], _expected(base, adapter), rtol=1e-2, atol=1e-3)
     assert manifest["source"]["adapter"]["revision"] == commit  # type: ignore[index]
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_remote_adapter_of_another_base_fails_the_job_naming_the_first_mismatch(
+    http_server: FileServer, base: Path, tmp_path: Path, merge: bool
+) -> None:
+    """Its config is not read at submission (no network there): the job refuses it once
+    fetched, before any export, merged or kept apart."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from service.errors import AdapterMismatch
+
+    config = LlamaConfig.from_pretrained(base)
+    config.update({"hidden_size": 2 * config.hidden_size})
+    torch.manual_seed(0)
+    other = peft_adapter(LlamaForCausalLM(config), tmp_path / "other")
+    for name in ADAPTER_FILES:
+        http_server.add(f"/other/{name}", Route(body=other / name))
+    settings = Settings(data_dir=tmp_path / "data", local_roots=[base.parent],
+                        egress_allowlist=["127.0.0.0/8"])  # fmt: skip
+    layout = JobLayout.for_job(settings, "e" * 32)
+    layout.prepare()
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="e" * 32)
+    exports = [{"format": "safetensors"}] if merge else [{"format": "gguf", "lora": True}]
+    spec = JobSpec.model_validate({
+        "source": base.as_uri(), "adapter": http_server.url("/other/"), "merge": merge,
+        "verify": False, "exports": exports,
+    })  # fmt: skip
+    with pytest.raises(AdapterMismatch, match="the adapter's 'model.layers.0.mlp.down_proj' is"):
+        run_pipeline(spec, ctx, layout)
+    assert not list(layout.staging.rglob("*.gguf")) and not list(layout.staging.rglob("*.safetensors"))
