@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from service.errors import MissingTokenizer, NoModelConfig
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.exporters.gguf.lora import LORA_PREFIX
 from service.exporters.gguf.mmproj import MMPROJ_PREFIX, is_multimodal, mmproj_type
 from service.exporters.gguf.plan import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.spec import GGUFSpec
@@ -71,7 +72,7 @@ class GGUFExporter(Exporter):
         if reference is None or reference.chunks is None:
             return {"logits": {"skipped": "no tokenizer: the fixed text cannot be tokenized"}}
         files = sorted(
-            p for p in out_dir.glob("*.gguf") if not p.name.startswith((MMPROJ_PREFIX, "lora-"))
+            p for p in out_dir.glob("*.gguf") if not p.name.startswith((MMPROJ_PREFIX, LORA_PREFIX))
         )
         work = ctx.work_dir / f"gguf-logits-{out_dir.name}"
         work.mkdir(parents=True, exist_ok=True)

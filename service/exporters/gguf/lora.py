@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from service.exporters.gguf.spec import GGUFSpec
     from service.stage import JobContext
 
+LORA_PREFIX = "lora-"
+
 LORA_TYPES: dict[str, OutType] = {"f32": "f32", "bf16": "bf16", "q8_0": "q8_0"}
 """The LoRA file's type by the base's: the same where llama.cpp's LoRA converter writes it,
 f16 otherwise (q4_0 and llama-quantize's types are not LoRA converter types)."""
@@ -43,7 +45,7 @@ def lora_type(base_type: str) -> OutType:
 
 
 def lora_file_name(spec: GGUFSpec) -> str:
-    return f"lora-{lora_type(spec.type)}.gguf"
+    return f"{LORA_PREFIX}{lora_type(spec.type)}.gguf"
 
 
 def llama_cpp_factors(
@@ -188,7 +190,11 @@ def verify_lora(
     malloc_trim()
     if reference.chunks is None:
         return {"skipped": "no tokenizer: the fixed text cannot be tokenized"}
-    base = sorted(p for p in out_dir.glob("*.gguf") if not p.name.startswith("lora-"))
+    from service.exporters.gguf.mmproj import MMPROJ_PREFIX
+
+    base = sorted(
+        p for p in out_dir.glob("*.gguf") if not p.name.startswith((MMPROJ_PREFIX, LORA_PREFIX))
+    )
     lora = out_dir / lora_file_name(spec)
     report = check_logits(
         base[0], spec.type, reference, work, ctx.check_abort, ctx.settings.llama_cpp_dir,
