@@ -32,6 +32,10 @@ class JobCreate(JobSpec):
 class ChildPlanOut(BaseModel):
     name: str = Field(description="onnxruntime, tract, llama-quantize, llama-perplexity...")
     peak_rss_bytes: int
+    mapped_bytes: int = Field(
+        description="Of its peak, read-only mapped file pages (weights): reclaimable page "
+        "cache, not held against the budget."
+    )
 
 
 class ExportPlanOut(BaseModel):
@@ -41,6 +45,10 @@ class ExportPlanOut(BaseModel):
     group_peak_bytes: int = Field(
         description="The job's process group at its peak: the job, or the job beside its "
         "largest child."
+    )
+    budget_peak_bytes: int = Field(
+        description="What the job's budget must hold: the group's peak less the children's "
+        "read-only mapped file pages."
     )
     children: list[ChildPlanOut]
     verification: str = Field(
@@ -78,6 +86,7 @@ class PlanOut(BaseModel):
     refusals: list[str] = Field(description="Why it would not, with the numbers.")
     peak_rss_bytes: int
     group_peak_bytes: int
+    budget_peak_bytes: int = Field(description="What is compared with memory_budget_bytes.")
     memory_budget_bytes: int | None = Field(description="What one job may use.")
     disk_free_bytes: int | None
     disk: DiskPlanOut

@@ -38,6 +38,10 @@ class ChildPlan:
     name: str
     """``onnxruntime``, ``tract``, ``llama-quantize``, ``llama-perplexity``..."""
     peak_rss_bytes: int
+    mapped_bytes: int = 0
+    """Of ``peak_rss_bytes``, the pages of files it memory-maps read-only (onnxruntime's
+    weights, llama.cpp's GGUF): page cache the kernel reclaims within a memory cgroup's limit
+    rather than fail, so they are not held against the budget."""
 
 
 @dataclass(frozen=True)
@@ -60,12 +64,26 @@ class ExportPlan:
     source references in place cost nothing)."""
     notes: tuple[str, ...] = ()
     """How the figures were derived, in words (the largest tensor, the formula's terms)."""
+    job_shared_bytes: int = 0
+    """Of the job process's resident memory, the pages it still shares with the forkserver it
+    was forked from (the preloaded libraries): charged to the service's cgroup before the job
+    began, and left out of the pool's own accounting (``memory.process_group_private_bytes``),
+    so not held against the job's budget."""
 
     @property
     def group_peak_bytes(self) -> int:
         """The process group's peak: the job alone, or the job beside its largest child."""
         child = max((c.peak_rss_bytes for c in self.children), default=0)
         return max(self.job_peak_rss_bytes, self.job_rss_during_children_bytes + child)
+
+    @property
+    def budget_peak_bytes(self) -> int:
+        """What the job's budget must hold at the group's peak: ``group_peak_bytes`` less the
+        pages the job shares with the forkserver and the children's read-only mapped file
+        pages (reclaimable page cache)."""
+        child = max((c.peak_rss_bytes - c.mapped_bytes for c in self.children), default=0)
+        job = max(self.job_peak_rss_bytes, self.job_rss_during_children_bytes + child)
+        return job - self.job_shared_bytes
 
 
 @dataclass(frozen=True)
@@ -91,7 +109,10 @@ class JobPlan:
     """The job's ``peak_rss_bytes`` metric as the job records it: the job process's peak or
     its largest child's, whichever is larger."""
     group_peak_bytes: int
-    """The job's process group at its peak: what the memory budget is compared with."""
+    """The job's process group at its peak (resident pages, mapped files included)."""
+    budget_peak_bytes: int
+    """What the memory budget is compared with: the group's peak less the children's
+    read-only mapped file pages (:attr:`ExportPlan.budget_peak_bytes`)."""
     disk: DiskPlan
     memory_budget_bytes: int | None
     disk_free_bytes: int | None
@@ -105,7 +126,8 @@ class JobPlan:
     def as_dict(self) -> dict[str, Any]:
         """Every figure, JSON-ready (the headers it was made from left out)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "headers"}
-        out["exports"] = [asdict(e) | {"group_peak_bytes": e.group_peak_bytes}
+        out["exports"] = [asdict(e) | {"group_peak_bytes": e.group_peak_bytes,
+                                       "budget_peak_bytes": e.budget_peak_bytes}
                           for e in self.exports]  # fmt: skip
         out["disk"] = asdict(self.disk)
         out["disk"]["total_bytes"] = self.disk.total_bytes
@@ -130,6 +152,7 @@ def plan_job(
         max([e.job_peak_rss_bytes, *(c.peak_rss_bytes for c in e.children)]) for e in exports
     )
     group = max(e.group_peak_bytes for e in exports)
+    budget = max(e.budget_peak_bytes for e in exports)
     artifacts = sum(e.artifact_bytes for e in exports)
     disk = DiskPlan(
         download_bytes=headers.download_bytes,
@@ -138,13 +161,13 @@ def plan_job(
         artifact_bytes=artifacts,
     )
     refusals: list[str] = []
-    if memory_budget_bytes is not None and group > memory_budget_bytes:
-        worst = max(exports, key=lambda e: e.group_peak_bytes)
+    if memory_budget_bytes is not None and budget > memory_budget_bytes:
+        worst = max(exports, key=lambda e: e.budget_peak_bytes)
         who = ", ".join(
-            f"{c.name} {_gib(c.peak_rss_bytes)}" for c in worst.children
+            f"{c.name} {_gib(c.peak_rss_bytes - c.mapped_bytes)}" for c in worst.children
         ) or "no child"
         refusals.append(
-            f"the job needs about {_gib(group)} of memory at its peak ({worst.format} export: "
+            f"the job needs about {_gib(budget)} of memory at its peak ({worst.format} export: "
             f"job process {_gib(worst.job_peak_rss_bytes)}, {who}), more than the "
             f"{_gib(memory_budget_bytes)} budget of a job (MODELPREP_JOB_MEMORY)"
         )
@@ -160,6 +183,7 @@ def plan_job(
         exports=tuple(exports),
         peak_rss_bytes=peak,
         group_peak_bytes=group,
+        budget_peak_bytes=budget,
         disk=disk,
         memory_budget_bytes=memory_budget_bytes,
         disk_free_bytes=disk_free_bytes,

@@ -18,7 +18,8 @@ recorded figure takes the larger of the two.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from service.checkpoint.headers import ITEMSIZE, CheckpointHeaders, TensorHeader
@@ -30,6 +31,11 @@ JOB_BASE_BYTES = 400 * MiB
 """A job process before it reads a weight: the forkserver's imports (torch, transformers,
 the exporters' libraries) it shares, the checkpoint's directory, the meta build (measured:
 a job that failed before its first weight, 411 MiB)."""
+
+JOB_SHARED_BYTES = 256 * MiB
+"""Of ``JOB_BASE_BYTES``, what a job process still shares with the forkserver (measured: a
+process forked from one that ran ``executors.preload``, 409 MiB resident, holds 114 MiB of
+private pages after a garbage collection touched every object): not the job's to pay."""
 
 CHUNK_BYTES = 64 * MiB
 """The GGUF writer's row block of float32 (``service.exporters.gguf_stream.CHUNK_BYTES``)."""
@@ -79,10 +85,28 @@ SmolLM2 1043 MiB for 30, with twice the largest float32 tensor)."""
 
 REFERENCE_BASE_BYTES = 64 * MiB
 REFERENCE_WEIGHT_FACTOR = 1.7
-"""A verified GGUF of a causal LM is run by llama.cpp against the job's independent reference:
-transformers' model of the source, loaded whole in float32, run on the fixed text (its logits
-kept per chunk): SmolLM2 q8_0 and Q4_K_M jobs peak at 1278 and 1241 MiB for 513 MiB of float32
-weights."""
+"""Every verified job whose model builds computes the independent reference
+(``service.checkpoint.independent``): transformers' model of the source, run on the fixed input
+and the fixed text (its logits kept per chunk). Whole, in float32: SmolLM2 q8_0 and Q4_K_M jobs
+peak at 1278 and 1241 MiB for 513 MiB of float32 weights. Layer by layer, the same factor over
+what it holds (one layer, what stays resident) plus the logits: 655 MiB measured (base 391) on
+the 2.76 GB test checkpoint, one layer of 108 MiB, a 49152-token vocabulary."""
+REFERENCE_LOGITS_COPIES = 3
+"""float32 ``(n_ctx, vocab)`` logits a layer-by-layer reference holds at once: the head's
+output, its numpy copy and the kept window."""
+REFERENCE_CTX = 128
+"""Tokens per chunk of the fixed text (``checkpoint.independent.FIXED_TEXT_CTX``)."""
+REFERENCE_MAPPED_DTYPES = frozenset({"F32", "F16", "BF16"})
+"""An embedding or head stored in one of these is read from the file layer by layer, never
+loaded (``checkpoint.independent.MAPPED_DTYPES``)."""
+
+SAFETENSORS_SLOTS = 4
+"""The safetensors writer's ring of read buffers (``PREFETCH_DEPTH + 2``), each
+``SAFETENSORS_CHUNK_BYTES``, and as many cast buffers when it casts."""
+SAFETENSORS_CHUNK_BYTES = 32 * MiB
+SAFETENSORS_WRITE_EXTRA_BYTES = 64 * MiB
+"""The writer beyond its buffers: the shard plan, hashing, the prefetch thread (2.76 GB
+float32 -> bf16 unverified: 727 MiB measured, 720 predicted)."""
 
 SAFETENSORS_VERIFY_FACTOR = 2.1
 """A verified safetensors export runs the source, then the export, through transformers in
@@ -172,9 +196,16 @@ def plan_safetensors(
         size = ITEMSIZE[t.dtype] if out_itemsize is None or not t.floating else out_itemsize
         artifact += t.numel * size
     artifact = (artifact or headers.weight_bytes) - _ties(headers)
-    largest = _largest_bytes(headers)
-    writing = JOB_BASE_BYTES + 2 * largest
-    notes = [f"writing: base {JOB_BASE_BYTES >> 20} MiB + 2 x largest tensor ({largest >> 20} MiB)"]
+    casts = out_itemsize is not None and any(
+        t.floating and ITEMSIZE[t.dtype] != out_itemsize for t in headers.tensors
+    )
+    buffers = SAFETENSORS_SLOTS * SAFETENSORS_CHUNK_BYTES * (2 if casts else 1)
+    writing = JOB_BASE_BYTES + buffers + SAFETENSORS_WRITE_EXTRA_BYTES
+    notes = [
+        (f"writing: base {JOB_BASE_BYTES >> 20} MiB + {SAFETENSORS_SLOTS} read buffers"
+         f"{' and as many cast buffers' if casts else ''} of {SAFETENSORS_CHUNK_BYTES >> 20} "
+         f"MiB + {SAFETENSORS_WRITE_EXTRA_BYTES >> 20} MiB")
+    ]
     verification: VerificationMode = "none"
     peak = writing
     if verify and headers.config is not None:
@@ -185,6 +216,9 @@ def plan_safetensors(
             f"verifying: base + {SAFETENSORS_VERIFY_FACTOR} x float32 weights resident within "
             f"max_memory ({resident >> 20} MiB)"
         )
+        reference, note = _reference_bytes(headers, max_memory)
+        peak = max(peak, reference)
+        notes.append(note)
     return ExportPlan(
         format="safetensors", job_peak_rss_bytes=peak, job_rss_during_children_bytes=peak,
         verification=verification, artifact_bytes=artifact, notes=tuple(notes),
@@ -221,17 +255,51 @@ def _transformed(headers: CheckpointHeaders) -> int:
     return max((t.numel * 4 for t in permuted), default=0)
 
 
-def _layer_by_layer_bytes(headers: CheckpointHeaders, max_memory: int) -> int:
-    """What transformers holds running the source layer by layer from disk
-    (``checkpoint.independent.layers_on_disk``): everything outside the layer stack (embeddings,
-    head, final norm) in RAM, plus one layer at a time, in float32 at most. A pickle (no
-    headers) is bounded by ``max_memory``."""
+VOCABULARY_MATRICES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight",
+                       "lm_head.weight")  # fmt: skip
+
+
+def _read_from_file(t: TensorHeader) -> bool:
+    """Whether a layer-by-layer reference reads this tensor from the file instead of loading
+    it: the input embedding or output head, outside the layer stack, stored as plain floats."""
+    return (
+        t.name.endswith(VOCABULARY_MATRICES) and ".layers." not in t.name
+        and t.dtype in REFERENCE_MAPPED_DTYPES
+    )  # fmt: skip
+
+
+def _reference_bytes(headers: CheckpointHeaders, max_memory: int | None) -> tuple[int, str]:
+    """The job process's peak while it computes the independent reference, and its formula
+    in words. Whole (float32 weights within ``max_memory``): B + 64 MiB + 1.7 x float32
+    weights. Layer by layer (``checkpoint.independent``): B + 64 MiB + 1.7 x (one layer + what
+    stays resident outside the stack, the embedding and head read from the file excluded, in
+    the stored dtype) + 3 x n_ctx x vocab float32 logits (a causal LM with a tokenizer); a
+    pickle (no headers) is bounded by ``max_memory``."""
+    weights = _floating_elements(headers) * 4
+    if max_memory is None or weights <= max_memory:
+        held = int(REFERENCE_WEIGHT_FACTOR * weights)
+        return JOB_BASE_BYTES + REFERENCE_BASE_BYTES + held, (
+            f"the independent reference (transformers, float32, whole): base + 64 MiB + "
+            f"{REFERENCE_WEIGHT_FACTOR} x float32 weights ({held >> 20} MiB)"
+        )
     layers = _layers(headers)
+    vocab = int((headers.config or {}).get("vocab_size") or 0)
+    causal = _causal_lm_with_tokenizer(headers)
+    logits = REFERENCE_LOGITS_COPIES * REFERENCE_CTX * vocab * 4 if causal else 0
     if not headers.tensors or not layers:
-        return max_memory
-    stacked = sum(t.numel for t in headers.tensors if t.floating and ".layers." in t.name)
-    rest = _floating_elements(headers) - stacked
-    return (rest + stacked // layers) * 4
+        layer, rest = max_memory, 0
+    else:
+        floating = [t for t in headers.tensors if t.floating]
+        layer = sum(t.nbytes for t in floating if ".layers." in t.name) // layers
+        rest = sum(
+            t.nbytes for t in floating if ".layers." not in t.name and not _read_from_file(t)
+        )
+    held = int(REFERENCE_WEIGHT_FACTOR * (layer + rest))
+    return JOB_BASE_BYTES + REFERENCE_BASE_BYTES + held + logits, (
+        f"the independent reference (transformers, layer by layer): base + 64 MiB + "
+        f"{REFERENCE_WEIGHT_FACTOR} x (one layer {layer >> 20} MiB + resident rest {rest >> 20} "
+        f"MiB; embedding and head read from the file) + logits {logits >> 20} MiB"
+    )
 
 
 def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = None) -> ExportPlan:
@@ -249,21 +317,12 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = No
     blocks = GGUF_BLOCKS.get(written, 3.6) - (0 if spec.verify else GGUF_READ_BACK_BLOCKS)
     transformed = _transformed(headers)
     job = int(JOB_BASE_BYTES + GGUF_BASE_BYTES + chunk * blocks + transformed)
-    if spec.verify and _causal_lm_with_tokenizer(headers):
+    notes_reference = ""
+    if spec.verify and headers.config is not None:
         # transformers loads the float32 weights whole when they fit max_memory, else layer
-        # by layer from disk (service.checkpoint.independent): max_memory bounds what it holds
-        resident = _floating_elements(headers) * 4
-        mode = "whole"
-        if max_memory is not None and resident > max_memory:
-            resident, mode = _layer_by_layer_bytes(headers, max_memory), "layer by layer"
-        reference = int(REFERENCE_WEIGHT_FACTOR * resident)
-        job = max(job, JOB_BASE_BYTES + REFERENCE_BASE_BYTES + reference)
-        notes_reference = (
-            f"the independent reference (transformers, float32, {mode}): base + 64 MiB + "
-            f"{REFERENCE_WEIGHT_FACTOR} x float32 weights ({reference >> 20} MiB)"
-        )
-    else:
-        notes_reference = ""
+        # by layer from disk (service.checkpoint.independent)
+        reference, notes_reference = _reference_bytes(headers, max_memory)
+        job = max(job, reference)
     notes = [
         (f"job: B {JOB_BASE_BYTES >> 20} MiB + G {GGUF_BASE_BYTES >> 20} MiB + {blocks} x C "
         f"{chunk >> 20} MiB + T {transformed >> 20} MiB (the largest tensor the converter "
@@ -277,13 +336,22 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = No
         f16 = _gguf_bytes(headers, "f16")
         scratch = f16
         elements = largest.numel if largest is not None else f16 // 2
-        children.append(ChildPlan("llama-quantize", QUANTIZER_BASE_BYTES + 7 * elements))
+        # of its 7 bytes per element, the f16 input's 2 are the mapped file
+        children.append(
+            ChildPlan("llama-quantize", QUANTIZER_BASE_BYTES + 7 * elements, 2 * elements)
+        )
         if spec.verify:
-            children.append(ChildPlan("llama-perplexity", LLAMA_CHECK_BASE_BYTES + f16))
+            children.append(ChildPlan("llama-perplexity", LLAMA_CHECK_BASE_BYTES + f16, f16))
         notes.append(
             f"llama-quantize: Q {QUANTIZER_BASE_BYTES >> 20} MiB + 7 x L ({elements} elements "
             f"of the largest tensor); llama-perplexity maps the f16 file ({f16 >> 20} MiB)"
         )
+    elif spec.verify and _causal_lm_with_tokenizer(headers):
+        # the logits check against the reference: llama.cpp maps the GGUF file itself
+        children.append(
+            ChildPlan("llama-perplexity", LLAMA_CHECK_BASE_BYTES + artifact, artifact)
+        )
+        notes.append(f"llama-perplexity maps the file ({artifact >> 20} MiB)")
     return ExportPlan(
         format="gguf", job_peak_rss_bytes=job,
         job_rss_during_children_bytes=JOB_BASE_BYTES + GGUF_BASE_BYTES,
@@ -307,7 +375,8 @@ def plan_onnx(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
            + layers * ONNX_PER_LAYER_BYTES)
     weights = _floating_elements(headers) * itemsize - _ties(headers) // 4 * itemsize
     children = (
-        (ChildPlan("onnxruntime", ORT_BASE_BYTES + int(ORT_WEIGHT_FACTOR * weights)),)
+        (ChildPlan("onnxruntime", ORT_BASE_BYTES + int(ORT_WEIGHT_FACTOR * weights),
+                   int(ORT_WEIGHT_FACTOR * weights)),)
         if spec.verify else ()
     )
     return ExportPlan(
@@ -423,13 +492,21 @@ def plan_export(
     tract may hold (``MODELPREP_TRACT_MAX_MEMORY``), which picks how an NNEF archive is checked."""
     if not verify and getattr(spec, "verify", False):
         spec = spec.model_copy(update={"verify": False})
-    if spec.format == "nnef":
-        return plan_nnef(spec, headers, tract_limit)
+    plan: ExportPlan
     if spec.format == "safetensors":
-        return plan_safetensors(spec, headers, max_memory, verify)
-    if spec.format == "gguf":
-        return plan_gguf(spec, headers, max_memory)
-    planner: Callable[[Any, CheckpointHeaders], ExportPlan] = {
-        "gguf": plan_gguf, "onnx": plan_onnx, "nnef": plan_nnef,
-    }[spec.format]  # fmt: skip
-    return planner(spec, headers)
+        plan = plan_safetensors(spec, headers, max_memory, verify)
+    elif spec.format == "gguf":
+        plan = plan_gguf(spec, headers, max_memory)
+    else:
+        plan = (
+            plan_nnef(spec, headers, tract_limit) if spec.format == "nnef"
+            else plan_onnx(spec, headers)
+        )  # fmt: skip
+        if verify and headers.config is not None:
+            # the job's model is checked against the independent reference first
+            reference, note = _reference_bytes(headers, max_memory)
+            plan = replace(
+                plan, job_peak_rss_bytes=max(plan.job_peak_rss_bytes, reference),
+                notes=(*plan.notes, note),
+            )  # fmt: skip
+    return replace(plan, job_shared_bytes=JOB_SHARED_BYTES)
