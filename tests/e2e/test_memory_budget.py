@@ -34,6 +34,10 @@ of 113 MB: 2.76 GB, twice LIMIT."""
 REFUSALS = ("verification_too_large", "plan_does_not_fit")
 """What a job its budget cannot hold is refused with at submission: a consumer's check too big
 (tract), or the job's plan over the budget."""
+MUST_FIT = ("safetensors", "gguf-q8_0", "gguf-Q4_K_M", "onnx")
+"""Verified exports whose every stage streams or maps its weights, the independent reference
+included (layer by layer, its embedding and head read from the file): never refused here.
+NNEF may be refused at submission, with its numbers, where tract cannot check it."""
 
 EXPORTS: dict[str, dict[str, Any]] = {
     "safetensors": {"format": "safetensors", "dtype": "bfloat16"},
@@ -83,6 +87,16 @@ def _manifest(service: ServiceProcess, job: dict[str, Any]) -> dict[str, Any]:
         answer.raise_for_status()
         manifest: dict[str, Any] = answer.json()
         return manifest
+
+
+def _references(value: Any) -> list[dict[str, Any]]:
+    """Every summary of transformers' independent reference anywhere in a manifest."""
+    if isinstance(value, list):
+        return [r for v in value for r in _references(v)]
+    if not isinstance(value, dict):
+        return []
+    found = [value] if str(value.get("implementation", "")).startswith("transformers.") else []
+    return found + [r for v in value.values() for r in _references(v)]
 
 
 def _consumer_check(export: dict[str, Any]) -> dict[str, Any]:
@@ -135,10 +149,9 @@ def test_every_export_of_a_checkpoint_twice_the_limit_fits_its_job_budget_and_po
               for label, done in outcomes.items()}  # fmt: skip
     print(json.dumps(report, indent=1))
 
-    # A verified GGUF runs transformers' independent reference of the source, which holds the
-    # embedding and head outside the layer stack (0.75 GiB in float32 here): where that does
-    # not fit, the plan refuses it at submission with its numbers (checked in _run) rather than
-    # let the job be stopped mid-way.
+    refused = [label for label in MUST_FIT if "refused" in outcomes[label]]
+    assert not refused, {label: outcomes[label]["refused"]["detail"] for label in refused}
+    assert "all-in-one" in outcomes
     for label, done in outcomes.items():
         if "refused" in done:
             continue
@@ -149,6 +162,13 @@ def test_every_export_of_a_checkpoint_twice_the_limit_fits_its_job_budget_and_po
         assert figures["job_budget_bytes"] == memory["job_budget_bytes"]
         assert figures["confinement"] == f"cgroup{cgroup.version}"
         assert all("peak_rss_bytes" in phase for phase in figures["phases"]), figures
+        # transformers' reference, layer by layer, never loaded the vocabulary matrices
+        references = _references(manifest)
+        # (a GGUF-only job names it in its llama.cpp check; a dispatched model records its mode)
+        assert references or label.startswith("gguf"), f"no reference recorded for {label}"
+        for reference in references:
+            assert reference["mode"] == "layer-by-layer", reference
+            assert reference["mapped_from_file"] == ["lm_head", "model.embed_tokens"], reference
         for export in manifest["exports"]:
             check = _consumer_check(export)
             if export["format"] == "onnx":  # onnxruntime ran with its weights memory-mapped
