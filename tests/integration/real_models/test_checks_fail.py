@@ -10,10 +10,24 @@ it touches, with no artifact published.
 * The GGUF converter skips the q/k permutation llama.cpp's Llama needs: the read-back undoes
   the same (missing) permutation and passes; llama.cpp's logits against transformers' on the
   fixed text (``gguf.llama_check.check_logits``) catch it.
+* The safetensors and ONNX writers each flip the rows of one weight as they write it
+  (``model.layers.0.mlp.down_proj.weight``): the reloaded safetensors' outputs and
+  onnxruntime's against the job's reference catch it.
+* Not covered yet: the NNEF writer (torch-to-nnef's ``write_nnef_tensor``) flipping a weight.
+* Not covered: a converter mutation for safetensors, ONNX and NNEF. None of them permutes a
+  weight (safetensors copies the state dict, ONNX and NNEF trace the module and keep PyTorch's
+  layout), so GGUF's q/k permutation has no counterpart; a skipped transpose in a graph
+  translator changes shapes, which the runtime refuses outright.
+
+How each stage is corrupted: the job runs in this test's process (``run_pipeline``, as the job
+process runs it), and ``monkeypatch`` replaces the one function of the stage for the test's
+duration; no test hook exists in the service's code. Each replacement wraps the real function
+and changes only the one tensor named (GGUF's converter: the one permutation).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +119,65 @@ def test_a_gguf_converter_that_skips_the_qk_permutation_fails_the_job(
     )
     with pytest.raises(VerificationFailed, match="too far from transformers"):
         _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)), {"format": "gguf", "type": "f16"})
+
+
+FLIPPED = "model.layers.0.mlp.down_proj.weight"
+"""The weight the broken writers write upside down."""
+
+
+def _assert_failed_without_artifacts(tmp_path: Path, source: Path, export: dict[str, Any],
+                                     match: str) -> None:  # fmt: skip
+    with pytest.raises(VerificationFailed, match=match) as failed:
+        _run(tmp_path, source, export)
+    assert failed.value.code == "verification_failed"
+    layout = JobLayout.for_job(Settings(data_dir=tmp_path / "data"), "f" * 32)
+    assert not layout.artifacts.exists()
+
+
+def test_a_safetensors_writer_that_flips_a_tensors_rows_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.exporters.safetensors import writer
+
+    chunks = writer._shard_chunks
+
+    def flipped(reader: Any, shard: Any, chunk_bytes: int) -> Any:
+        tensors, current, left = iter(shard.tensors), None, 0
+        for piece, source_bytes in chunks(reader, shard, chunk_bytes):
+            if left == 0:
+                current = next(tensors)
+                left = current.nbytes
+            left -= piece.numel() * piece.element_size()
+            if current is not None and current.name == FLIPPED:
+                assert piece.numel() == math.prod(current.shape)  # one piece: the whole weight
+                piece = piece.view(current.shape).flip(0).reshape(-1)
+            yield piece, source_bytes
+
+    monkeypatch.setattr(writer, "_shard_chunks", flipped)
+    _assert_failed_without_artifacts(
+        tmp_path, real_variant("smollm2", Variant(layers=LAYERS)), {"format": "safetensors"},
+        "differ|disagree|tolerance",
+    )  # fmt: skip
+
+
+def test_an_onnx_writer_that_flips_a_tensors_rows_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import onnx_ir as ir
+
+    from service.exporters.onnx import exporter
+
+    attach = exporter.attach_weights
+
+    def flipped(model: Any, weights: Any) -> None:
+        attach(model, weights)
+        value = model.graph.initializers[FLIPPED]
+        rows = value.const_value.numpy()[::-1].copy()
+        value.const_value = ir.Tensor(rows, dtype=value.dtype, name=FLIPPED)
+
+    monkeypatch.setattr(exporter, "attach_weights", flipped)
+    _assert_failed_without_artifacts(
+        tmp_path, real_variant("smollm2", Variant(layers=LAYERS)),
+        {"format": "onnx", "decode_steps": 3}, "onnxruntime",
+    )  # fmt: skip
+
