@@ -46,3 +46,15 @@ def test_torch_encoders_write_the_bytes_gguf_quants_writes(type_name: str) -> No
         bytes(blocks.encode(view, int(qtype), type_name))
         == gguf.quants.quantize(np.ascontiguousarray(view), qtype).tobytes()
     )
+
+
+def test_the_torch_q8_0_decoder_reads_what_gguf_quants_reads() -> None:
+    import torch
+
+    from service.exporters.gguf.stream import _dequantize_q8_0
+
+    encoded = gguf.quants.quantize(_edge_rows(), gguf.GGMLQuantizationType.Q8_0)
+    want = gguf.quants.dequantize(encoded, gguf.GGMLQuantizationType.Q8_0).reshape(-1)
+    got = torch.empty(want.size, dtype=torch.float32)
+    _dequantize_q8_0(torch.from_numpy(encoded.reshape(-1).copy()), got)
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))  # bit for bit
