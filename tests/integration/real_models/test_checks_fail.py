@@ -10,10 +10,9 @@ it touches, with no artifact published.
 * The GGUF converter skips the q/k permutation llama.cpp's Llama needs: the read-back undoes
   the same (missing) permutation and passes; llama.cpp's logits against transformers' on the
   fixed text (``gguf.llama_check.check_logits``) catch it.
-* The safetensors and ONNX writers each flip the rows of one weight as they write it
-  (``model.layers.0.mlp.down_proj.weight``): the reloaded safetensors' outputs and
-  onnxruntime's against the job's reference catch it.
-* Not covered yet: the NNEF writer (torch-to-nnef's ``write_nnef_tensor``) flipping a weight.
+* The safetensors, ONNX and NNEF writers each flip the rows of one weight as they write it
+  (``model.layers.0.mlp.down_proj.weight``): the reloaded safetensors' outputs, onnxruntime's
+  and tract's against the job's reference catch it.
 * Not covered: a converter mutation for safetensors, ONNX and NNEF. None of them permutes a
   weight (safetensors copies the state dict, ONNX and NNEF trace the module and keep PyTorch's
   layout), so GGUF's q/k permutation has no counterpart; a skipped transpose in a graph
@@ -31,6 +30,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,3 +181,24 @@ def test_an_onnx_writer_that_flips_a_tensors_rows_fails_the_job(
         {"format": "onnx", "decode_steps": 3}, "onnxruntime",
     )  # fmt: skip
 
+
+def test_an_nnef_writer_that_flips_a_tensors_rows_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch_to_nnef.nnef_io import writer
+
+    write = writer.write_nnef_tensor
+    flipped_files: list[str] = []
+
+    def flipped(array: Any, filename: str, quantized: bool) -> None:
+        if Path(filename).name.endswith(f"{FLIPPED}.dat"):  # model.model.layers.0....dat
+            flipped_files.append(filename)
+            array = np.ascontiguousarray(array[::-1])
+        write(array, filename, quantized)
+
+    monkeypatch.setattr(writer, "write_nnef_tensor", flipped)
+    _assert_failed_without_artifacts(
+        tmp_path, real_variant("smollm2", Variant(layers=LAYERS)),
+        {"format": "nnef", "decode_steps": 3}, "tract",
+    )  # fmt: skip
+    assert len(flipped_files) == 1, flipped_files  # the mutation did reach the writer
