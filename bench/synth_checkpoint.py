@@ -1,8 +1,9 @@
 """Write a synthetic Llama-shaped safetensors checkpoint of any size without holding it in RAM.
 
 Tensor names and shapes come from a real ``LlamaForCausalLM`` built on the ``meta`` device, so
-the result loads like a hub checkpoint; values are seeded random normals generated one chunk at
-a time. The writing itself is the project's streaming safetensors exporter fed by a synthetic
+the result loads like a hub checkpoint; values are seeded random normals (std 0.02; norms around
+1, as trained; the head a scaled copy of the embedding, so each next token is decided by a
+margin) generated one chunk at a time. The writing itself is the project's streaming safetensors exporter fed by a synthetic
 reader, so shards (~1 GB) and the index follow the Hugging Face layout.
 
     .venv/bin/python bench/synth_checkpoint.py var/bench/llama-7l --layers 7
@@ -89,10 +90,22 @@ class SyntheticReader:
 
     def iter_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]:
         info = self._infos[self._index[name]]
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self._index[name])
+        # The head is the embedding scaled (one seed, untied names): at std 4 a token's own
+        # embedding dominates the residual stream, and at the head's std 0.008 it leads the
+        # next-token logits by ~0.008 x hidden (12 at hidden 1536) over the others' std 0.3,
+        # as a trained model's clear choices do. With every tensor at std 0.02 the logits were
+        # near ties, where a quantized export's top-1 agreement with the reference is a coin
+        # toss (a correct Q4_K_M agreed on 0.40): the job's logit check could not tell right
+        # from wrong.
+        vocab = name in ("model.embed_tokens.weight", "lm_head.weight")
+        seeded = "model.embed_tokens.weight" if vocab and name in self._index else name
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self._index[seeded])
         step = max(1, max_bytes // 4)
+        # norms near 1 as in a trained model
+        offset = 1.0 if name.endswith("norm.weight") else 0.0
+        std = {"model.embed_tokens.weight": 4.0, "lm_head.weight": 0.008}.get(name, 0.02)
         for start in range(0, info.numel, step):
-            yield torch.randn(min(step, info.numel - start), generator=gen) * 0.02
+            yield torch.randn(min(step, info.numel - start), generator=gen) * std + offset
 
     def region(self, name: str) -> FileRegion | None:
         return None
