@@ -22,13 +22,12 @@ checkpoint's vision bytes.
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import ExportFailed
-from service.exporters.gguf.plan import FILE_TYPES, GGUFPlan, OutType, TensorPlan
+from service.exporters.gguf.plan import FILE_TYPES, GGUFPlan, OutType, writer_tensor
 
 if TYPE_CHECKING:
     from service.checkpoint.base import WeightReader
@@ -103,25 +102,7 @@ def plan_mmproj(
     itemsize = {info.name: info.dtype.itemsize for info in reader.tensor_infos()}
     tensors = []
     for t in conversion.tensors:
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
-        nbytes = math.prod(t.shape) // block * type_size
-        if nbytes != t.nbytes:
-            raise ExportFailed(f"{t.name}: {t.nbytes} bytes planned upstream, {nbytes} here")
-        source = aliases.get(t.source, t.source) if t.source else None
-        parts = tuple(aliases.get(p, p) for p in t.parts)
-        first = source or (parts[0] if parts else None)
-        tensors.append(
-            TensorPlan(
-                t.name,
-                source,
-                t.shape,
-                t.ggml_type,
-                nbytes,
-                source_itemsize=itemsize.get(first, 4) if first else 4,
-                compute=t.compute,
-                parts=parts,
-            )
-        )
+        tensors.append(writer_tensor(t, t.ggml_type, aliases, itemsize, ExportFailed))
     return GGUFPlan(
         arch_name=conversion.arch_name,
         hf_architecture=conversion.hf_architecture,

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from service.errors import UnsupportedExport
+from service.errors import ServiceError, UnsupportedExport
 
 if TYPE_CHECKING:
     import numpy as np
     from gguf import GGUFWriter
 
+    from service.adapters.llama_cpp_convert import PlannedTensor
     from service.checkpoint.base import WeightReader
 
 OutType = Literal["f32", "f16", "bf16", "q8_0", "q4_0"]
@@ -143,6 +144,40 @@ class GGUFPlan:
         return None
 
 
+def writer_tensor(
+    t: PlannedTensor,
+    qtype: int,
+    aliases: dict[str, str],
+    itemsize: dict[str, int],
+    mismatch: type[ServiceError] = UnsupportedExport,
+) -> TensorPlan:
+    """Upstream's planned tensor as the writer's plan, stored as ``qtype``: names resolved
+    through the reader's aliases, and the byte size recomputed from ggml's block sizes, which
+    must equal upstream's when the type is upstream's own (else ``mismatch``: the two would
+    write different files). One function for the text model and the projector (``mmproj``)."""
+    import math
+
+    import gguf
+
+    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    nbytes = math.prod(t.shape) // block * type_size
+    if qtype == t.ggml_type and nbytes != t.nbytes:
+        raise mismatch(f"{t.name}: {t.nbytes} bytes planned upstream, {nbytes} here")
+    source = aliases.get(t.source, t.source) if t.source else None
+    parts = tuple(aliases.get(p, p) for p in t.parts)
+    first = source or (parts[0] if parts else None)
+    return TensorPlan(
+        t.name,
+        source,
+        t.shape,
+        qtype,
+        nbytes,
+        source_itemsize=itemsize.get(first, 4) if first else 4,
+        compute=t.compute,
+        parts=parts,
+    )
+
+
 def plan_gguf(
     root: Path,
     config: dict[str, Any],
@@ -205,28 +240,7 @@ def plan_gguf(
                 t.name == "token_embd.weight" and not has_output
             )
             qtype = int(Q.Q8_0 if is_output else Q.Q4_0)
-        block, type_size = gguf.GGML_QUANT_SIZES[Q(qtype)]
-        numel = 1
-        for d in t.shape:
-            numel *= d
-        nbytes = numel // block * type_size
-        if qtype == t.ggml_type and nbytes != t.nbytes:
-            raise UnsupportedExport(f"{t.name}: {t.nbytes} bytes planned upstream, {nbytes} here")
-        source = aliases.get(t.source, t.source) if t.source else None
-        parts = tuple(aliases.get(p, p) for p in t.parts)
-        first = source or (parts[0] if parts else None)
-        tensors.append(
-            TensorPlan(
-                t.name,
-                source,
-                t.shape,
-                int(qtype),
-                nbytes,
-                source_itemsize=itemsize.get(first, 4) if first else 4,
-                compute=t.compute,
-                parts=parts,
-            )
-        )
+        tensors.append(writer_tensor(t, int(qtype), aliases, itemsize))
     kv = tuple(conversion.metadata)
     file_type = int(gguf.LlamaFileType[FILE_TYPES[out_type]])
     if out_type == "q4_0":
