@@ -133,6 +133,30 @@ def scored(n_ctx: int) -> slice:
     return slice(n_ctx // 2, n_ctx - 1)
 
 
+def window_request(chunks: np.ndarray) -> dict[str, np.ndarray]:
+    """A graph runtime child's request for the logits of ``chunks``' scored positions (the
+    chunks, and the window's first and last position): what onnxruntime and tract are sent."""
+    window = scored(int(chunks.shape[1]))
+    return {
+        "chunks": np.asarray(chunks, dtype=np.int64),
+        "first": np.asarray(window.start, dtype=np.int64),
+        "last": np.asarray(window.stop, dtype=np.int64),
+    }
+
+
+def placed_rows(found: Iterable[np.ndarray], chunks: np.ndarray) -> list[np.ndarray]:
+    """Each chunk's scored-window logits (as a runtime child returns them) placed in a full
+    chunk of zeros, the shape :func:`compare_logits` takes; rows outside the window are never
+    scored."""
+    window = scored(int(chunks.shape[1]))
+    out = []
+    for rows in found:
+        full = np.zeros((int(chunks.shape[1]), rows.shape[-1]), dtype=np.float32)
+        full[window] = rows
+        out.append(full)
+    return out
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax in float64."""
     x: np.ndarray = logits.astype(np.float64)

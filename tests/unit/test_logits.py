@@ -74,3 +74,21 @@ Same top p: 98.810 ± 0.685 %
     assert (figures.kl_mean, figures.kl_p99, figures.ppl_ratio) == (0.003022, 0.015839, 1.012345)
     assert abs(figures.top1 - 0.9881) < 1e-9 and figures.positions == 252
     assert parse_llama_kl("chunk 1 only", 63) is None
+
+
+def test_a_runtimes_window_rows_are_placed_where_they_are_scored_and_its_request_names_that_window() -> None:
+    from service.logits import placed_rows, scored, window_request
+
+    chunks = np.arange(2 * 16, dtype=np.int32).reshape(2, 16)
+    window = scored(16)
+    request = window_request(chunks)
+    assert request["chunks"].dtype == np.int64 and request["chunks"].tolist() == chunks.tolist()
+    assert (int(request["first"]), int(request["last"])) == (window.start, window.stop)
+    rows = [np.full((window.stop - window.start, 5), float(i + 1), np.float32) for i in range(2)]
+    placed = placed_rows(rows, chunks)
+    assert [p.shape for p in placed] == [(16, 5), (16, 5)]
+    for i, p in enumerate(placed):
+        assert (p[window] == i + 1).all()
+        outside = np.ones(16, bool)
+        outside[window] = False
+        assert (p[outside] == 0).all()

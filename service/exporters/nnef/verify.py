@@ -26,7 +26,13 @@ from service.exporters.common.child_process import ChildRun, memory_limit, run_n
 from service.exporters.common.parity import ParityReport, Tolerance, compare_outputs
 from service.exporters.common.reference import GreedyReference
 from service.exporters.nnef import tract_cli
-from service.logits import LogitBounds, compare_logits, runtime_bounds, scored
+from service.logits import (
+    LogitBounds,
+    compare_logits,
+    placed_rows,
+    runtime_bounds,
+    window_request,
+)
 from service.plan import VerificationMode
 from service.plan.formats import tract_mode, tract_peaks
 
@@ -270,22 +276,10 @@ def check_logits(
     A compressed archive (``q4_0``) reports its figures unjudged: torch-to-nnef's min-max q4_0
     has no calibrated bound, and its decode is checked against the compressed weights."""
     chunks = reference.chunks
-    window = scored(int(chunks.shape[1]))
-    request = {
-        "chunks": np.asarray(chunks, dtype=np.int64),
-        "first": np.asarray(window.start, dtype=np.int64),
-        "last": np.asarray(window.stop, dtype=np.int64),
-        **_empty_caches(io),
-    }
+    request = {**window_request(chunks), **_empty_caches(io)}
     run = run_tract(archive, "logits", request, work, check_abort)
     found = run.outputs["logits"]
-
-    def placed(rows: np.ndarray) -> np.ndarray:
-        full = np.zeros((int(chunks.shape[1]), rows.shape[-1]), dtype=np.float32)
-        full[window] = rows
-        return full
-
-    figures = compare_logits(reference.chunk_logits(), [placed(r) for r in found], chunks)
+    figures = compare_logits(reference.chunk_logits(), placed_rows(found, chunks), chunks)
     bounds: LogitBounds | None = None if compression else runtime_bounds(dtype)
     report = {"reference": reference.summary()["implementation"], **figures.as_dict(),
               "bounds": None if bounds is None else asdict(bounds)}  # fmt: skip

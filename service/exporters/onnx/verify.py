@@ -34,7 +34,7 @@ from service.exporters.common.parity import (
 )
 from service.exporters.common.reference import greedy_reference, prompt_ids
 from service.exporters.onnx import ort_cli
-from service.logits import compare_logits, runtime_bounds, scored
+from service.logits import compare_logits, placed_rows, runtime_bounds, window_request
 
 if TYPE_CHECKING:
     from torch import nn
@@ -189,21 +189,10 @@ def check_logits(
     independent reference, :class:`service.checkpoint.independent.IndependentReference`): KL,
     top-1, perplexity ratio (``service.logits``); VerificationFailed beyond the dtype's bounds."""
     chunks = reference.chunks
-    window = scored(int(chunks.shape[1]))
-    request: dict[str, np.ndarray] = {
-        "chunks": np.asarray(chunks, dtype=np.int64),
-        "first": np.asarray(window.start, dtype=np.int64),
-        "last": np.asarray(window.stop, dtype=np.int64),
-    }
+    request = window_request(chunks)
     run = run_ort(model_path, "logits", request, work / "logits", check_abort)
     found = run.outputs["logits"]
-
-    def placed(rows: np.ndarray) -> np.ndarray:
-        full = np.zeros((int(chunks.shape[1]), rows.shape[-1]), dtype=np.float32)
-        full[window] = rows
-        return full
-
-    figures = compare_logits(reference.chunk_logits(), [placed(r) for r in found], chunks)
+    figures = compare_logits(reference.chunk_logits(), placed_rows(found, chunks), chunks)
     bounds = runtime_bounds(dtype)
     failed = bounds.violations(figures)
     if failed:
