@@ -98,7 +98,7 @@ class SyntheticReader:
         # toss (a correct Q4_K_M agreed on 0.40): the job's logit check could not tell right
         # from wrong.
         vocab = name in ("model.embed_tokens.weight", "lm_head.weight")
-        seeded = "model.embed_tokens.weight" if vocab and name in self._index else name
+        seeded = "model.embed_tokens.weight" if vocab else name
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self._index[seeded])
         step = max(1, max_bytes // 4)
         # norms near 1 as in a trained model
