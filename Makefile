@@ -39,6 +39,7 @@ test-fast: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check service tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 openapi: $(VENV)/.installed
 	$(VENV)/bin/modelprep openapi > openapi/openapi.json
