@@ -431,8 +431,8 @@ def remote_header(
                     return size, buffer
         finally:
             response.close()
-        if len(buffer.data) == start:  # nothing new: the file ends inside its header
-            buffer.tensors()  # raises, naming the file
+        if len(buffer.data) == start or (size is not None and len(buffer.data) >= size):
+            buffer.tensors()  # the file ends inside its header: raises, naming the file
         start = len(buffer.data)
 
 

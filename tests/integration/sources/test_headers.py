@@ -4,18 +4,23 @@ which ignores ``Range``)."""
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
+from huggingface_hub import hf_hub_download
 from safetensors import safe_open
 
 from service.checkpoint.headers import PROBE_BYTES, CheckpointHeaders, header_length
 from service.config import Settings
 from service.errors import CorruptCheckpoint
 from service.sources import SourceRequest, fetcher_for
-from tests.fixtures.http_server import FileServer, Route
+from service.sources.http import download_file
+from service.stage import InMemoryContext
+from tests.fixtures.http_server import HEADER_READ_RANGE, FileServer, Route
 from tests.fixtures.hub import LocalHub, files_of
 from tests.fixtures.models import build_checkpoint
 
@@ -46,6 +51,23 @@ def _expected(checkpoint: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def _as_dict(headers: CheckpointHeaders) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {t.name: (t.dtype, t.shape) for t in headers.tensors}
+
+
+BIG_BYTES = 64 * 1024 * 1024
+"""A file much larger than what loopback sockets buffer once a client stops reading."""
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 64 MiB safetensors file of one float32 vector (sparse: the data are zeros)."""
+    path = tmp_path_factory.mktemp("big") / "model.safetensors"
+    n = (BIG_BYTES - 1024) // 4
+    header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
+    raw = header.encode().ljust(1016)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + 4 * n)
+    return path
 
 
 def _header_end(path: Path) -> int:
@@ -113,3 +135,43 @@ def test_a_hub_commit_is_described_by_its_listing_and_shard_headers(
         (sharded / name).stat().st_size for name in headers.files
     )
     assert not (settings.data_dir / "cache").exists()  # nothing was downloaded
+
+
+def test_a_header_read_from_a_server_that_ignores_range_hangs_up_after_the_header(
+    http_server: FileServer, big: Path, tmp_path: Path
+) -> None:
+    url = http_server.add("/big/model.safetensors", Route(body=big, honor_range=False))
+    settings = Settings(data_dir=tmp_path / "data", egress_allowlist=["127.0.0.0/8"])
+    headers = fetcher_for(url).headers(SourceRequest(url), settings)
+    assert [(t.name, t.dtype) for t in headers.tensors] == [("w", "F32")]
+    assert headers.files == {"model.safetensors": BIG_BYTES}
+    (seen,) = http_server.seen
+    assert seen.range == HEADER_READ_RANGE
+    # the whole file was offered (200); the client hung up, what left is socket buffers' worth
+    assert seen.sent < BIG_BYTES // 4, f"a header read took {seen.sent} of {BIG_BYTES} bytes"
+    print(f"\nFIGURE http header read, Range ignored: {seen.sent} of {BIG_BYTES} bytes sent")
+    assert http_server.downloads("/big/model.safetensors") == []
+    # the count can fail: two real downloads of the file are two
+    for name in ("one", "two"):
+        download_file(url, tmp_path / name, settings, InMemoryContext(settings, tmp_path))
+    assert len(http_server.downloads("/big/model.safetensors")) == 2
+
+
+def test_a_hub_header_read_is_no_download_and_hangs_up_after_the_header(
+    local_hub: LocalHub, big: Path, tmp_path: Path
+) -> None:
+    local_hub.create_repo("org/big-header", {"model.safetensors": big, "config.json": b"{}"})
+    settings = Settings(data_dir=tmp_path / "data", hf_endpoint=local_hub.endpoint)
+    request = SourceRequest("hf://org/big-header")
+    headers = fetcher_for(request.uri).headers(request, settings)
+    assert [(t.name, t.dtype) for t in headers.tensors] == [("w", "F32")]
+    (read,) = local_hub.served_requests("org/big-header", "resolve", "model.safetensors")
+    assert read["method"] == "GET" and read["range"] == HEADER_READ_RANGE  # olah ignores it
+    assert not read["complete"] and read["sent"] < BIG_BYTES // 4, read
+    print(f"\nFIGURE hub header read (olah): {read['sent']} of {BIG_BYTES} bytes handed over")
+    assert local_hub.downloads("org/big-header", "resolve", "model.safetensors") == []
+    # the count can fail: two real downloads of the file (two caches) are two
+    for cache in ("one", "two"):
+        hf_hub_download("org/big-header", "model.safetensors", endpoint=local_hub.endpoint,
+                        cache_dir=tmp_path / cache)
+    assert len(local_hub.downloads("org/big-header", "resolve", "model.safetensors")) == 2
