@@ -24,8 +24,10 @@ from typing import Any
 CARD = "README.md"
 QUANTIZED_BY = "modelprep"
 _LIBRARY_ORDER = ("gguf", "safetensors", "onnx", "nnef")
-_CHECK_KEYS = ("verify", "llama_cpp", "tract", "onnxruntime", "parity", "check", "checks")
-"""Summary sections holding what a consumer of the file measured."""
+_CHECK_KEYS = ("verify", "verification", "llama_cpp", "mtmd", "tract", "onnxruntime", "parity",
+               "check", "checks")
+"""Summary sections holding what a consumer of the file measured (``verification``: the GGUF
+read-back against the source; ``mtmd``: llama.cpp's multimodal check of a projector)."""
 _TOOLS = ("llama.cpp", "gguf", "torch-to-nnef", "tract", "onnx", "onnxruntime", "torch",
           "transformers", "safetensors", "modelprep")
 

@@ -74,3 +74,15 @@ def test_a_non_hub_source_has_no_base_model() -> None:
     card = render(manifest, {})
     assert "base_model" not in _front_matter(card)
     assert "d" * 64 in card
+
+
+def test_a_gguf_exports_read_back_and_projector_check_are_figures_too() -> None:
+    """The GGUF exporter's own summary keys (service/exporters/gguf/exporter.py)."""
+    gguf = {**MANIFEST["exports"][0],
+            "verification": {"read_back": True, "tensors_checked": 30,
+                             "max_abs_error": {"q8_0": 0.004}},
+            "mtmd": {"agreed_tokens": 16, "tokens": 16}}
+    card = render({**MANIFEST, "exports": [gguf]}, {})
+    assert "| `verification.tensors_checked` | `30` |" in card
+    assert "| `verification.max_abs_error.q8_0` | `0.004` |" in card
+    assert "| `mtmd.agreed_tokens` | `16` |" in card
