@@ -284,3 +284,44 @@ def test_wrong_credentials_fail_the_source_and_the_publication_access_denied(
     assert failed["source"]["phase"] != "publishing"
     keys = Cluster(api, [], seaweedfs, "e2e-denied").keys("jobs/")
     assert keys == [], keys
+
+
+@pytest.mark.timeout(300)
+def test_a_job_publishes_under_a_granted_destination_and_any_other_is_refused(
+    tmp_path: Path, seaweedfs: S3Server,  # noqa: F811
+) -> None:
+    """``"destination"`` through the API: under a prefix granted to the tenant (open mode's
+    ``_`` here) the job's files and manifest go to ``<destination>/<job id>/`` instead of the
+    store's root; a prefix that only starts like the granted one, another bucket, or a path
+    climbing out are refused at submission, with no job."""
+    root = tmp_path / "models"
+    build_checkpoint(root / "llama", "llama", "safetensors")
+    seaweedfs.create_bucket("e2e-dest")
+    env = {
+        "MODELPREP_ARTIFACT_STORE": "s3://e2e-dest/jobs",
+        "MODELPREP_ARTIFACT_DESTINATIONS": '{"_": ["s3://e2e-dest/granted"]}',
+        "MODELPREP_S3_ENDPOINT": seaweedfs.endpoint,
+        "AWS_ACCESS_KEY_ID": seaweedfs.access_key,
+        "AWS_SECRET_ACCESS_KEY": seaweedfs.secret_key,
+    }
+    body = {"source": (root / "llama").as_uri(), "exports": [{"format": "safetensors"}]}
+    with running_service(tmp_path / "api", [root], env=env) as api:
+        with api.client() as client:
+            for refused, status in (("s3://e2e-dest/granted-evil/x", 403),
+                                    ("s3://other-bucket/granted", 403),
+                                    ("s3://e2e-dest/granted/../jobs", 422)):
+                response = client.post("/v1/jobs", json={**body, "destination": refused})
+                assert response.status_code == status, (refused, response.text)
+            assert client.get("/v1/jobs").json()["items"] == []
+            response = client.post("/v1/jobs", json={**body,
+                                                     "destination": "s3://e2e-dest/granted/team"})
+            assert response.status_code == 202, response.text
+        done = api.wait_for(response.json()["id"], timeout=240)
+    assert done["status"] == "succeeded", done["error"]
+    prefix = f"granted/team/{done['id']}"
+    assert done["artifact_store"]["uri"] == f"s3://e2e-dest/{prefix}"
+    keys = Cluster(api, [], seaweedfs, "e2e-dest").keys("")
+    assert f"{prefix}/manifest.json" in keys
+    assert sorted(k for k in keys if k.startswith(prefix + "/")) == sorted(
+        f"{prefix}/{a['path']}" for a in done["artifacts"])
+    assert not any(k.startswith("jobs/") for k in keys)
