@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from service.checkpoint.headers import ITEMSIZE, CheckpointHeaders, TensorHeader
+from service.checkpoint.vision import is_multimodal, is_vision_tensor
 from service.plan import ChildPlan, ExportPlan, VerificationMode
 
 MiB = 1 << 20
@@ -352,6 +353,8 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = No
             ChildPlan("llama-perplexity", LLAMA_CHECK_BASE_BYTES + artifact, artifact)
         )
         notes.append(f"llama-perplexity maps the file ({artifact >> 20} MiB)")
+    if is_multimodal(headers.config):
+        job, artifact = _plan_vlm(spec, headers, type_name, job, artifact, children, notes)
     return ExportPlan(
         format="gguf", job_peak_rss_bytes=job,
         job_rss_during_children_bytes=JOB_BASE_BYTES + GGUF_BASE_BYTES,
@@ -359,6 +362,48 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = No
         verification="read_back" if spec.verify else "layout",
         artifact_bytes=artifact, scratch_bytes=scratch, notes=tuple(notes),
     )  # fmt: skip
+
+
+def _plan_vlm(
+    spec: Any,
+    headers: CheckpointHeaders,
+    type_name: str,
+    job: int,
+    artifact: int,
+    children: list[ChildPlan],
+    notes: list[str],
+) -> tuple[int, int]:
+    """A VLM's GGUF beyond its text model: the vision tensors go to the projector file
+    (``mmproj-*.gguf``, f32, q8_0 for q8_0/q4_0, else f16: ``gguf.mmproj.mmproj_type``) instead
+    of the text file, written by the same streaming writer (no more row blocks). Verified in
+    an unquantized type, the mtmd check runs transformers' whole VLM in float32 in the job
+    (B + 64 MiB + 1.7 x float32 weights, whatever ``max_memory``) and llama-mtmd-cli, which
+    maps the text file and loads the projector (check base + both files). Returns the job's
+    peak and the artifact's bytes; appends the child and the notes."""
+    vision = [t for t in headers.tensors if is_vision_tensor(t.name)]
+    per_text = GGUF_TYPE_BYTES.get(type_name, 2.0)
+    per_projector = 4.0 if type_name == "f32" else GGUF_TYPE_BYTES["q8_0"] if type_name in (
+        "q8_0", "q4_0") else 2.0  # fmt: skip
+    in_text = sum(int(t.numel * (per_text if _gguf_matrix(t) else 4)) for t in vision)
+    projector = sum(int(t.numel * (per_projector if _gguf_matrix(t) else 4)) for t in vision)
+    text = max(0, artifact - in_text)
+    notes.append(
+        f"projector: {len(vision)} vision tensors, {projector >> 20} MiB, streamed like the text "
+        "model's"
+    )
+    if not spec.verify or type_name not in UNQUANTIZED_GGUF:
+        return job, text + projector
+    weights = _floating_elements(headers) * 4
+    reference = JOB_BASE_BYTES + REFERENCE_BASE_BYTES + int(REFERENCE_WEIGHT_FACTOR * weights)
+    children.append(
+        ChildPlan("llama-mtmd-cli", LLAMA_CHECK_BASE_BYTES + text + projector, text)
+    )
+    notes.append(
+        f"mtmd check: transformers' whole VLM in float32 in the job, base + 64 MiB + "
+        f"{REFERENCE_WEIGHT_FACTOR} x float32 weights ({weights >> 20} MiB); llama-mtmd-cli "
+        f"maps the text file ({text >> 20} MiB) and loads the projector"
+    )
+    return max(job, reference), text + projector
 
 
 # --- ONNX -------------------------------------------------------------------------------------
