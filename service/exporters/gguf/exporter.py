@@ -29,10 +29,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+from service.checkpoint.vision import is_multimodal
 from service.errors import MissingTokenizer, NoModelConfig
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
 from service.exporters.gguf.lora import LORA_PREFIX
-from service.exporters.gguf.mmproj import MMPROJ_PREFIX, is_multimodal, mmproj_type
+from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_vlm, mmproj_type
 from service.exporters.gguf.plan import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.spec import GGUFSpec
 from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
@@ -88,9 +89,12 @@ class GGUFExporter(Exporter):
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
     ) -> None:
-        """Refuse architectures the configured llama.cpp's converter does not write."""
+        """Refuse architectures the configured llama.cpp's converter does not write, and
+        vision-language models whose projector is not checked (``mmproj.check_vlm``)."""
         if config is not None:
-            resolve_architecture(config, settings.llama_cpp_dir if settings else None)
+            bin_dir = settings.llama_cpp_dir if settings else None
+            check_vlm(config, bin_dir)
+            resolve_architecture(config, bin_dir)
 
     def check_request(self, spec: ExportSpec, settings: Settings) -> None:
         """An imatrix source is judged like the model's: allowed roots, egress, scheme."""
@@ -107,6 +111,7 @@ class GGUFExporter(Exporter):
         llama.cpp's converter, and a tokenizer where llama.cpp must run the model."""
         assert isinstance(spec, GGUFSpec)
         if config is not None:
+            check_vlm(config, settings.llama_cpp_dir)
             resolve_architecture(config, settings.llama_cpp_dir)
         self._check_tokenizer(spec, root)
 
@@ -141,6 +146,7 @@ class GGUFExporter(Exporter):
         if config is None:
             raise NoModelConfig("GGUF export needs the checkpoint's config.json")
         bin_dir = ctx.settings.llama_cpp_dir
+        check_vlm(config, bin_dir)
         resolve_architecture(config, bin_dir)
         self._check_tokenizer(spec, checkpoint.root)
         fetched = None
@@ -221,9 +227,6 @@ class GGUFExporter(Exporter):
             )
             digests[mmproj["file"]] = mmproj.pop("sha256")
             files.append(mmproj["file"])
-        elif is_multimodal(config):
-            mmproj = {"skipped": f"llama.cpp's converter writes no projector for "
-                      f"{config.get('architectures')}: the text model alone was written"}  # fmt: skip
         lora: dict[str, Any] = {}
         if spec.lora:
             from service.exporters.gguf.lora import export_lora
@@ -272,9 +275,9 @@ class GGUFExporter(Exporter):
     ) -> GGUFPlan | None:
         """The VLM's projector planned by upstream's MmprojModel class (``mmproj``), with its
         vision tower checked present (llama.cpp #22656); None for a text model."""
-        from service.exporters.gguf.mmproj import check_tower, mmproj_architecture, plan_mmproj
+        from service.exporters.gguf.mmproj import check_tower, plan_mmproj
 
-        if mmproj_architecture(config, bin_dir) is None:
+        if not is_multimodal(config):  # a VLM outside mmproj.VLM_FAMILIES was refused before
             return None
         plan = plan_mmproj(root, config, reader, mmproj_type(spec.type), bin_dir=bin_dir)
         check_tower(plan, reader, config)

@@ -26,7 +26,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.errors import ExportFailed
+from service.checkpoint.vision import is_multimodal, is_vision_tensor
+from service.errors import ExportFailed, UnsupportedExport
 from service.exporters.gguf.plan import FILE_TYPES, GGUFPlan, OutType, writer_tensor
 
 if TYPE_CHECKING:
@@ -34,25 +35,6 @@ if TYPE_CHECKING:
 
 MMPROJ_PREFIX = "mmproj-"
 """File name prefix of a projector (``convert_hf_to_gguf.py --mmproj`` adds the same)."""
-
-VISION_PREFIXES = (
-    "vision_tower.",
-    "vision_model.",
-    "model.vision_tower.",
-    "model.vision_model.",
-    "multi_modal_projector.",
-    "model.multi_modal_projector.",
-    "visual.",
-    "model.visual.",
-    "model.connector.",
-    "connector.",
-)
-"""Where the VLMs transformers writes keep their vision tower and projector."""
-
-
-def is_multimodal(config: dict[str, Any]) -> bool:
-    """Whether the config describes a vision-language model (it has a ``vision_config``)."""
-    return isinstance(config.get("vision_config"), dict)
 
 
 def mmproj_type(text_type: str) -> OutType:
@@ -65,8 +47,20 @@ def mmproj_type(text_type: str) -> OutType:
     return "f16"
 
 
-def mmproj_architecture(config: dict[str, Any], bin_dir: Path | None = None) -> str | None:
-    """The architecture upstream writes a projector for, or None when it writes none."""
+VLM_FAMILIES: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "Gemma 3",
+    "Idefics3ForConditionalGeneration": "SmolVLM / Idefics3",
+}
+"""The vision-language models a GGUF export takes (by the architecture upstream's ``--mmproj``
+dispatches on): those whose projector the job checks with llama-mtmd-cli against transformers
+(``mtmd_check.LAYOUTS`` holds each one's sequence layout), each tested on a tiny model of the
+real class (``tests/fixtures/vlm.py``). Every other VLM is refused at submission
+(:func:`check_vlm`), rather than written with a projector nothing checked."""
+
+
+def check_vlm(config: dict[str, Any], bin_dir: Path | None = None) -> None:
+    """Refuse a vision-language model outside :data:`VLM_FAMILIES` with
+    :class:`UnsupportedExport` naming the ones taken and why this one is not."""
     from service.adapters.llama_cpp_convert import (
         mmproj_architecture as upstream_arch,
     )
@@ -75,9 +69,25 @@ def mmproj_architecture(config: dict[str, Any], bin_dir: Path | None = None) -> 
     )
 
     if not is_multimodal(config):
-        return None
-    arch = upstream_arch(config)
-    return arch if arch in supported_mmproj_architectures(bin_dir) else None
+        return
+    arch = upstream_arch(config) or "a model without architectures"
+    upstream = supported_mmproj_architectures(bin_dir)
+    if arch in VLM_FAMILIES and arch in upstream:
+        return
+    tower = (config.get("vision_config") or {}).get("model_type")
+    if arch not in upstream:
+        why = "llama.cpp's converter writes no projector for it"
+    else:
+        why = (
+            f"llama.cpp's converter has a projector class for it ({upstream[arch]}), but its "
+            "projector is not one this service checks with llama-mtmd-cli against transformers"
+        )
+    taken = ", ".join(f"{a} ({n})" for a, n in VLM_FAMILIES.items())
+    raise UnsupportedExport(
+        f"GGUF export takes text models and the vision-language models {taken}, not {arch}"
+        f"{f' with a {tower} vision tower' if tower else ''}: {why}; a VLM of any family "
+        "exports as safetensors (every sub-model and the processor files)"
+    )
 
 
 def plan_mmproj(
@@ -120,7 +130,7 @@ def vision_tensors(reader: WeightReader) -> dict[str, int]:
     return {
         info.name: int(info.nbytes)
         for info in reader.tensor_infos()
-        if info.name.startswith(VISION_PREFIXES)
+        if is_vision_tensor(info.name)
     }
 
 

@@ -12,8 +12,12 @@ The sequence is llama.cpp's, built on the transformers side by the family's layo
 (:data:`LAYOUTS`): ``llama-mtmd-cli`` gets a chat template that returns the user's text as it is,
 so its prompt is ``<bos>`` + the image + the prompt text, and mtmd wraps the image in the
 family's markers (Gemma 3: ``<start_of_image>`` + one embedding per soft token +
-``<end_of_image>``). transformers is given those ids, the image's ``pixel_values`` from the
-checkpoint's own image processor, and generates greedily in float32.
+``<end_of_image>``; Idefics3: the image as one tile after
+``<fake_token_around_image><row_1_col_1>``, then as the overview after a two-newline token and
+``<fake_token_around_image><global-img>``). transformers is given those ids, the image's
+``pixel_values`` from the checkpoint's own image processor (one frame per frame mtmd encodes),
+and generates greedily in float32, the whole model in memory: the plan
+counts it (``service.plan.formats``), so a VLM too large for it is refused at submission.
 
 **The bound.** llama.cpp's output must equal transformers' first :data:`TOKENS` greedy tokens
 (compared as bytes: llama.cpp prints token pieces, which may split a UTF-8 character), except
@@ -52,29 +56,58 @@ MEDIA_MARKER = "<__media__>"
 """mtmd's default media marker (``mtmd_default_marker()``)."""
 
 
+IMAGE = None
+"""In a :class:`Layout`'s pieces: where one frame's embeddings go."""
+
+
 @dataclass(frozen=True)
 class Layout:
-    """How mtmd lays out one image in the token sequence of a family."""
+    """How mtmd lays out one image of a family in the token sequence, on the fixed image."""
 
-    begin: str
-    """Token text before the image's embeddings."""
-    end: str
-    """Token text after them."""
+    pieces: tuple[str | None, ...]
+    """Token texts around the image's embeddings, in order, :data:`IMAGE` for each frame the
+    vision tower encodes (each text is one token, looked up as mtmd's ``lookup_token`` does)."""
     placeholder: str
     """The token transformers replaces with one image embedding."""
-    per_image: Callable[[dict[str, Any]], int]
-    """Embeddings per image, from the config."""
+    per_frame: Callable[[dict[str, Any]], int]
+    """Embeddings per frame, from the config."""
+    processor_kwargs: tuple[tuple[str, Any], ...] = ()
+    """Given to the image processor with the image."""
+    token_type_ids: bool = False
+    """Whether the model takes ``token_type_ids`` marking the image tokens (Gemma 3)."""
 
+    @property
+    def frames(self) -> int:
+        return sum(p is IMAGE for p in self.pieces)
+
+
+def _idefics3_per_frame(config: dict[str, Any]) -> int:
+    vision = config.get("vision_config") or {}
+    patches = (int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))) ** 2
+    return patches // int(config.get("scale_factor", 2)) ** 2
+
+
+IDEFICS3_ONE_TILE = ("<fake_token_around_image>", "<row_1_col_1>", IMAGE, "\n\n",
+                     "<fake_token_around_image>", "<global-img>", IMAGE,
+                     "<fake_token_around_image>")  # fmt: skip
 
 LAYOUTS: dict[str, Layout] = {
+    # mtmd.cpp PROJECTOR_TYPE_GEMMA3: <start_of_image> (soft tokens) <end_of_image>
     "Gemma3ForConditionalGeneration": Layout(
-        "<start_of_image>",
-        "<end_of_image>",
+        ("<start_of_image>", IMAGE, "<end_of_image>"),
         "<image_soft_token>",
         lambda config: int(config.get("mm_tokens_per_image", 256)),
+        token_type_ids=True,
+    ),
+    # mtmd.cpp PROJECTOR_TYPE_IDEFICS3 on an image of one tile (the fixed image is drawn at the
+    # preprocessor's longest edge, the tile size, so mtmd resizes nothing): the tile as slice
+    # 1x1, then the overview, which is the same pixels; transformers gets the same two frames
+    # (its own processor, unsplit, gives the one tile; it would not slice a one-tile image)
+    "Idefics3ForConditionalGeneration": Layout(
+        IDEFICS3_ONE_TILE, "<image>", _idefics3_per_frame, (("do_image_splitting", False),)
     ),
 }
-"""Families whose mtmd layout the check reproduces (mtmd.cpp ``PROJECTOR_TYPE_GEMMA3``)."""
+"""The sequence layout of every family in ``mmproj.VLM_FAMILIES``."""
 
 
 def image_size(config: dict[str, Any]) -> int:
@@ -115,6 +148,18 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     return piece.replace("\u2581", " ").encode("utf-8")
 
 
+def lookup_token(tokenizer: Any, text: str) -> int:
+    """The id mtmd's ``lookup_token`` finds for ``text``: the first whose piece is ``text``."""
+    vocab = tokenizer.get_vocab()
+    if text in vocab:
+        return int(vocab[text])
+    wanted = text.encode("utf-8")
+    for token_id in sorted(vocab.values()):
+        if token_bytes(tokenizer, token_id) == wanted:
+            return int(token_id)
+    raise VerificationFailed(f"the tokenizer has no token {text!r}, which mtmd puts around images")
+
+
 @dataclass
 class Greedy:
     ids: list[int]
@@ -133,27 +178,35 @@ def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: in
     tokenizer: Any = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     processor: Any = AutoImageProcessor.from_pretrained(str(root), local_files_only=True)  # type: ignore[no-untyped-call]
     with Image.open(image) as img:
-        pixels = processor(images=[img.convert("RGB")], return_tensors="pt")["pixel_values"]
-    ids_of = tokenizer.convert_tokens_to_ids
-    placeholder = int(ids_of(layout.placeholder))
+        pixels = processor(
+            images=[img.convert("RGB")], return_tensors="pt", **dict(layout.processor_kwargs)
+        )["pixel_values"]
+    if pixels.ndim == 5:  # frames per image (Idefics3): mtmd's frames, each the same tile
+        pixels = pixels[:, :1].repeat(1, layout.frames, 1, 1, 1)
+    placeholder = lookup_token(tokenizer, layout.placeholder)
     ids = [int(tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []
-    ids += [int(ids_of(layout.begin)), *[placeholder] * layout.per_image(config)]
-    ids += [int(ids_of(layout.end)), *tokenizer(PROMPT, add_special_tokens=False).input_ids]
+    for piece in layout.pieces:
+        if piece is IMAGE:
+            ids += [placeholder] * layout.per_frame(config)
+        else:
+            ids.append(lookup_token(tokenizer, piece))
+    ids += tokenizer(PROMPT, add_special_tokens=False).input_ids
     model: Any = AutoModelForImageTextToText.from_pretrained(
         str(root), dtype=torch.float32, local_files_only=True
     )
     model.eval()
     input_ids = torch.tensor([ids])
+    extra = {"token_type_ids": (input_ids == placeholder).long()} if layout.token_type_ids else {}
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             pixel_values=pixels.to(torch.float32),
-            token_type_ids=(input_ids == placeholder).long(),
             max_new_tokens=tokens,
             do_sample=False,
             output_scores=True,
             return_dict_in_generate=True,
+            **extra,
         )
     new = [int(t) for t in out.sequences[0, len(ids) :]]
     margins = []
@@ -172,6 +225,35 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+CHAT_SESSION = r"""
+log="$1"; image="$2"; prompt="$3"; shift 3
+fifo="$log.stdin"; rm -f "$fifo" "$log"; mkfifo "$fifo" || exit 1
+"$@" --log-file "$log" < "$fifo" > /dev/null &
+tool=$!
+exec 3> "$fifo"
+printf '/image %s\n%s\n' "$image" "$prompt" >&3
+while kill -0 "$tool" 2>/dev/null; do
+  case "$(tail -c 3 "$log" 2>/dev/null | od -An -c | tr -d ' ')" in
+    '\n>') [ "$(grep -c '^> ' "$log")" -ge 3 ] && break ;;
+  esac
+  sleep 0.1
+done
+exec 3>&-
+wait "$tool"; status=$?
+rm -f "$fifo"; exit "$status"
+"""
+"""Runs llama-mtmd-cli as a chat of two lines (the image, the prompt) and ends it once the tool
+asks for a third. Why not ``-p``/``--image`` (one turn, then exit): the tool prints through
+llama.cpp's log thread, whose logger is never flushed at exit (llama.cpp #22142), so under load
+the end of the reply was lost (16 tokens generated, 1 printed). The request for the next line
+(``> ``) follows the reply in the same ordered queue, so once it is in the log file the reply is
+whole; then stdin closes and the tool ends. The log file, not stdout: the console echoes the
+lines it reads to stdout directly, out of order with the queue."""
+
+LOG_LINE = re.compile(rb"^\d+\.\d{2}\.\d{3}\.\d{3} [IWED] [^\n]*\n", re.MULTILINE)
+"""A log line of llama.cpp's own (``--log-prefix --log-timestamps``), not the reply's."""
+
+
 def run_mtmd(
     text_gguf: Path,
     mmproj: Path,
@@ -181,20 +263,30 @@ def run_mtmd(
     check_abort: Callable[[], None],
     bin_dir: Path | None = None,
 ) -> tuple[bytes, int]:
-    """llama-mtmd-cli's greedy output (bytes, as printed) and its peak RSS."""
-    out = work / "mtmd-output.txt"
+    """llama-mtmd-cli's greedy reply (bytes, as printed) and its peak RSS."""
+    log = work / "mtmd-session.log"
     tool = str(llama_cpp_tool("llama-mtmd-cli", bin_dir))
     argv = [
-        tool, "-m", str(text_gguf), "--mmproj", str(mmproj), "--image", str(image),
-        "-p", MEDIA_MARKER + PROMPT, "--jinja", "--chat-template", PASS_THROUGH_TEMPLATE,
-        "-n", str(tokens), "--temp", "0", "--seed", "0", "-t", "1", "-c", "1024",
-        "--no-warmup",
+        tool, "-m", str(text_gguf), "--mmproj", str(mmproj), "--jinja",
+        "--chat-template", PASS_THROUGH_TEMPLATE, "-n", str(tokens), "--temp", "0",
+        "--seed", "0", "-t", "1", "-c", "1024", "--no-warmup", "--log-prefix",
+        "--log-timestamps", "--log-colors", "off",
     ]  # fmt: skip
-    # the generated text is the tool's stdout (its log goes to stderr): a shell sends it to a
-    # file and execs the tool, so the child whose peak is measured is llama-mtmd-cli itself
-    shell = ["/bin/sh", "-c", 'out="$1"; shift; exec "$@" > "$out"', "sh", str(out), *argv]
+    # the shell waits for the tool, so wait4's peak of the shell is the tool's
+    shell = ["/bin/sh", "-c", CHAT_SESSION, "sh", str(log), str(image), PROMPT, *argv]
     peak = run_child(shell, work, "llama-mtmd-cli", check_abort, timeout=1800.0)
-    return out.read_bytes(), peak
+    return reply(log.read_bytes()), peak
+
+
+def reply(session: bytes) -> bytes:
+    """The reply in a chat session's log: after the second request for a line (the image
+    loaded) up to the third, without llama.cpp's own log lines."""
+    turns = session.split(b"\n> ")
+    if len(turns) < 4:
+        raise VerificationFailed(
+            f"llama-mtmd-cli ended before replying to the prompt: {session[-300:]!r}"
+        )
+    return LOG_LINE.sub(b"", b"\n> ".join(turns[2:-1]))
 
 
 def compare(printed: bytes, reference: Greedy) -> dict[str, Any]:
@@ -241,9 +333,6 @@ def check_mtmd(
     bin_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Run both sides on the fixed image and prompt and apply the bound; the report."""
-    arch = str((config.get("architectures") or [""])[0])
-    if arch not in LAYOUTS:
-        return {"skipped": f"no mtmd sequence layout for {arch} in this check"}
     work.mkdir(parents=True, exist_ok=True)
     image = fixed_image(work / "fixed-image.png", image_size(config))
     printed, peak = run_mtmd(text_gguf, mmproj, image, TOKENS, work, check_abort, bin_dir)

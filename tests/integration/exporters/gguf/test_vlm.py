@@ -1,10 +1,10 @@
 """A vision-language model through the service: GGUF writes the text model and its projector,
 llama-mtmd-cli agrees with transformers on the fixed image, safetensors keeps every sub-model and
-the processor files, and the graph formats refuse it at submission.
+the processor files, and the formats and families that cannot take it refuse it at submission.
 
-The checkpoint is a tiny random Gemma 3 (``tests.fixtures.vlm``: no registry ships a small VLM's
-weights), the real consumer is llama.cpp's own ``llama-mtmd-cli`` and the reference is
-transformers' ``Gemma3ForConditionalGeneration``.
+The checkpoints are a tiny random Gemma 3 and a tiny random SmolVLM (Idefics3)
+(``tests.fixtures.vlm``: no registry ships a small VLM's weights), the real consumer is
+llama.cpp's own ``llama-mtmd-cli`` and the reference is transformers' class of each.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 
+from service.api.errors import http_status
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import ExportFailed, UnsupportedExport, VerificationFailed
 from service.exporters.base import ExportInputs
 from service.exporters.gguf import GGUFExporter, GGUFSpec
-from service.exporters.gguf.mmproj import check_tower, plan_mmproj, vision_tensors
-from service.exporters.gguf.mtmd_check import NEAR_TIE, TOKENS, check_mtmd
+from service.exporters.gguf.mmproj import VLM_FAMILIES, check_tower, plan_mmproj, vision_tensors
+from service.exporters.gguf.mtmd_check import LAYOUTS, NEAR_TIE, TOKENS, check_mtmd
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
@@ -106,18 +107,33 @@ def test_a_q8_0_vlm_gets_a_q8_0_projector_that_llama_cpp_runs_like_transformers(
     assert mmproj["mtmd"]["agreed_tokens"] >= mmproj["mtmd"]["comparable_tokens"] >= 4
 
 
-def test_a_smolvlm_layout_gets_its_text_model_and_projector_read_back(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def smolvlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_idefics3(tmp_path_factory.mktemp("smolvlm") / "smolvlm")
+
+
+def test_a_smolvlm_gets_its_text_model_and_projector_that_llama_cpp_runs_like_transformers(
+    smolvlm: Path, tmp_path: Path
+) -> None:
     """Idefics3/SmolVLM: the text model by text_config's VLlama3ForCausalLM, the projector by
-    upstream's SmolVLM class; the mtmd check has no sequence layout for it yet (skipped,
-    said so)."""
-    ckpt = write_tiny_idefics3(tmp_path / "smolvlm")
-    summary = _export(ckpt, tmp_path / "out", type="f16")
+    upstream's SmolVLM class, and mtmd's tiled sequence (one tile and the overview) agreeing
+    with transformers' Idefics3ForConditionalGeneration on the same frames."""
+    summary = _export(smolvlm, tmp_path / "out", type="f16")
     assert summary["hf_architecture"] == "VLlama3ForCausalLM"
     mmproj = summary["mmproj"]
     assert mmproj["file"] == "mmproj-model-f16.gguf"
+    assert mmproj["converter"].endswith("SmolVLMModel")
     assert mmproj["tower"]["vision_blocks"] == 3 and mmproj["verification"]["read_back"]
     assert mmproj["verification"]["tensors_checked"] == mmproj["tensors"]
-    assert "no mtmd sequence layout" in mmproj["mtmd"]["skipped"]
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    ), mtmd
+
+
+def test_every_vlm_family_taken_has_an_mtmd_layout() -> None:
+    """No family is written with a projector the job cannot check."""
+    assert set(VLM_FAMILIES) == set(LAYOUTS)
 
 
 def test_another_models_projector_fails_the_mtmd_check(gemma3: Path, tmp_path: Path) -> None:
@@ -164,3 +180,48 @@ def test_the_graph_formats_refuse_a_vlm_at_submission_naming_what_they_take(
     message = str(refused.value)
     assert "Gemma3ForConditionalGeneration" in message
     assert "text models" in message and "safetensors" in message and "GGUF" in message
+
+
+def _vlm_configs() -> dict[str, dict[str, Any]]:
+    """Real configs of the families GGUF does not take, from transformers' own classes."""
+    from transformers import LlavaConfig, Mistral3Config, PaliGemmaConfig, Qwen2VLConfig
+
+    configs = {}
+    for cls, arch in ((LlavaConfig, "LlavaForConditionalGeneration"),
+                      (Qwen2VLConfig, "Qwen2VLForConditionalGeneration"),
+                      (Mistral3Config, "Mistral3ForConditionalGeneration"),
+                      (PaliGemmaConfig, "PaliGemmaForConditionalGeneration")):  # fmt: skip
+        config = cls().to_dict()
+        config["architectures"] = [arch]
+        configs[arch] = config
+    return configs
+
+
+@pytest.mark.parametrize(
+    ("arch", "why"),
+    [
+        ("LlavaForConditionalGeneration", "projector class for it (llava)"),
+        ("Qwen2VLForConditionalGeneration", "projector class for it (qwenvl)"),
+        ("Mistral3ForConditionalGeneration", "projector class for it (llava)"),
+        ("PaliGemmaForConditionalGeneration", "writes no projector for it"),
+    ],
+)
+def test_a_vlm_family_gguf_does_not_take_is_refused_at_submission_naming_what_it_takes(
+    tmp_path: Path, arch: str, why: str
+) -> None:
+    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), Qwen2-VL and
+    Mistral 3 (upstream writes a projector, which no job here checks) and PaliGemma (no
+    projector class) are refused before any download, with the families GGUF takes."""
+    config = _vlm_configs()[arch]
+    settings = Settings(data_dir=tmp_path)
+    spec = JobSpec.model_validate(
+        {"source": "hf://org/model", "exports": [{"format": "gguf", "type": "q8_0"}]}
+    )
+    with pytest.raises(UnsupportedExport) as refused:
+        check_spec(spec, settings, config, config_known=True, source_checked=True)
+    assert http_status(refused.value) == 422
+    message = str(refused.value)
+    assert arch in message and why in message, message
+    assert all(taken in message for taken in VLM_FAMILIES) and "safetensors" in message
+    if arch == "LlavaForConditionalGeneration":
+        assert "clip_vision_model vision tower" in message
