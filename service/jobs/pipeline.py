@@ -35,6 +35,7 @@ from service.errors import (
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec, Needs
 from service.fsutil import atomic_write_json, atomic_write_text, fsync_tree, sha256_file
+from service.heap import release_between_stages
 from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact
 from service.jobs.spec import JobSpec
@@ -461,6 +462,7 @@ def _export_all(
         out_dir = layout.staging / dirname
         out_dir.mkdir(parents=True, exist_ok=True)
         result = exporters[export.format].export(export, inputs, out_dir, ctx)
+        release_between_stages()
         for rel, digest in result.digests.items():
             digests[f"{dirname}/{rel}"] = digest
         summaries.append(
@@ -537,6 +539,8 @@ class _ModelSession:
             raise unavailable
         if independent is not None:
             ours = _reference(result.model, checkpoint, ctx)
+            _release_resident_weights(result.model)
+            release_between_stages()
             _check_agreement(independent, ours, ctx)
             session.independent, session.reference = independent, independent.outputs
             publish_offload_metrics(store, ctx, result)
@@ -584,6 +588,7 @@ def _verify_all(
     for export, summary in pending:
         out_dir = layout.staging / summary["dir"]
         summary["verify"] = exporters[export.format].verify(export, inputs, out_dir, ctx)
+        release_between_stages()
         ctx.advance(1)
 
 
@@ -635,6 +640,30 @@ def _check_agreement(reference: IndependentReference, ours: Any, ctx: JobContext
             f"(relative error {agreement.get('max_rel_error', 'n/a')} > "
             f"{agreement.get('tolerance')}): {agreement.get('reason', 'outputs differ')}"
         )
+
+
+def _release_resident_weights(model: Any) -> None:
+    """Put the weights ``max_memory`` kept in RAM for the reference forward back on meta (the
+    caller then returns their pages): once the source's outputs are computed nothing reads them
+    (the exports stream from the store or the checkpoint; the module is kept for its structure
+    and ties), and held through every export of the job they would add up to ``max_memory`` to
+    each export's peak, the quantizer's and the consumers' included. (A float32 safetensors
+    source's are its mapped pages; a cast one's, bfloat16 read as float32, are copies.) Tied
+    parameters stay one object."""
+    import torch
+
+    from service.offload.tensor import StoreTensor
+
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or isinstance(param, StoreTensor) or param.is_meta:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = torch.nn.Parameter(
+                    torch.empty_like(param, device="meta"), requires_grad=False
+                )
+            module._parameters[name] = replaced[id(param)]
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
