@@ -186,7 +186,7 @@ class GGUFExporter(Exporter):
         projector_bytes = (1 + int(spec.verify)) * projector.data_bytes if projector else 0
         ctx.set_phase(Phase.EXPORT, total=passes * plan.data_bytes + projector_bytes, unit="bytes")
         # The read-back runs as the file is written: each block is read back from the file and
-        # compared with the rows it was encoded from (stream.write_gguf_files); the layout
+        # compared with the source's rows, read again (stream.write_gguf_files); the layout
         # check reads the finished file's directory after.
         checked = VerifyReport() if spec.verify else None
 

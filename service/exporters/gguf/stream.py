@@ -13,8 +13,9 @@ Verification reads the file's directory (``directory``: names, shapes, types, of
 tensor's bytes with ``os.preadv`` in row blocks, dequantizes them with ``gguf.quants`` and
 compares them with the source within the type's error bound. An export reads its blocks back
 as it writes them (``write_gguf_files(check=...)``): one block behind the writer thread, from
-the file while its pages are still cached, against the rows still in memory, so the read-back
-costs neither a second read of the source nor a read of the disk.
+the file while its pages are still cached, against the source's rows read again in the
+checkpoint's order (the writer leaves a block's source pages cached until then), so the
+read-back reads neither the disk a second time nor anything the writer produced.
 
 Why one module of over 450 lines: writing and verifying are one plan read two ways. The verifier
 walks the row blocks the writer wrote (:func:`block_spans`, :class:`RowBlockReader`) and undoes
@@ -220,14 +221,19 @@ class RowBlockReader:
     300 MB/s and 120 MB/s here: profiled on a 3.7 GB export, page faults of fresh buffers and
     those two casts were most of the write. This reads with the reader's ``read_into`` into
     one buffer per dtype and encodes f32/f16/q8_0 with torch into a reused output buffer
-    (bit-identical to ``gguf.quants``: tested). A yielded block is only valid until the
-    ``keep``-th next one is asked for (1: the next; the writer keeps 2 while it checks one). Tensors it does not handle (computed ones, readers without
+    (bit-identical to ``gguf.quants``: tested). A yielded block is only valid until the next
+    one is asked for. Tensors it does not handle (computed ones, readers without
     ``read_into``) go through :func:`source_blocks`.
     """
 
     FAST_TYPES = frozenset({"f32", "f16", "q8_0"})
 
-    def __init__(self, reader: WeightReader, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        reader: WeightReader,
+        chunk_bytes: int = CHUNK_BYTES,
+        scratch_of: RowBlockReader | None = None,
+    ) -> None:
         from service.checkpoint.base import ReadsInto
 
         self.reader, self.chunk_bytes = reader, chunk_bytes
@@ -237,18 +243,34 @@ class RowBlockReader:
             if canonical in self._dtypes:
                 self._dtypes.setdefault(alias, self._dtypes[canonical])
         self._buffers: dict[str, Any] = {}
-        self.keep = 1
-        """Source buffers in turn: 2 while the writer checks a block after reading the next."""
-        self._turn = 0
+        self._scratch: dict[str, Any] = scratch_of._scratch if scratch_of is not None else {}
+        """The source-dtype buffer a block is read into before its float32 cast: filled and
+        emptied within one block, so a second reader of the same source shares it."""
+        self.drop_pages: bool | None = None
+        """None: the reader's own ``drop_page_cache``; else what it is set to for this one's
+        reads (the writer leaves a block's pages cached for the read-back's second read)."""
 
-    def _buffer(self, key: str, dtype: Any, numel: int) -> Any:
+    def _buffer(self, key: str, dtype: Any, numel: int, pool: dict[str, Any] | None = None) -> Any:
         """A reused flat torch buffer of at least ``numel`` elements, sliced to ``numel``."""
         import torch
 
-        buf = self._buffers.get(key)
+        buffers = self._buffers if pool is None else pool
+        buf = buffers.get(key)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            self._buffers[key] = buf = torch.empty(numel, dtype=dtype)
+            buffers[key] = buf = torch.empty(numel, dtype=dtype)
         return buf[:numel]
+
+    def _read_into(self, name: str, first: int, out: Any) -> None:
+        """``reader.read_into`` with the page-cache policy of :attr:`drop_pages`."""
+        flag = getattr(self.reader, "drop_page_cache", None)
+        if self.drop_pages is None or not isinstance(flag, bool) or flag == self.drop_pages:
+            self.reader.read_into(name, first, out)  # type: ignore[attr-defined]
+            return
+        self.reader.drop_page_cache = self.drop_pages  # type: ignore[attr-defined]
+        try:
+            self.reader.read_into(name, first, out)  # type: ignore[attr-defined]
+        finally:
+            self.reader.drop_page_cache = flag  # type: ignore[attr-defined]
 
     def fast(self, t: TensorPlan) -> bool:
         """Whether ``t`` is read with ``read_into`` (a plain renamed checkpoint tensor)."""
@@ -272,16 +294,15 @@ class RowBlockReader:
         permute = permuted and t.permute_heads is not None
         for start, rows in block_spans(t, self.chunk_bytes):
             n = rows * ncols
-            self._turn = (self._turn + 1) % self.keep
-            f32 = self._buffer(f"f32-{self._turn}", torch.float32, n)
+            f32 = self._buffer("f32", torch.float32, n)
             pos = 0
             for name, first, count in _pieces(t, start, rows, ncols):
                 dtype = self._dtypes[name]
                 if dtype == torch.float32:
-                    self.reader.read_into(name, first, f32[pos : pos + count])  # type: ignore[attr-defined]
+                    self._read_into(name, first, f32[pos : pos + count])
                 else:
-                    raw = self._buffer("raw", dtype, count)
-                    self.reader.read_into(name, first, raw)  # type: ignore[attr-defined]
+                    raw = self._buffer("raw", dtype, count, self._scratch)
+                    self._read_into(name, first, raw)
                     f32[pos : pos + count].copy_(raw)
                 pos += count
             block = f32.numpy().reshape(rows, ncols)
@@ -442,11 +463,14 @@ def write_gguf_files(
 
     With ``check``, every row block is read back from the file once the writer thread has
     written it (``pread`` of the file, what llama.cpp will map), decoded and compared with the
-    float32 rows it was encoded from, within the type's error bound (the figures go into
-    ``check``; beyond the bound :class:`VerificationFailed`). The rows are still in memory and
-    the written bytes still in the page cache, so the check costs no second read of the source
-    and no read of the disk, and it runs on the main thread while the writer thread writes the
-    next block. :func:`verify_gguf` with ``read_back=False`` then checks the files' layout.
+    source's rows within the type's error bound (the figures go into ``check``; beyond the
+    bound :class:`VerificationFailed` naming the tensor). The source rows are read again, in
+    the checkpoint's row order, not taken from the writer: a writer that misplaces, permutes
+    or alters rows before encoding them is caught by the tensor's name. The writer leaves each
+    block's source pages cached until that second read, and the written bytes are still in
+    the page cache, so the check reads nothing from the disk, and it runs on the main thread
+    while the writer thread writes the next block. :func:`verify_gguf` with
+    ``read_back=False`` then checks the files' layout.
 
     Splits are ``gguf.GGUFWriter``'s (what ``convert_hf_to_gguf --split-max-size`` and
     ``llama-gguf-split`` write): ``<stem>-00001-of-0000N.gguf``, every file a GGUF with its own
@@ -523,8 +547,9 @@ def _write_data(
     sink = _HashingWriter(out, digest)
     checker = None
     if check is not None:
-        checker = _WrittenCheck(file, out.tell(), sink, check, progress, blocks.chunk_bytes)
-        blocks.keep = 2  # the block being checked stays valid while the next one is read
+        source = RowBlockReader(blocks.reader, blocks.chunk_bytes, scratch_of=blocks)
+        checker = _WrittenCheck(file, out.tell(), sink, check, progress, source)
+        blocks.drop_pages = False  # the check's second read of the block drops them
     pos = 0  # bytes handed to the writer after the header
     try:
         for t in tensors:
@@ -553,7 +578,7 @@ def _write_data(
             checker.submit(None, None, pos, 0)  # the last block
     finally:
         sink.close()
-        blocks.keep = 1
+        blocks.drop_pages = None
         if checker is not None:
             checker.close()
     out.flush()
@@ -567,7 +592,10 @@ class _WrittenCheck:
     :meth:`submit` hands over the block just given to the writer thread and checks the one
     before it: it waits until the writer has put that block's bytes in the file, reads them
     back with ``pread`` from the file's own descriptor, decodes them and compares them with the
-    rows they were encoded from (as written: a permuted q/k block in the file's row order).
+    source. A checkpoint tensor's rows are read again from the source (``source``, in the
+    checkpoint's order: a permuted q/k block is unpermuted after decoding), so nothing the
+    writer did to them is taken on trust. A tensor llama.cpp's converter computed has no
+    source rows but the converter's: it is compared with the rows it was encoded from.
     """
 
     def __init__(
@@ -577,13 +605,14 @@ class _WrittenCheck:
         sink: _HashingWriter,
         report: VerifyReport,
         progress: Progress,
-        chunk_bytes: int,
+        source: RowBlockReader,
     ) -> None:
         self._fd = os.open(file, os.O_RDONLY)
         self._start, self._sink, self._report, self._progress = data_start, sink, report, progress
-        self._stored = _StoredBlocks(chunk_bytes)
-        self._pending: tuple[TensorPlan, np.ndarray, int, int] | None = None
-        self._last: str | None = None
+        self._source = source
+        self._stored = _StoredBlocks(source.chunk_bytes)
+        self._pending: tuple[TensorPlan, np.ndarray | None, int, int] | None = None
+        self._current: tuple[str, Iterator[np.ndarray] | None] | None = None
 
     def submit(
         self, t: TensorPlan | None, rows: np.ndarray | None, offset: int, length: int
@@ -592,19 +621,27 @@ class _WrittenCheck:
         and check the previous one; ``t`` None: only check the previous one."""
         pending, self._pending = self._pending, None
         if t is not None and rows is not None:
-            self._pending = (t, rows, offset, length)
+            # a checkpoint tensor's rows are read again at its check: the writer's are let go
+            self._pending = (t, None if self._source.fast(t) else rows, offset, length)
         if pending is None:
             return
-        tensor, src, at, size = pending
+        tensor, written_from, at, size = pending
+        if self._current is None or self._current[0] != tensor.name:
+            again = self._source.blocks(tensor, permuted=False) if written_from is None else None
+            self._current = (tensor.name, again)
+            self._report.tensors_checked += 1
+        again = self._current[1]
+        src = written_from if again is None else next(again, None)
+        if src is None:
+            raise VerificationFailed(f"{tensor.name}: more row blocks written than the source has")
         self._sink.wait_written(at + size)
         got = self._stored.read(self._fd, self._start + at, size, src.shape[0], tensor)
+        if again is not None and tensor.permute_heads is not None:
+            got = _permute_block(got, tensor, inverse=True)  # compare in the checkpoint's order
         _check_block(src, got, tensor, self._report, self._progress)
-        if tensor.name != self._last:
-            self._last = tensor.name
-            self._report.tensors_checked += 1
 
     def close(self) -> None:
-        self._pending = None
+        self._pending = self._current = None
         os.close(self._fd)
 
 
