@@ -12,8 +12,14 @@ Uploads stream from the staging directory (never whole files in memory): multipa
 (``x-amz-checksum-sha256``: the server refuses a part whose bytes do not match), and the
 file's own sha256 computed on the way is checked against the manifest's before the manifest is
 written. A reader that finds ``manifest.json`` therefore finds every file it lists, complete;
-a job that fails mid-upload (the store stopped, a key refused) leaves no manifest and removes
-what it uploaded. Removal (DELETE, retention) deletes the manifest FIRST, so a half-removed
+a job that fails mid-upload (the store stopped, a part refused, the job cancelled) leaves no
+manifest, removes what it uploaded and aborts its multipart uploads still in progress
+(``obstore.put`` does not: their stored parts would stay on the server, billed and unlisted).
+An abort the store cannot take then (it is stopped) is done by the job's next attempt (publish
+first aborts what is in progress under the job's location) or the removal of its set, or left
+to the bucket's
+AbortIncompleteMultipartUpload lifecycle rule (the only cleanup when the service signs with web
+identity or instance credentials, which it cannot use for these requests). Removal (DELETE, retention) deletes the manifest FIRST, so a half-removed
 set is never mistaken for a published one.
 """
 
@@ -43,6 +49,7 @@ from service.objectstore import (
     COPY_OBJECT_MAX_BYTES,
     MultipartCopy,
     S3Location,
+    abort_uploads,
     call,
     public_endpoint_of,
     store_for,
@@ -96,6 +103,9 @@ class ArtifactStore:
         then ``directory/manifest.json`` last; returns each object's ETag. On any failure
         what was uploaded is removed and :class:`PublishFailed` (or the typed error) raised."""
         store = self._store(location)
+        # a previous attempt of this job that failed while the store was unreachable (its
+        # abort refused then) may have left uploads in progress here: the location is the job's
+        abort_uploads(location.bucket, location.prefix + "/", self.settings, None)
         etags: dict[str, str] = {}
         try:
             for name in sorted(digests):
@@ -124,6 +134,7 @@ class ArtifactStore:
                     digest.update(block)
                     if ctx is not None:
                         ctx.advance(len(block))
+                        ctx.check_abort()
                     yield block
 
         def put() -> str:
@@ -142,8 +153,11 @@ class ArtifactStore:
         return etag
 
     def _discard(self, store: S3Store, location: S3Location, names: list[str]) -> None:
-        """Best effort after a failed publish: the manifest was never written, so the set is
-        unpublished whatever remains; remaining objects are retention's to remove."""
+        """Best effort after a failed publish or copy: abort the multipart uploads in progress
+        under ``location`` (the one that failed, and any a retry left), then delete the objects
+        completed. The manifest was never written, so the set is unpublished whatever remains;
+        what remains is removal's (:meth:`remove`) or retention's."""
+        abort_uploads(location.bucket, location.prefix + "/", self.settings, None, quick=True)
         keys = [location.key(n) for n in names if n != MANIFEST]
         if not keys:
             return
@@ -222,8 +236,9 @@ class ArtifactStore:
         return sum(int(m["size"]) for m in self._objects(self._store(location), location))
 
     def remove(self, location: S3Location) -> int:
-        """Unpublish (manifest first), then delete every object under ``location``; returns
-        the bytes removed."""
+        """Unpublish (manifest first), then delete every object under ``location`` and abort
+        the multipart uploads still in progress there (a publish that failed while the store
+        was unreachable); returns the bytes of the objects removed."""
         store = self._store(location)
         what = location.uri
         objects = self._objects(store, location)
@@ -233,6 +248,7 @@ class ArtifactStore:
         rest = [str(m["path"]) for m in objects if m["path"] != manifest]
         if rest:
             call(lambda: obstore.delete(store, rest), what, self.settings)
+        abort_uploads(location.bucket, location.prefix + "/", self.settings, None)
         return sum(int(m["size"]) for m in objects)
 
 

@@ -430,26 +430,24 @@ def _element(body: bytes, name: str) -> str:
     raise SourceError(f"the object store's answer has no {name}")
 
 
-class MultipartCopy:
-    """Copy one object of a bucket to another key with UploadPartCopy, no byte through here.
+class _SignedRequests:
+    """S3 requests obstore cannot make, signed here with a key pair (:func:`static_credentials`)
+    and sent with httpx; each through :func:`call` (retries, typed errors) unless ``retry`` is
+    off."""
 
-    Each request goes through :func:`call` (retries, typed errors); a failure aborts the
-    upload so the store drops the copied parts."""
-
-    def __init__(self, bucket: str, settings: Settings, tenant: str | None) -> None:
+    def __init__(self, bucket: str, settings: Settings, tenant: str | None,
+                 read_seconds: float) -> None:
         self._bucket = bucket
         self._settings = settings
         self._credentials = static_credentials(settings, tenant)
-        read = min(600.0, max(60.0, settings.download_stall_seconds))
-        # a part copy answers when the store has copied the range: allow for 1 GiB of it
-        self._http = httpx.Client(timeout=httpx.Timeout(read, connect=10.0))
+        self._http = httpx.Client(timeout=httpx.Timeout(read_seconds, connect=10.0))
 
     def close(self) -> None:
         self._http.close()
 
     def _request(
         self, method: str, key: str, query: dict[str, str], headers: dict[str, str] | None = None,
-        payload: bytes = b"",
+        payload: bytes = b"", retry: bool = True,
     ) -> httpx.Response:
         url = f"{endpoint_of(self._settings)}/{self._bucket}/{_quote_key(key)}"
         what = f"s3://{self._bucket}/{key}"
@@ -471,7 +469,74 @@ class MultipartCopy:
                 raise ObjectNotFound(f"{what} not found in the object store ({code})")
             raise SourceError(f"the object store answered HTTP {status} {code} for {what}")
 
-        return call(send, what, self._settings)
+        return call(send, what, self._settings) if retry else send()
+
+
+class MultipartUploads(_SignedRequests):
+    """The multipart uploads in progress under a prefix: ListMultipartUploads and
+    AbortMultipartUpload (obstore has neither, and ``obstore.put`` leaves the upload of a failed
+    streamed put in progress: its stored parts stay on the server, unlisted, until aborted)."""
+
+    def __init__(self, bucket: str, settings: Settings, tenant: str | None,
+                 read_seconds: float = 60.0) -> None:
+        super().__init__(bucket, settings, tenant, read_seconds)
+
+    def in_progress(self, prefix: str, retry: bool = True) -> list[tuple[str, str]]:
+        """``(key, upload id)`` of every upload initiated under ``prefix``, neither completed
+        nor aborted."""
+        found: list[tuple[str, str]] = []
+        query = {"uploads": "", "prefix": prefix}
+        while True:
+            body = self._request("GET", "", query, retry=retry).content
+            root = ElementTree.fromstring(body)
+            for upload in root.findall("{*}Upload"):
+                found.append((upload.findtext("{*}Key") or "", upload.findtext("{*}UploadId") or ""))
+            if root.findtext("{*}IsTruncated") != "true":
+                return found
+            query = {**query, "key-marker": root.findtext("{*}NextKeyMarker") or "",
+                     "upload-id-marker": root.findtext("{*}NextUploadIdMarker") or ""}
+
+    def abort_all(self, prefix: str, retry: bool = True) -> int:
+        """Abort every upload in progress under ``prefix`` (the store drops their parts);
+        returns how many. An upload completed or aborted meanwhile is not an error."""
+        uploads = self.in_progress(prefix, retry)
+        for key, upload_id in uploads:
+            with contextlib.suppress(ObjectNotFound):  # NoSuchUpload: already gone
+                self._request("DELETE", key, {"uploadId": upload_id}, retry=retry)
+        return len(uploads)
+
+
+def abort_uploads(
+    bucket: str, prefix: str, settings: Settings, tenant: str | None, *, quick: bool = False,
+) -> int | None:
+    """Best effort: abort the multipart uploads in progress under ``prefix``; returns how many,
+    or None when that failed (the store unreachable, or no key pair to sign with: web identity
+    and instance credentials stay inside object_store). ``quick``: one attempt with a short
+    timeout, for cleaning up after a failure the store itself may have caused. What is left is
+    for the bucket's AbortIncompleteMultipartUpload lifecycle rule, or a later removal."""
+    try:
+        uploads = MultipartUploads(bucket, settings, tenant,
+                                   read_seconds=10.0 if quick else 60.0)
+    except AccessDenied:
+        return None
+    try:
+        return uploads.abort_all(prefix, retry=not quick)
+    except (ServiceError, _Transient, httpx.HTTPError, ElementTree.ParseError):
+        return None
+    finally:
+        uploads.close()
+
+
+class MultipartCopy(_SignedRequests):
+    """Copy one object of a bucket to another key with UploadPartCopy, no byte through here.
+
+    Each request goes through :func:`call` (retries, typed errors); a failure aborts the
+    upload so the store drops the copied parts."""
+
+    def __init__(self, bucket: str, settings: Settings, tenant: str | None) -> None:
+        # a part copy answers when the store has copied the range: allow for 1 GiB of it
+        super().__init__(bucket, settings, tenant,
+                         min(600.0, max(60.0, settings.download_stall_seconds)))
 
     def copy(self, source: str, target: str, size: int, etag: str | None = None) -> str:
         """Copy ``source`` (``size`` bytes; ``etag``: refuse a source that changed meanwhile)

@@ -18,7 +18,13 @@ from obstore.store import S3Store
 
 from service.artifact_store import MANIFEST, ArtifactStore, check_destination
 from service.config import Settings
-from service.errors import ChecksumMismatch, Forbidden, InvalidRequest, PublishFailed
+from service.errors import (
+    ChecksumMismatch,
+    Forbidden,
+    InvalidRequest,
+    JobCancelled,
+    PublishFailed,
+)
 from service.fsutil import sha256_file
 from service.objectstore import COPY_OBJECT_MAX_BYTES, COPY_PART_BYTES, S3Location
 from service.stage import InMemoryContext
@@ -133,6 +139,42 @@ def test_server_stopped_mid_upload_fails_typed_and_publishes_nothing(
     assert f"artifacts/_/{'1' * 32}/{MANIFEST}" not in keys
     status, _ = seaweedfs.request("GET", "/")  # the server answers again once resumed
     assert status == 200
+    # b.bin's multipart upload could not be aborted while the server was stopped: the job's
+    # next attempt aborts it before publishing, so its parts do not stay behind unseen.
+    prefix = f"artifacts/_/{'1' * 32}/"
+    assert seaweedfs.multipart_uploads(bucket, prefix) == [f"{prefix}b.bin"]
+    store.publish(staging, location, digests)
+    assert seaweedfs.multipart_uploads(bucket, prefix) == []
+    assert store.published(location)
+    store.remove(location)
+    assert _keys(seaweedfs, bucket, prefix) == []
+
+
+def test_a_job_cancelled_mid_upload_aborts_its_multipart_upload_on_the_server(
+    tmp_path: Path, seaweedfs: S3Server, bucket: str,  # noqa: F811
+) -> None:
+    """Cancelled inside a multipart upload (parts already stored): the upload is aborted on
+    the server (obstore.put leaves it in progress), the completed file deleted, no manifest."""
+    settings = _settings(tmp_path, seaweedfs, bucket)
+    store = ArtifactStore.configured(settings)
+    assert store is not None
+    staging = tmp_path / "staging"
+    digests = _staging(staging, {"a.bin": 1024, "b.bin": 40 * 1024 * 1024})
+    location = store.location_for("5" * 32, None)
+    ctx = InMemoryContext(settings=settings, work_dir=tmp_path / "work")
+    original = ctx.advance
+
+    def advance(n: int) -> None:
+        original(n)
+        if ctx.done > 24 * 1024 * 1024:  # b.bin's first part sent, its second under way
+            ctx.cancel_event.set()
+
+    ctx.advance = advance  # type: ignore[method-assign]
+    with pytest.raises(JobCancelled):
+        store.publish(staging, location, digests, ctx)
+    prefix = location.prefix + "/"
+    assert seaweedfs.multipart_uploads(bucket, prefix) == []
+    assert _keys(seaweedfs, bucket, prefix) == []
 
 
 def test_destinations_only_under_granted_prefixes(tmp_path: Path) -> None:
@@ -224,3 +266,6 @@ def test_a_part_corrupted_after_hashing_is_refused_by_the_server_and_nothing_is_
         assert proxy.corrupted.is_set()
     assert failed.value.code == "checksum_mismatch"
     assert _keys(seaweedfs, bucket, location.prefix) == []
+    # b.bin's multipart upload (its first part stored, the second refused) was aborted on the
+    # server: no orphaned parts remain, listed or not.
+    assert seaweedfs.multipart_uploads(bucket, location.prefix + "/") == []
