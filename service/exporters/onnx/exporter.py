@@ -2,7 +2,9 @@
 
 The graph is captured from a copy of the job's one meta build: ``torch.onnx.export(...,
 dynamo=True)`` traces with fake tensors and never runs a kernel, so a 70B model's graph costs
-no weight memory. Every initializer of the captured graph is then replaced by an onnx-ir
+no weight memory. A decoder is traced with two layers and its further layers are stamped from
+the second (:mod:`service.exporters.onnx.stamp`), so capture time does not grow with depth;
+``traced_layers`` in the manifest says so. Every initializer of the captured graph is then replaced by an onnx-ir
 ``LazyTensor`` that re-reads its weight from the job's offload store (or the checkpoint) through
 the same :class:`~service.adapters.torch_to_nnef.CheckpointTensor` the NNEF export uses, and
 onnx-ir writes the external data file one tensor at a time, serially; a weight the offload store
@@ -264,6 +266,7 @@ def _summary(
         "task": task,
         "dtype": dtype_name(dtype),
         "opset": graph.opset,
+        "traced_layers": graph.traced_layers,
         "inputs": graph.inputs,
         "outputs": graph.outputs,
         "weight_bytes": weight_bytes,
@@ -279,10 +282,13 @@ def _summary(
 
 
 class CapturedGraph:
-    """The ONNX model captured on meta (initializers without data) and its I/O signature."""
+    """The ONNX model captured on meta (initializers without data) and its I/O signature;
+    ``traced_layers`` of the decoder were traced by dynamo, the others stamped (None: an
+    encoder, or every layer traced)."""
 
-    def __init__(self, model: ir.Model) -> None:
+    def __init__(self, model: ir.Model, traced_layers: int | None = None) -> None:
         self.model = model
+        self.traced_layers = traced_layers
         self.opset = int(model.opset_imports.get("", 0))
         self.inputs = {v.name: _shape(v) for v in model.graph.inputs if v.name}
         self.outputs = {v.name: _shape(v) for v in model.graph.outputs if v.name}
@@ -299,10 +305,53 @@ def capture_graph(skeleton: nn.Module, task: Task, dtype: torch.dtype) -> Captur
     """Trace a meta copy of ``skeleton`` in ``dtype`` with the dynamo exporter (no kernel runs).
 
     Parameters, buffers and example inputs all live on ``meta`` so that tracing never mixes
-    devices; each initializer of the result is named after the module tensor it comes from."""
+    devices; each initializer of the result is named after the module tensor it comes from. A
+    decoder of more than two layers of one kind is traced with two, and its further layers are
+    stamped from the second (:mod:`service.exporters.onnx.stamp`): capture time flat in depth.
+    When the two captured layers differ beyond their names, the model is traced whole."""
+    from service.exporters.onnx import stamp
+
+    config: Any = skeleton.config
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if task == "text-generation-with-past" and layers > stamp.CAPTURED_LAYERS and len(kinds) <= 1:
+        try:
+            names = stamp.layer_names(skeleton, _WRAPPED.rstrip("."))
+            model = _trace(_shallow_copy(skeleton, names.weights), task, dtype)
+            stamp.stamp_layers(model, names, layers)
+            return CapturedGraph(model, traced_layers=stamp.CAPTURED_LAYERS)
+        except stamp.NotStampable as exc:
+            LOGGER.warning("ONNX: tracing all %d layers: %s", layers, exc)
+    return CapturedGraph(_trace(copy.deepcopy(skeleton), task, dtype))
+
+
+def _shallow_copy(skeleton: nn.Module, layers_name: str) -> nn.Module:
+    """A copy of ``skeleton`` with its first :data:`~service.exporters.onnx.stamp.CAPTURED_LAYERS`
+    decoder layers only (the others are not copied) and a config that says so."""
+    from torch import nn
+
+    from service.exporters.onnx.stamp import CAPTURED_LAYERS
+
+    layer_list = skeleton.get_submodule(layers_name)
+    assert isinstance(layer_list, nn.ModuleList)
+    try:  # the job's skeleton lends its list of layers, truncated, for the copy only
+        skeleton.set_submodule(layers_name, nn.ModuleList(list(layer_list)[:CAPTURED_LAYERS]))
+        module = copy.deepcopy(skeleton)
+    finally:
+        skeleton.set_submodule(layers_name, layer_list)
+    config: Any = module.config
+    config.num_hidden_layers = CAPTURED_LAYERS
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:CAPTURED_LAYERS]
+    return module
+
+
+def _trace(module: nn.Module, task: Task, dtype: torch.dtype) -> ir.Model:
+    """The dynamo exporter's graph of ``module`` (a copy, changed here) with its initializers
+    named as the module's tensors."""
     import torch
 
-    module = copy.deepcopy(skeleton).eval()
+    module = module.eval()
     set_attn = getattr(module, "set_attn_implementation", None)
     if callable(set_attn):
         set_attn("sdpa")  # one fused attention node for onnxruntime, no eager mask arithmetic
@@ -328,7 +377,7 @@ def capture_graph(skeleton: nn.Module, task: Task, dtype: torch.dtype) -> Captur
             model.graph.initializers.pop(value.name)
             value.name = value.name.removeprefix(_WRAPPED)
             model.graph.register_initializer(value)
-    return CapturedGraph(model)
+    return model
 
 
 _WRAPPED = "model."

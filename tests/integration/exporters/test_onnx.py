@@ -241,3 +241,134 @@ def test_every_supported_family_exports_and_verifies(model_type: str, tmp_path: 
     )
     assert verify["max_abs_err"] <= verify["tolerance"]
     assert all(verify["argmax_agreed"])
+
+
+# --- deep decoders: two layers traced, the others stamped ---------------------------------------
+
+
+def _save_deep_decoder(model_type: str, out: Path, layers: int, **config: object) -> Path:
+    """A tiny random decoder of ``model_type`` with ``layers`` layers (seeded)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_hidden_layers=layers, **config,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+def _run_with_past(model: Path, seed: int) -> list[np.ndarray]:
+    """Every output of ``model`` on a seeded batch of 2 x 3 new tokens after a past of 4."""
+    rng = np.random.default_rng(seed)
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    feeds: dict[str, np.ndarray] = {
+        "input_ids": rng.integers(0, 128, (2, 3)),
+        "attention_mask": np.ones((2, 7), dtype=np.int64),
+        "position_ids": np.tile(np.arange(4, 7), (2, 1)),
+    }
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_values."):
+            feeds[i.name] = rng.standard_normal((2, int(i.shape[1]), 4, int(i.shape[3]))).astype(
+                np.float32
+            )
+    return list(session.run(None, feeds))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_deep_decoders_stamped_layers_run_like_every_layer_traced(
+    model_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5 layers: 2 traced and 3 stamped, against all 5 traced (the stamp's check, its renamed
+    weights, cache inputs and outputs): same signature, same weights, same outputs. Llama, and
+    Qwen3 for its per-head q/k norms (Qwen2's biases: the real Qwen2.5 test below)."""
+    from service.exporters.onnx import stamp
+
+    ckpt = _save_deep_decoder(model_type, tmp_path / "ckpt", 5)
+    stamped = _export(ckpt, tmp_path / "stamped", ONNXSpec(decode_steps=2))
+    monkeypatch.setattr(stamp, "CAPTURED_LAYERS", 5)  # trace all five
+    whole = _export(ckpt, tmp_path / "whole", ONNXSpec(verify=False))
+    assert stamped.result.summary["traced_layers"] == 2
+    assert whole.result.summary["traced_layers"] is None
+    for key in ("inputs", "outputs"):
+        assert stamped.result.summary[key] == whole.result.summary[key]
+    assert "past_key_values.4.value" in stamped.result.summary["inputs"]
+    verify = stamped.result.summary["verify"]
+    assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
+
+    def weights(out: Path) -> set[str]:
+        """The initializers named after module tensors (the optimizer's folded constants, one
+        set per stamped layer where the whole trace shares one, apart)."""
+        graph = onnx.load(str(out / MODEL_NAME), load_external_data=False).graph
+        return {t.name for t in graph.initializer if t.name.startswith(("model.", "lm_head."))}
+
+    assert weights(stamped.out) == weights(whole.out)
+    assert "model.layers.4.mlp.down_proj.weight" in weights(stamped.out)
+    found = _run_with_past(stamped.out / MODEL_NAME, 0)
+    expected = _run_with_past(whole.out / MODEL_NAME, 0)
+    assert len(found) == len(expected) == 1 + 2 * 5
+    for a, b in zip(found, expected, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_a_decoder_whose_layers_are_of_two_kinds_is_traced_whole(tmp_path: Path) -> None:
+    """Qwen2 with sliding-window attention from layer 2 on: two traced layers cannot stand for
+    the others."""
+    ckpt = _save_deep_decoder(
+        "qwen2", tmp_path / "ckpt", 4, use_sliding_window=True, sliding_window=2,
+        max_window_layers=2,
+    )  # fmt: skip
+    exported = _export(ckpt, tmp_path, ONNXSpec(decode_steps=2))
+    assert exported.result.summary["traced_layers"] is None
+    verify = exported.result.summary["verify"]
+    assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
+
+
+@pytest.mark.timeout(600)
+def test_a_second_layer_unlike_the_first_is_not_stamped() -> None:
+    """The node-by-node comparison of the two traced layers, not the config, decides: a second
+    layer with another activation makes the whole model traced."""
+    from service.exporters.onnx.exporter import capture_graph
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(num_hidden_layers=4))
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    graph = capture_graph(model, "text-generation-with-past", torch.float32)
+    assert graph.traced_layers is None
+    assert len([n for n in graph.model.graph if n.op_type == "Gelu"]) == 1
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(tiny_llama_config(num_hidden_layers=4))
+    assert capture_graph(plain, "text-generation-with-past", torch.float32).traced_layers == 2
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["smollm2", "qwen2"])
+def test_real_decoders_with_stamped_layers_pass_the_logit_check_and_decode_like_transformers(
+    name: str, tmp_path: Path
+) -> None:
+    """Real SmolLM2 (Llama, GQA 9/3, tied) and Qwen2.5 (qkv biases, GQA 14/2), their first 4
+    layers: 2 traced, 2 stamped. The job's own checks pass (onnxruntime against PyTorch's
+    decode, and its logits on the fixed text against transformers'), and a fresh session
+    decodes transformers' argmax tokens."""
+    from tests.fixtures.real_models import Variant, real_variant
+    from tests.integration.real_models.test_consumers import run_job
+
+    source = real_variant(name, Variant(layers=4))
+    artifacts, manifest = run_job(tmp_path, source, [{"format": "onnx", "decode_steps": 3}])
+    (summary,) = manifest["exports"]
+    assert summary["traced_layers"] == 2
+    verify = summary["verify"]
+    assert verify["max_abs_err"] <= verify["tolerance"], verify
+    assert verify["logits"]["top1"] >= verify["logits"]["bounds"]["top1"], verify["logits"]
+    prompt = [11, 400, 1234, 77]
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    found = _decode_in_ort(artifacts / summary["dir"] / MODEL_NAME, prompt, 4)
+    assert found == ids[0, len(prompt) :].tolist()
