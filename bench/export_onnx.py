@@ -1,47 +1,44 @@
-"""Benchmark: ONNX export of Llama-shaped checkpoints (>= 1 GB and >= 4 GB) vs optimum-onnx.
+"""Benchmark: a modelprep ONNX job against optimum's ONNX export, side by side in one run.
 
-    .venv/bin/python bench/export_onnx.py [--layers 3,18] [--dir /tmp/onnx-bench]
+    .venv/bin/python bench/export_onnx.py [--layers 3,18] [--repeat 3] [--dir /var/tmp]
                                           [--optimum-venv ~/.cache/modelprep/bench-venvs/optimum-onnx]
-                                          [--skip-baseline] [--keep]
+                                          [--json bench-export-onnx.json]
 
-For each size, writes a synthetic TinyLlama-like float32 checkpoint (hidden 2048, intermediate
-5632, vocab 32000; 3 layers = 1.1 GB, 18 layers = 4.2 GB; the largest tensor, the 262 MB
-embedding, is the same at both sizes) with ``bench/synth_checkpoint.py``, then runs, each in its
-own child process, one after the other:
+For each size, a synthetic TinyLlama-shaped float32 checkpoint (``bench/synth_checkpoint.py``:
+hidden 2048, intermediate 5632, vocab 32000; 3 layers = 1.1 GB, 18 layers = 4.2 GB; the largest
+tensor, the 262 MB embedding, is the same at both sizes) with a small word-level tokenizer. Then,
+each in its own child process, one after the other in every round (so a machine whose speed
+drifts slows all three alike):
 
-* ``modelprep``: the job pipeline (:func:`service.jobs.pipeline.run_pipeline`) with one
-  ``{"format": "onnx"}`` export: meta build, offload store, dynamo capture on meta, weights
-  streamed into ``model.onnx_data``, then onnxruntime's check (prompt + 2 greedy steps with the
-  KV cache) in a child of the job. ``peak_rss_gib`` is the job process; the onnxruntime child's
-  own peak is ``ort_child_peak_rss_gib`` (it holds every weight: it grows with the model).
-* ``optimum``: ``optimum-cli export onnx --task text-generation-with-past`` from optimum-onnx,
-  installed in a venv of its own (its transformers pin clashes with ours; never committed):
-  loads the model with ``from_pretrained``, traces it with real weights, saves, and validates
-  with onnxruntime itself (its default). Its peak RSS is its whole process's (``wait4``).
-  Its model is then run by the same onnxruntime decode as ours, on PyTorch's greedy tokens from
-  the modelprep run: ``tokens_agreed`` says whether its argmax matched at every step and
-  ``max_logit_diff_vs_modelprep`` how far its logits are from our export's.
+* ``ours``: a whole job (``service.jobs.pipeline.run_pipeline`` on the local checkpoint) with one
+  ``{"format": "onnx"}`` export and ``"verify": false``: read the checkpoint into the job's
+  offload store, capture the graph on meta, write ``model.onnx`` + ``model.onnx_data``;
+* ``ours_verify``: the same with ``"verify": true``: also transformers' independent reference
+  on the fixed text and our model's agreement with it, then onnxruntime (a child of the job)
+  decoding against PyTorch's greedy tokens and its logits on the fixed text against
+  transformers'. The profile of both comes from the job's phase timeline and the time spent in
+  each of :data:`PROFILED`, plus onnxruntime's own load and run seconds from its manifest entry;
+* ``optimum``: optimum-onnx's ``main_export`` (what ``optimum-cli export onnx --task
+  text-generation-with-past`` calls, with the CLI's defaults) with ``do_validation=False``: the
+  CLI has no switch for it, and users turn it off because it runs out of memory (optimum
+  #1012). It loads the model with ``from_pretrained``, traces it with real weights and saves.
+  optimum-onnx pins a transformers our service does not run (4.57 vs 5.x), so it lives in a venv
+  of its own (``--optimum-venv``, never committed): ``python -m venv`` there, then the CPU torch
+  wheel of ``constraints.txt``, then ``pip install "optimum-onnx[onnxruntime]"``.
 
-Peak RSS of the modelprep job: about 0.33 GiB (torch, transformers, onnx) + the largest tensor
-(twice when the export casts it) + about 4.5 MiB per layer (the captured graph: nodes, not
-weights). Weight bytes do not enter it: 0.83 GiB at 1.1 GB and 0.90 GiB at 4.2 GB here (same
-250 MiB largest tensor; the 0.07 GiB between them are the 15 more layers of graph).
+Wall time is measured by this script around each child (interpreter start and imports included
+for all three); peak RSS is the child's own (:mod:`bench.measure`). Before every run the
+checkpoint is read once so each starts with it in the page cache. The first round also runs
+optimum's model in the exporter's own onnxruntime decode on the tokens of our verified job:
+``tokens_agreed`` says whether its argmax matched at every step, ``max_logit_diff`` how far its
+logits are from ours.
 
-Run of 2026-11-23 08:47-08:55 UTC, 2 cores shared with other workloads (whole-process
-figures; peak RSS of the job process, the onnxruntime child apart):
+The table gives each wall's minimum and median, the ratio of the medians and the median of the
+per-round ratios; the load average is recorded before and after each size (the figures are only
+as good as the machine was quiet).
 
-=============  ============================  ============================
-checkpoint     modelprep (export + verify)   optimum-cli export onnx
-=============  ============================  ============================
-1.1 GB, 3 l    38.6 s, 0.83 GiB              45.0 s, 4.67 GiB
-               (ORT child 1.21 GiB)          (its model in ORT: 1.53 GiB)
-4.2 GB, 18 l   124.9 s, 0.90 GiB             111.2 s, 8.69 GiB
-               (ORT child 4.45 GiB)          (its model in ORT: 4.00 GiB)
-=============  ============================  ============================
-
-Ratios modelprep/optimum: wall 0.86 and 1.12, peak RSS 0.18 and 0.10. onnxruntime agreement:
-ours max |logit - PyTorch| 6e-8 and 7e-8 (tolerance 1e-3), greedy tokens equal at every step;
-optimum's model gives the same tokens, its logits within 3e-8 and 4e-8 of ours.
+Why one module of over 450 lines would be wrong here: it is not; a bench is run as one file and
+re-runs itself as its measured children (``--child``).
 """
 
 from __future__ import annotations
@@ -49,176 +46,256 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
-import subprocess
+import statistics
 import sys
-import time
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GIB = 1024**3
+HIDDEN, INTER, VOCAB = 2048, 5632, 32000
 DEFAULT_OPTIMUM_VENV = Path.home() / ".cache" / "modelprep" / "bench-venvs" / "optimum-onnx"
 
+PROFILED = {
+    "service.checkpoint.independent": ["independent_reference"],
+    "service.offload.dispatch": ["dispatch_model"],
+    "service.jobs.pipeline": ["_reference", "_check_agreement"],
+    "service.exporters.onnx.exporter": ["capture_graph", "attach_weights", "_save"],
+    "service.exporters.onnx.verify": ["greedy_reference", "run_ort", "check_logits"],
+}
+"""Functions whose wall time the child records (by wrapping them in its own process only)."""
 
-def run_modelprep(ckpt: Path, out: Path, verify: bool) -> dict[str, Any]:
-    """The job's own pipeline on a ``file://`` source with one verified ONNX export."""
+
+def child_ours(ckpt: Path, out: Path, verify: bool) -> None:
+    """One job exporting ``ckpt`` to ONNX, as the worker runs it; prints its export summary,
+    its phase timeline and the time spent in each of :data:`PROFILED`, as JSON."""
+    import functools
+    import importlib
+    import time
+
     from service.config import Settings
     from service.jobs.layout import JobLayout
     from service.jobs.pipeline import run_pipeline
     from service.jobs.spec import JobSpec
     from service.stage import InMemoryContext
 
-    settings = Settings(data_dir=out / "var", local_roots=[ckpt.parent])
-    layout = JobLayout.for_job(settings, "c" * 32)
+    steps: list[tuple[str, float]] = []
+
+    def timed(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                steps.append((name, round(time.monotonic() - start, 2)))
+
+        return wrapper
+
+    for module_name, names in PROFILED.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            setattr(module, name, timed(name, getattr(module, name)))
+    out.mkdir(parents=True, exist_ok=True)
+    settings = Settings(data_dir=out / ".var", local_roots=[ckpt.parent])
+    job_id = "c" * 32
+    layout = JobLayout.for_job(settings, job_id)
     layout.prepare()
-    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id="c" * 32)
+    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id=job_id)
+    exports = [{"format": "onnx", "decode_steps": 2}]
     spec = JobSpec.model_validate(
-        {
-            "source": f"file://{ckpt}",
-            "verify": verify,
-            "exports": [{"format": "onnx", "decode_steps": 2}],
-        }
+        {"source": f"file://{ckpt}", "verify": verify, "exports": exports}
     )
     run_pipeline(spec, ctx, layout)
+    ctx.close_phase()
     summary = json.loads((layout.artifacts / "manifest.json").read_text())["exports"][0]
-    verified = summary["verify"] or {}
-    onnx_dir = layout.artifacts / summary["dir"]
-    # Keep the model for the baseline's comparison (outside the job's data dir).
-    keep = out.parent / f"{out.name}-model"
-    shutil.move(onnx_dir, keep)
-    return {
-        "data_bytes": summary["data_bytes"],
-        "export_seconds": summary["seconds"],
-        "phase_seconds": summary["phase_seconds"],
-        "model": str(keep / "model.onnx"),
-    } | (
-        {
-            "max_abs_err_vs_pytorch": verified["max_abs_err"],
-            "tolerance": verified["tolerance"],
-            "tokens": verified["tokens"],
-            "tokens_agreed": all(verified["argmax_agreed"]),
-            "ort_child_peak_rss_gib": round(verified["ort_peak_rss_bytes"] / 2**30, 3),
-        }
-        if verified
-        else {}
-    )
+    model_dir = out / "model"
+    os.replace(layout.artifacts / summary["dir"], model_dir)  # out of the job's data directory
+    shutil.rmtree(out / ".var", ignore_errors=True)
+    verified = summary.get("verify") or {}
+    print(json.dumps({
+        "model": str(model_dir / "model.onnx"), "data_bytes": summary["data_bytes"],
+        "export_phase_seconds": summary["phase_seconds"],
+        "phases": [(p.phase.value, p.seconds) for p in ctx.phases], "steps": steps,
+        "verify": {k: verified.get(k) for k in (
+            "max_abs_err", "tolerance", "tokens", "argmax_agreed", "ort_peak_rss_bytes",
+            "ort_load_seconds", "ort_run_seconds")} if verified else None,
+        "logits": {k: (verified.get("logits") or {}).get(k) for k in (
+            "kl_mean", "top1", "ort_load_seconds", "ort_run_seconds")} if verified else None,
+    }))  # fmt: skip
 
 
-def child(ckpt: Path, out: Path, verify: bool) -> None:
-    sys.path.insert(0, str(ROOT))
-    start = time.monotonic()
-    detail = run_modelprep(ckpt, out, verify)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"mode": "modelprep", "seconds": round(time.monotonic() - start, 1),
-                      "peak_rss_gib": round(peak / 2**30, 3), **detail}))  # fmt: skip
+def run_measured(argv: list[str], log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``argv``; its wall time and its own peak RSS (:mod:`bench.measure`)."""
+    from bench.measure import run_measured as measure
+
+    result = measure(argv, log, cwd=ROOT, env=env)
+    if result.pop("exit") != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"{argv[:3]} failed:\n{tail}")
+    return result
 
 
-def timed(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, float, int]:
-    """Run ``cmd``; returns (exit status, wall seconds, its own peak RSS bytes:
-    :mod:`bench.measure`, which keeps this bench's memory out of the figure)."""
-    from bench.measure import run_measured
+def warm(ckpt: Path) -> None:
+    """Read every weight file once, so each run starts with the checkpoint in the page cache."""
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as src:
+            while src.read(64 << 20):
+                pass
 
-    result = run_measured(cmd, log, env=env)
-    return result["exit"], result["wall_s"], result["peak_rss"]
+
+def ours(ckpt: Path, work: Path, verify: bool) -> dict[str, Any]:
+    out = work / f"ours-{'v' if verify else 'nv'}"
+    log = work / f"{out.name}.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    argv = [sys.executable, __file__, "--child", str(ckpt), str(out), str(int(verify))]
+    result = run_measured(argv, log, env)
+    result.update(json.loads(log.read_text().strip().splitlines()[-1]))
+    return result
 
 
-def decode(model: Path, prompt: list[int], tokens: list[int], work: Path) -> dict[str, Any]:
+OPTIMUM_EXPORT = (
+    "import sys\n"
+    "from optimum.exporters.onnx import main_export\n"
+    "main_export(model_name_or_path=sys.argv[1], output=sys.argv[2],\n"
+    "            task='text-generation-with-past', do_validation=False)\n"
+)
+"""optimum-cli export onnx's call (its other arguments at the CLI's defaults), validation off."""
+
+
+def optimum(ckpt: Path, work: Path, venv: Path) -> dict[str, Any]:
+    out = work / "optimum"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH="")
+    argv = [str(venv / "bin" / "python"), "-c", OPTIMUM_EXPORT, str(ckpt), str(out)]
+    result = run_measured(argv, work / "optimum.log", env)
+    result["model"] = str(out / "model.onnx")
+    return result
+
+
+def decode(model: Path, prompt: list[int], tokens: list[int], work: Path) -> np.ndarray:
     """The exporter's own onnxruntime decode (a child process) on ``model``."""
     from service.exporters.onnx.verify import run_ort
 
     request = {"prompt": np.asarray([prompt], np.int64), "tokens": np.asarray(tokens, np.int64)}
-    run = run_ort(model, "decode", request, work)
-    return {"logits": run.outputs["logits"], "peak": run.peak_rss_bytes}
+    logits: np.ndarray = run_ort(model, "decode", request, work).outputs["logits"]
+    return logits
 
 
-def measure_modelprep(ckpt: Path, base: Path, verify: bool) -> dict[str, Any]:
-    out = base / "modelprep"
-    out.mkdir(parents=True)
-    env = dict(os.environ, TMPDIR=str(out), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [sys.executable, __file__, "--child", "--ckpt", str(ckpt), "--out", str(out)]
-    cmd += [] if verify else ["--no-verify"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    shutil.rmtree(out, ignore_errors=True)
-    if proc.returncode != 0:
-        return {"mode": "modelprep", "error": proc.stderr[-2000:]}
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
-
-
-def measure_optimum(ckpt: Path, base: Path, venv: Path, ours: dict[str, Any]) -> dict[str, Any]:
+def compare(theirs: dict[str, Any], mine: dict[str, Any], work: Path) -> dict[str, Any]:
+    """optimum's model and ours decoding our verified job's tokens in onnxruntime."""
     from service.exporters.common.reference import prompt_ids
 
-    out = base / "optimum"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TMPDIR=str(base))
-    cmd = [str(venv / "bin" / "optimum-cli"), "export", "onnx", "--model", str(ckpt),
-           "--task", "text-generation-with-past", str(out)]  # fmt: skip
-    code, wall, peak = timed(cmd, env, base / "optimum.log")
-    log = (base / "optimum.log").read_text(errors="replace")
-    result: dict[str, Any] = {
-        "mode": "optimum", "exit": code, "seconds": round(wall, 1),
-        "peak_rss_gib": round(peak / 2**30, 3),
-        "validation": [ln.strip() for ln in log.splitlines() if "max diff" in ln.lower()
-                       or "validat" in ln.lower()][-4:],
-    }  # fmt: skip
-    if code != 0:
-        result["error"] = log[-1500:]
-        return result
-    if "tokens" in ours:
-        prompt = prompt_ids(4, 32000)
-        theirs = decode(out / "model.onnx", prompt, ours["tokens"], base / "verify-optimum")
-        mine = decode(Path(ours["model"]), prompt, ours["tokens"], base / "verify-modelprep")
-        found = [int(np.argmax(row)) for row in theirs["logits"]]
-        result["tokens_agreed"] = found == ours["tokens"]
-        result["max_logit_diff_vs_modelprep"] = float(
-            np.abs(theirs["logits"] - mine["logits"]).max()
+    tokens = mine["verify"]["tokens"]
+    prompt = prompt_ids(4, VOCAB)
+    a = decode(Path(theirs["model"]), prompt, tokens, work / "verify-optimum")
+    b = decode(Path(mine["model"]), prompt, tokens, work / "verify-ours")
+    return {"tokens_agreed": [int(np.argmax(r)) for r in a] == tokens,
+            "max_logit_diff": float(np.abs(a - b).max())}  # fmt: skip
+
+
+def _stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    walls = [r["wall_s"] for r in runs]
+    return {"runs": runs, "wall_min": min(walls), "wall_median": round(statistics.median(walls), 2),
+            "peak_rss": max(r["peak_rss"] for r in runs)}  # fmt: skip
+
+
+def bench_size(ckpt: Path, work: Path, venv: Path, repeat: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "ours_verify": [], "optimum": []}
+    agreement: dict[str, Any] = {}
+    for round_ in range(repeat):
+        for key, done in runs.items():
+            warm(ckpt)
+            load = os.getloadavg()[0]
+            if key == "optimum":
+                r = optimum(ckpt, work, venv)
+            else:
+                r = ours(ckpt, work, key == "ours_verify")
+            r["load_before"] = round(load, 1)
+            done.append(r)
+            print(f"  [{round_}] {key}: {r['wall_s']} s, {r['peak_rss'] / GIB:.2f} GiB, load "
+                  f"{load:.1f}" + (f", phases {r['phases']}, export {r['export_phase_seconds']}, "
+                  f"steps {r['steps']}, verify {r['verify']}, logits {r['logits']}"
+                  if key != "optimum" else ""), flush=True)  # fmt: skip
+        if round_ == 0:
+            agreement = compare(runs["optimum"][0], runs["ours_verify"][0], work)
+            print(f"  optimum's model vs ours in onnxruntime: {agreement}", flush=True)
+        for d in ("ours-v", "ours-nv", "optimum"):
+            shutil.rmtree(work / d, ignore_errors=True)
+    row: dict[str, Any] = {k: _stats(v) for k, v in runs.items()}
+    for key in ("ours", "ours_verify"):
+        row[f"{key}_ratio"] = round(row[key]["wall_median"] / row["optimum"]["wall_median"], 3)
+        pairs = [o["wall_s"] / u["wall_s"] for o, u in zip(runs[key], runs["optimum"], strict=True)]
+        row[f"{key}_pair_ratio_median"] = round(statistics.median(pairs), 3)
+    row["agreement"] = agreement
+    return row
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        (
+            "| checkpoint | optimum (no validation) min / median | peak RSS "
+            "| ours verify off min / median | ratio | ours verify on min / median | ratio "
+            "| ours peak RSS off / on | load avg |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size in results:
+        r = size["row"]
+        up, o, v = r["optimum"], r["ours"], r["ours_verify"]
+        loads = [
+            run["load_before"] for k in ("optimum", "ours", "ours_verify") for run in r[k]["runs"]
+        ]
+        lines.append(
+            f"| {size['checkpoint_bytes'] / 1e9:.1f} GB, {size['layers']} l "
+            f"| {up['wall_min']:.1f} / {up['wall_median']:.1f} s | {up['peak_rss'] / GIB:.2f} GiB "
+            f"| {o['wall_min']:.1f} / {o['wall_median']:.1f} s | {r['ours_ratio']:.2f} "
+            f"| {v['wall_min']:.1f} / {v['wall_median']:.1f} s | {r['ours_verify_ratio']:.2f} "
+            f"| {o['peak_rss'] / GIB:.2f} / {v['peak_rss'] / GIB:.2f} GiB "
+            f"| {min(loads):.1f}-{max(loads):.1f} |"
         )
-        result["ort_child_peak_rss_gib"] = round(theirs["peak"] / 2**30, 3)
-    shutil.rmtree(out, ignore_errors=True)
-    return result
+    return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", default="3,18", help="one checkpoint per value")
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/onnx-bench"))
-    parser.add_argument("--optimum-venv", type=Path, default=DEFAULT_OPTIMUM_VENV)
-    parser.add_argument("--skip-baseline", action="store_true")
-    parser.add_argument("--keep", action="store_true")
-    parser.add_argument(
-        "--no-verify", action="store_true", help="modelprep without onnxruntime's check"
-    )
-    parser.add_argument("--child", action="store_true")
-    parser.add_argument("--ckpt", type=Path)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    if args.child:
-        child(args.ckpt, args.out, not args.no_verify)
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        ckpt, out, verify = sys.argv[2:5]
+        child_ours(Path(ckpt), Path(out), verify == "1")
         return
-
-    sys.path.insert(0, str(ROOT))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="3,18", help="checkpoint sizes (3: 1.1 GB, 18: 4.2 GB)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of each size")
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--optimum-venv", type=Path, default=DEFAULT_OPTIMUM_VENV)
+    parser.add_argument("--json", type=Path, default=Path("bench-export-onnx.json"))
+    args = parser.parse_args()
+    if not (args.optimum_venv / "bin" / "python").is_file():
+        raise SystemExit(f"no optimum venv at {args.optimum_venv}: see this module's docstring")
     from bench.synth_checkpoint import write_checkpoint
     from tests.fixtures.models import write_tiny_tokenizer
 
-    if args.dir.exists():
-        raise SystemExit(f"{args.dir} exists; remove it or pass another --dir")
+    work = Path(tempfile.mkdtemp(prefix="modelprep-onnx-bench-", dir=args.dir))
+    results: list[dict[str, Any]] = []
     try:
-        for layers in [int(n) for n in args.layers.split(",")]:
-            base = args.dir / f"{layers}l"
-            ckpt = base / "ckpt"
-            info = write_checkpoint(ckpt, layers, 2048, 5632, 32000, shard_size=10**12)
+        for layers in (int(x) for x in args.layers.split(",")):
+            ckpt = work / f"ckpt-{layers}"
+            info = write_checkpoint(ckpt, layers, HIDDEN, INTER, VOCAB, shard_size=10**12)
             write_tiny_tokenizer(ckpt)
-            print(json.dumps({"checkpoint": info}), flush=True)
-            ours = measure_modelprep(ckpt, base, not args.no_verify)
-            print(json.dumps({k: v for k, v in ours.items() if k != "model"}), flush=True)
-            if not args.skip_baseline:
-                print(json.dumps(measure_optimum(ckpt, base, args.optimum_venv, ours)), flush=True)
-            shutil.rmtree(base, ignore_errors=True)  # disk: one size at a time
+            print(f"checkpoint: {info['total_bytes'] / 1e9:.2f} GB float32, {layers} layers",
+                  flush=True)  # fmt: skip
+            row = bench_size(ckpt, work, args.optimum_venv, args.repeat)
+            results.append({"layers": layers, "checkpoint_bytes": info["total_bytes"], "row": row})
+            shutil.rmtree(ckpt, ignore_errors=True)
+            args.json.write_text(json.dumps({"results": results}, indent=2))
+        print()
+        print(table(results))
     finally:
-        if not args.keep:
-            shutil.rmtree(args.dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

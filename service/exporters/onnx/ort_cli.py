@@ -15,7 +15,9 @@ directory, whose ``onnx.py`` would shadow the ``onnx`` package, off ``sys.path``
 ``past_key_values.*`` inputs, then each given token is fed with onnxruntime's own ``present.*``
 outputs as the next past (teacher forcing: one near-tie argmax cannot derail the comparison).
 The last position's logits of every step are saved as ``logits`` [n, vocab]. ``run`` saves the
-outputs under their graph names. Both save this process's peak RSS as ``peak_rss_bytes``, read
+outputs under their graph names. Each saves the seconds onnxruntime took to load the model
+(``load_seconds``: the session, its graph optimizations, the weights mapped) and to run the
+request (``run_seconds``), and this process's peak RSS as ``peak_rss_bytes``, read
 from ``VmHWM`` here: the ``ru_maxrss`` the parent gets from ``wait4`` also counts the parent's
 pages the child had before ``exec`` (Linux keeps the pre-exec high-water mark).
 """
@@ -23,6 +25,7 @@ pages the child had before ``exec`` (Linux keeps the pre-exec high-water mark).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -134,28 +137,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     model, command, request_path, outputs_path = Path(args[0]), args[1], args[2], args[3]
     anonymous = AnonymousPeak()
+    started = time.monotonic()
     session = open_session(model)
+    loaded = time.monotonic()
     with np.load(request_path) as bundle:
         request = {k: bundle[k] for k in bundle.files}
+    named: dict[str, Any]
     if command == "logits":
-        logits = run_chunks(session, request)
-        np.savez(
-            outputs_path, logits=logits, peak_rss_bytes=np.int64(peak_rss_bytes()),
-            peak_anon_bytes=np.int64(anonymous.peak),
-        )  # fmt: skip
-        return 0
-    if command == "decode":
-        logits = run_decode(session, request)
-        np.savez(
-            outputs_path, logits=logits, peak_rss_bytes=np.int64(peak_rss_bytes()),
-            peak_anon_bytes=np.int64(anonymous.peak),
-        )  # fmt: skip
-        return 0
-    names = [o.name for o in session.get_outputs()]
-    outputs = session.run(names, request)
-    named: dict[str, Any] = dict(zip(names, outputs, strict=True))
+        named = {"logits": run_chunks(session, request)}
+    elif command == "decode":
+        named = {"logits": run_decode(session, request)}
+    else:
+        names = [o.name for o in session.get_outputs()]
+        named = dict(zip(names, session.run(names, request), strict=True))
     named["peak_rss_bytes"] = np.int64(peak_rss_bytes())
     named["peak_anon_bytes"] = np.int64(anonymous.peak)
+    named["load_seconds"] = np.float64(loaded - started)
+    named["run_seconds"] = np.float64(time.monotonic() - loaded)
     np.savez(outputs_path, **named)
     return 0
 

@@ -59,7 +59,16 @@ def _mapped_run(run: ChildRun) -> dict[str, Any]:
         "ort_peak_anon_bytes": int(run.outputs.pop("peak_anon_bytes")),
         "mode": "whole",
         "weights": "mapped",
+        **_seconds(run),
     }
+
+
+def _seconds(run: ChildRun) -> dict[str, float]:
+    """onnxruntime's own load and run seconds, as the child measured them."""
+    return {
+        f"ort_{key}": round(float(run.outputs.pop(key)), 2)
+        for key in ("load_seconds", "run_seconds") if key in run.outputs
+    }  # fmt: skip
 
 
 def run_ort(
@@ -201,4 +210,4 @@ def check_logits(
             f"the fixed text: {'; '.join(failed)}"
         )
     return {"reference": reference.summary()["implementation"], **figures.as_dict(),
-            "bounds": asdict(bounds)}  # fmt: skip
+            "bounds": asdict(bounds), **_seconds(run)}  # fmt: skip
