@@ -37,8 +37,22 @@ The table gives each wall's minimum and median, the ratio of the medians and the
 per-round ratios; the load average is recorded before and after each size (the figures are only
 as good as the machine was quiet).
 
-Why one module of over 450 lines would be wrong here: it is not; a bench is run as one file and
-re-runs itself as its measured children (``--child``).
+Figures of 2026-11-25, 2 cores shared with other work (load 6-18: indicative only). Before the
+two-layer capture (main at 16a69f7), 1.1 GB, two rounds of the three before it was stopped:
+
+==================  ===============  ===============  ===============
+round (load)        ours verify off  ours verify on   optimum, no validation
+==================  ===============  ===============  ===============
+0 (6.6-16)          508 s            558 s            251 s
+1 (13-17)           168 s            265 s            (stopped)
+==================  ===============  ===============  ===============
+
+Profile of round 1, verify on (seconds): read 16.9, offload 32.6 (transformers' independent
+reference 14.6, ours 6.0), capture 104.7, write 34.3, PyTorch's greedy reference 22.9,
+onnxruntime decode 4.9 (load 0.6, run 2.5), onnxruntime on the fixed text 13.8 (load 0.7, run
+11.1). Capture was the largest phase in every run. Capture alone on meta (``capture_graph``,
+TinyLlama shape, one process after a warm-up, load 13-15): every layer traced, 4 layers 137 s,
+8 layers 297 s; two traced and the rest stamped, 4 layers 90 s, 8 layers 85 s, 16 layers 69 s.
 """
 
 from __future__ import annotations
