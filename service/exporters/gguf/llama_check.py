@@ -183,7 +183,7 @@ LOGIT_BOUNDS: dict[str, LogitBounds] = {
     "f16": LogitBounds(kl_mean=0.001, kl_p99=0.01, top1=0.97, ppl_ratio=1.02),
     "bf16": LogitBounds(kl_mean=0.005, kl_p99=0.03, top1=0.95, ppl_ratio=1.03),
     "q8_0": LogitBounds(kl_mean=0.02, kl_p99=0.08, top1=0.9, ppl_ratio=1.06),
-    "q4_0": LogitBounds(kl_mean=1.0, kl_p99=6.0, top1=0.5, ppl_ratio=1.5),
+    "q4_0": LogitBounds(kl_mean=1.0, kl_p99=6.0, top1=0.5, ppl_ratio=2.0),
     "Q4_K_M": LogitBounds(kl_mean=0.3, kl_p99=1.2, top1=0.7, ppl_ratio=1.3),
 }
 """The worst logit figures a GGUF of each type may show against transformers' float32 run of
@@ -193,10 +193,13 @@ quantization hurts most): f16 KL 2e-6 (p99 3e-5), bf16 8e-5 (3e-4), q8_0 0.0037 
 top-1 0.984), q4_0 0.28 (0.70, top-1 0.66), Q4_K_M 0.057 (0.21, top-1 0.86); perplexity ratio
 0.99-1.08. On the whole Qwen2.5-Coder-0.5B: f16 1.7e-4 (0.0012, top-1 1.0), bf16 0.0025
 (0.017, 0.976), q8_0 0.0044 (0.027, 0.984), q4_0 0.58 (3.58, 0.587), Q4_K_M 0.074 (0.49,
-0.841); perplexity ratio 0.79-1.05. Each bound is above the worst of them: a file read or
+0.841); perplexity ratio 0.79-1.05. On the whole Gemma 3 270M: f16 3e-6 (3e-5, 1.0), bf16
+4.7e-5 (1.5e-4, 1.0), q8_0 0.0022 (0.0060, 0.976), q4_0 0.35 (1.26, 0.603, perplexity ratio
+1.55), Q4_K_M 0.0047 (0.016, 0.929). Each bound is above the worst of them: a file read or
 written wrong lands at KL ~1-10 with top-1 near 0 (a skipped q/k permutation, raw FP8 codes:
-tests/integration/real_models/test_checks_fail.py). q4_0's is loose because q4_0 of these small
-models is that poor (its p99 on Qwen2.5 is 3.6); its mean and top-1 still tell it from garbage."""
+tests/integration/real_models/test_checks_fail.py). q4_0's are loose because q4_0 of these small
+models is that poor (its p99 on Qwen2.5 is 3.6, its perplexity ratio on Gemma 3 1.55); its mean
+and top-1 still tell it from garbage."""
 PPL_JUDGED_BELOW = 1000.0
 """The perplexity ratio is judged only when the reference itself predicts the text (its
 perplexity below this): llama.cpp keeps base log-probabilities down to max - 16 nats, so on a
