@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 
 ARCHIVE_NAME = "model.nnef.tgz"
+VERIFY_DIR = "verify"
+"""The decode check's work directory in the stage; the layer-by-layer check leaves the blocks it
+cut in its ``blocks``, which the logits check runs again."""
 
 ARCHIVE_PROPERTIES: dict[str, str] = {"export_cmd": "modelprep"}
 """Properties that replace torch-to-nnef's own in the archive: it records ``" ".join(sys.argv)``
@@ -242,10 +245,14 @@ def export_nnef(
                 )
                 independent = inputs.independent
                 if (
-                    mode == "whole" and report is not None
+                    report is not None
                     and independent is not None and independent.chunks is not None
                 ):  # fmt: skip
-                    report = _with_logits(report, spec, built, io, independent, out_dir, work, ctx)
+                    # block by block where the decode check was (the blocks it cut), else whole
+                    blocks = work / "stage" / VERIFY_DIR / "blocks" if mode == "layerwise" else None
+                    report = _with_logits(
+                        report, spec, built, io, independent, out_dir, work, ctx, blocks
+                    )
             else:
                 io, report = _export_encoder(spec, built, launcher, work / "stage", out_dir, ctx)
     finally:
@@ -478,7 +485,7 @@ def _verify_archive(
 
     tolerance = tolerance_for("runtime", spec.compression or built.dtype)
     tolerance = tolerance.overridden(spec.atol, spec.rtol)
-    report = run(archive, tolerance.atol, tolerance.rtol, stage / "verify")
+    report = run(archive, tolerance.atol, tolerance.rtol, stage / VERIFY_DIR)
     ctx.advance(steps)
     return report
 
@@ -492,14 +499,16 @@ def _with_logits(
     out_dir: Path,
     work: Path,
     ctx: JobContext,
+    blocks: Path | None = None,
 ) -> ParityReport:
     """``report`` with tract's figures on the fixed text against the job's independent
-    reference (``verify.check_logits``; VerificationFailed beyond the dtype's bounds)."""
+    reference (``verify.check_logits``, whole or from ``blocks``; VerificationFailed beyond
+    the dtype's bounds; a q4_0 archive's figures are reported unjudged)."""
     from service.exporters.nnef.verify import check_logits
 
     figures = check_logits(
         out_dir / ARCHIVE_NAME, io, str(built.dtype).removeprefix("torch."), spec.compression,
-        independent, work=work / "logits", check_abort=ctx.check_abort,
+        independent, work=work / "logits", check_abort=ctx.check_abort, blocks=blocks,
     )  # fmt: skip
     return replace(report, extra={**report.extra, "logits": figures})
 

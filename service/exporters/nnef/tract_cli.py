@@ -18,7 +18,9 @@ process (tract holds the whole archive in RAM; the job process must not)::
     tract MODEL.nnef.tgz logits --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
 
 ``logits`` (:func:`run_chunks`) gives the logits of the fixed text's scored positions, chunk by
-chunk, for the check against transformers' (``service.logits``).
+chunk, for the check against transformers' (``service.logits``); ``layerwise-logits``
+(:func:`run_layerwise_chunks`) gives the same from the blocks below, each fed the block before
+it.
 
 ``REQUEST.npz`` holds ``prompt`` [1,S], ``tokens`` [n] and ``cache_shapes`` [k,4] (past axis 0,
 dtypes ``cache_dtypes``); it replays a greedy decode feeding back tract's own KV cache and saves
@@ -182,12 +184,65 @@ def _reset_hwm() -> None:
         pass
 
 
+def _block_steps(
+    runnable: Any,
+    block: dict[str, Any],
+    prompt: np.ndarray,
+    tokens: np.ndarray,
+    hidden: Any,
+    shapes: list[list[int]],
+    dtypes: list[str],
+) -> dict[str, list[np.ndarray]]:
+    """One block over a teacher-forced decode (``prompt``, then each of ``tokens`` but the last
+    a step, as :func:`run_decode`), feeding back its own KV caches and ``hidden[layer]``
+    ``[positions, width]`` to a hidden input; its outputs by kind (``hidden_<layer>`` rows of
+    every position, ``logits`` of the last position), one entry a step."""
+    caches: dict[int, np.ndarray] = {}
+    for position, spec in enumerate(block["inputs"]):
+        if spec["kind"] == "cache":
+            index = int(spec["index"])
+            caches[index] = np.zeros(
+                shapes[index], dtype=fact_dtype(runnable.input_fact(position), dtypes[index])
+            )
+    step_ids = np.ascontiguousarray(prompt, dtype=np.int64)
+    done = 0
+    found: dict[str, list[np.ndarray]] = {}
+    for token in tokens:
+        count = int(step_ids.shape[1])
+        feed = []
+        for spec in block["inputs"]:
+            if spec["kind"] == "ids":
+                feed.append(step_ids)
+            elif spec["kind"] == "cache":
+                feed.append(caches[int(spec["index"])])
+            else:
+                value = hidden[int(spec["index"])][done : done + count][None]
+                feed.append(np.ascontiguousarray(value.astype(spec["dtype"])))
+        outputs = [t.to_numpy() for t in runnable.run(feed)]
+        done += count
+        for index, cache in caches.items():  # past length grows for the shape-only ones
+            shape = list(cache.shape)
+            shape[2] = done
+            caches[index] = np.zeros(shape, dtype=cache.dtype)
+        for spec, value in zip(block["outputs"], outputs, strict=True):
+            if spec["kind"] == "cache":
+                caches[int(spec["index"])] = value
+            elif spec["kind"] == "hidden":
+                found.setdefault(f"hidden_{spec['index']}", []).append(
+                    value.reshape(-1, value.shape[-1]).astype(np.float32)
+                )
+            else:
+                found.setdefault("logits", []).append(_last_position(value))
+        step_ids = np.asarray([[int(token)]], dtype=np.int64)
+    return found
+
+
 def run_layerwise(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Run every block of ``work/blocks.json`` over the teacher-forced decode, one at a time."""
+    """Run every block of ``work/blocks.json`` over the teacher-forced decode, one at a time,
+    each fed PyTorch's output of the layer before it (``request["hidden"]``)."""
     import json
 
     blocks = json.loads((work / "blocks.json").read_text())
-    hidden = request["hidden"]
     dtypes = [str(d) for d in request["cache_dtypes"]]
     shapes = [[int(d) for d in shape] for shape in request["cache_shapes"]]
     saved: dict[str, Any] = {}
@@ -195,44 +250,9 @@ def run_layerwise(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
     for block in blocks:
         _reset_hwm()
         runnable = load_runnable(work / block["directory"])
-        caches: dict[int, np.ndarray] = {}
-        for position, spec in enumerate(block["inputs"]):
-            if spec["kind"] == "cache":
-                index = int(spec["index"])
-                caches[index] = np.zeros(
-                    shapes[index], dtype=fact_dtype(runnable.input_fact(position), dtypes[index])
-                )
-        step_ids = np.ascontiguousarray(request["prompt"], dtype=np.int64)
-        done = 0
-        found: dict[str, list[np.ndarray]] = {}
-        for token in request["tokens"]:
-            count = int(step_ids.shape[1])
-            feed = []
-            for position, spec in enumerate(block["inputs"]):
-                if spec["kind"] == "ids":
-                    feed.append(step_ids)
-                elif spec["kind"] == "cache":
-                    feed.append(caches[int(spec["index"])])
-                else:
-                    value = hidden[int(spec["index"]), done : done + count][None]
-                    feed.append(np.ascontiguousarray(value.astype(spec["dtype"])))
-            outputs = [t.to_numpy() for t in runnable.run(feed)]
-            done += count
-            for index, cache in caches.items():  # past length grows for the shape-only ones
-                shape = list(cache.shape)
-                shape[2] = done
-                caches[index] = np.zeros(shape, dtype=cache.dtype)
-            for spec, value in zip(block["outputs"], outputs, strict=True):
-                if spec["kind"] == "cache":
-                    caches[int(spec["index"])] = value
-                elif spec["kind"] == "hidden":
-                    key = f"hidden_{spec['index']}"
-                    found.setdefault(key, []).append(
-                        value.reshape(-1, value.shape[-1]).astype(np.float32)
-                    )
-                else:
-                    found.setdefault("logits", []).append(_last_position(value))
-            step_ids = np.asarray([[int(token)]], dtype=np.int64)
+        found = _block_steps(
+            runnable, block, request["prompt"], request["tokens"], request["hidden"], shapes, dtypes
+        )
         del runnable
         for key, parts in found.items():
             saved[key] = np.concatenate(parts) if key != "logits" else np.stack(parts)
@@ -240,6 +260,43 @@ def run_layerwise(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
     saved["block_peak_rss_bytes"] = np.asarray(peaks, dtype=np.int64)
     saved["peak_rss_bytes"] = np.asarray(max(peaks, default=0), dtype=np.int64)
     return saved
+
+
+def run_layerwise_chunks(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
+    """:func:`run_chunks`'s logits from the blocks of ``work/blocks.json``, one block loaded at
+    a time: each block runs every chunk's decode fed the previous block's outputs (tract's own,
+    never PyTorch's), so the head's logits are the archive's end to end while tract holds one
+    block's weights."""
+    import json
+
+    blocks = json.loads((work / "blocks.json").read_text())
+    dtypes = [str(d) for d in request["cache_dtypes"]]
+    shapes = [[int(d) for d in shape] for shape in request["cache_shapes"]]
+    first, last = int(request["first"]), int(request["last"])
+    chunks = np.asarray(request["chunks"], dtype=np.int64)
+    carried: list[dict[int, np.ndarray]] = [{} for _ in chunks]
+    logits: list[np.ndarray] = [np.empty(0, dtype=np.float32)] * len(chunks)
+    peaks = []
+    for block in blocks:
+        _reset_hwm()
+        runnable = load_runnable(work / block["directory"])
+        for c, chunk in enumerate(chunks):
+            found = _block_steps(
+                runnable, block, chunk[None, : first + 1], chunk[first + 1 : last + 1],
+                carried[c], shapes, dtypes,
+            )  # fmt: skip
+            for key, parts in found.items():
+                if key == "logits":
+                    logits[c] = np.stack(parts).astype(np.float32)
+                else:
+                    carried[c] = {int(key.removeprefix("hidden_")): np.concatenate(parts)}
+        del runnable
+        peaks.append(_vm_hwm())
+    return {
+        "logits": np.stack(logits),
+        "block_peak_rss_bytes": np.asarray(peaks, dtype=np.int64),
+        "peak_rss_bytes": np.asarray(max(peaks, default=0), dtype=np.int64),
+    }
 
 
 # --- layer outputs, to say where a mismatch starts ----------------------------------------------
@@ -357,11 +414,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if (
         args.model is None
-        or args.command not in ("run", "decode", "layerwise", "logits")
+        or args.command not in ("run", "decode", "layerwise", "logits", "layerwise-logits")
         or args.input_from_bundle is None
     ):
         print(
-            "ERROR unsupported invocation (only --version, run, decode, layerwise and logits)",
+            "ERROR unsupported invocation (only --version, run, decode, layerwise, logits and "
+            "layerwise-logits)",
             file=sys.stderr,
         )
         return 2
@@ -375,11 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     with np.load(args.input_from_bundle) as bundle:
         inputs = {k: bundle[k] for k in bundle.files}
-    if args.command == "layerwise":
+    if args.command in ("layerwise", "layerwise-logits"):
         if args.save_outputs_npz is None:
-            print("ERROR layerwise needs --save-outputs-npz", file=sys.stderr)
+            print(f"ERROR {args.command} needs --save-outputs-npz", file=sys.stderr)
             return 2
-        np.savez(args.save_outputs_npz, **run_layerwise(Path(args.model), inputs))
+        run = run_layerwise if args.command == "layerwise" else run_layerwise_chunks
+        np.savez(args.save_outputs_npz, **run(Path(args.model), inputs))
         return 0
     if args.command == "decode":
         if args.save_outputs_npz is None:

@@ -267,21 +267,29 @@ def check_logits(
     *,
     work: Path,
     check_abort: Callable[[], None] | None = None,
+    blocks: Path | None = None,
 ) -> dict[str, Any]:
     """tract's logits on each chunk of the fixed text against transformers' (the job's
     independent reference, :class:`service.checkpoint.independent.IndependentReference`): KL
     mean and p99, top-1 agreement, perplexity ratio (``service.logits``, the figures ONNX and
     GGUF report); VerificationFailed beyond the dtype's bounds (:data:`RUNTIME_LOGIT_BOUNDS`).
-
     A compressed archive (``q4_0``) reports its figures unjudged: torch-to-nnef's min-max q4_0
-    has no calibrated bound, and its decode is checked against the compressed weights."""
+    has no calibrated bound yet, and its decode is checked against the compressed weights.
+
+    ``blocks``: the archive's blocks cut by the layer-by-layer check
+    (:mod:`service.exporters.nnef.layerwise`), run one after the other, each fed the one
+    before it, where tract cannot hold the whole archive."""
     chunks = reference.chunks
     request = {**window_request(chunks), **_empty_caches(io)}
-    run = run_tract(archive, "logits", request, work, check_abort)
+    if blocks is None:
+        run = run_tract(archive, "logits", request, work, check_abort)
+    else:
+        run = run_tract(blocks, "layerwise-logits", request, work, check_abort)
     found = run.outputs["logits"]
     figures = compare_logits(reference.chunk_logits(), placed_rows(found, chunks), chunks)
     bounds: LogitBounds | None = None if compression else runtime_bounds(dtype)
     report = {"reference": reference.summary()["implementation"], **figures.as_dict(),
+              "mode": "whole" if blocks is None else "layerwise",
               "bounds": None if bounds is None else asdict(bounds)}  # fmt: skip
     failed = [] if bounds is None else bounds.violations(figures)
     if failed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,36 @@ def test_a_tiny_llama_job_under_a_budget_for_one_block_is_checked_layer_by_layer
     assert verify["mode"] == "layerwise", verify
     assert [b["block"] for b in verify["blocks"]] == ["layer 0", "layer 1", "head"]
     assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
+
+
+def test_block_by_block_logits_on_the_fixed_text_match_the_whole_archives(
+    exported: Exported, smollm2_f16: Path, tmp_path: Path
+) -> None:
+    """The logits check where tract cannot hold the archive: the blocks run one after the
+    other over the fixed text, each fed the block before it (tract's own activations, not
+    PyTorch's), and give the whole archive's figures against transformers' float32 run."""
+    import transformers
+
+    from service.checkpoint.independent import independent_reference
+    from service.exporters.common.reference import fixed_input_ids
+    from service.exporters.nnef.verify import check_logits
+    from service.logits import FIXED_TEXT, runtime_bounds
+
+    archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
+    config = json.loads((smollm2_f16 / "config.json").read_text())
+    independent = independent_reference(
+        smollm2_f16, transformers.LlamaForCausalLM, fixed_input_ids(config["vocab_size"]),
+        FIXED_TEXT, 1 << 34, tmp_path / "reference",
+    )  # fmt: skip
+    whole = check_logits(archive, io_spec, "float16", None, independent, work=tmp_path / "whole")
+    cut_blocks(unpack(archive, tmp_path / "unpacked"), tmp_path / "unpacked", tmp_path / "blocks",
+               576, "f16")  # fmt: skip
+    blocks = check_logits(archive, io_spec, "float16", None, independent,
+                          work=tmp_path / "layerwise", blocks=tmp_path / "blocks")  # fmt: skip
+    assert (whole["mode"], blocks["mode"]) == ("whole", "layerwise")
+    assert blocks["positions"] == whole["positions"] == 126
+    assert blocks["bounds"] == whole["bounds"] == asdict(runtime_bounds("float16"))
+    # the same graph and weights in the same float16: only where tract cuts its fused kernels
+    # (a boundary is stored as float16) may differ
+    assert abs(blocks["kl_mean"] - whole["kl_mean"]) < 1e-3, (whole, blocks)
+    assert abs(blocks["top1"] - whole["top1"]) <= 2 / 126, (whole, blocks)
