@@ -47,7 +47,14 @@ WORKDIR /src
 COPY constraints.txt ./
 RUN pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS $TORCH_PIP_ARGS \
         -c constraints.txt torch
-COPY pyproject.toml README.md ./
+# The dependencies alone, read from pyproject.toml: this layer depends on pyproject.toml and
+# constraints.txt only, so a change to service/ reinstalls nothing but the service itself.
+COPY pyproject.toml ./
+RUN python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
+        > /tmp/requirements.txt \
+    && pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS -c constraints.txt \
+        -r /tmp/requirements.txt
+COPY README.md ./
 COPY service ./service
 # No build isolation: the build backend is the pinned setuptools already installed with torch.
 # Then the one `gguf`: the gguf-py of the llama.cpp built above (scripts/install_gguf_py.sh).
@@ -56,7 +63,7 @@ COPY service ./service
 COPY --from=llama-cpp /opt/llama.cpp/convert/gguf-py /src/gguf-py
 COPY scripts/install_gguf_py.sh ./scripts/
 RUN pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS -c constraints.txt \
-        --no-build-isolation . \
+        --no-build-isolation --no-deps . \
     && env ${PIP_CA_PEM:+PIP_CERT=/opt/pip-ca.pem} \
          scripts/install_gguf_py.sh /opt/modelprep/bin/pip /src/gguf-py $PIP_ARGS \
     && pip check

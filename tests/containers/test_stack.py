@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,10 @@ own share; the big job's checkpoint is larger than the whole container."""
 LOCAL_WHEELS = Path("/opt/wheels")
 EXTRA_CA = Path("/usr/local/share/ca-certificates")
 HEARTBEAT_TIMEOUT = 20
+WHEEL_PORT = 47613
+"""The wheel server's port whenever it is free: its URL is in the TORCH_PIP_ARGS build argument,
+and a build argument whose value changes misses Docker's build cache from its first use on, so a
+random port would reinstall torch and every dependency on each run."""
 
 
 def run(*cmd: str, timeout: float = 600, env: dict[str, str] | None = None,
@@ -84,13 +89,22 @@ def docker() -> None:
         pytest.fail("docker-compose is not installed (apt-get install docker-compose)")
 
 
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 @pytest.fixture(scope="module")
 def wheel_server() -> Iterator[str | None]:
     """This machine's local wheels over HTTP on loopback, for pip inside the build."""
     if not LOCAL_WHEELS.is_dir():
         yield None
         return
-    port = free_port()
+    port = WHEEL_PORT if _port_is_free(WHEEL_PORT) else free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
         cwd=LOCAL_WHEELS, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
