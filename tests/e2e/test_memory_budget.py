@@ -201,9 +201,10 @@ def test_every_export_of_a_checkpoint_twice_the_limit_fits_its_job_budget_and_po
             if export["format"] == "onnx":  # onnxruntime ran with its weights memory-mapped
                 assert check["verify"]["weights"] == "mapped", check
                 assert check["verify"]["ort_peak_anon_bytes"] < memory["job_budget_bytes"] / 2
-        # the job cgroup's charge, page cache and children included, within the budget
-        cgroup_peaks = [phase.get("cgroup_peak_bytes") or 0 for phase in figures["phases"]]
-        assert max(cgroup_peaks) <= memory["job_budget_bytes"], figures
+        # Each phase reports its job cgroup's charge (page cache and children included). That
+        # charge cannot pass the budget, the cgroup's limit: the proof of fitting is the job's
+        # success in that cgroup (confinement above), not a comparison that could never fail.
+        assert all(phase.get("cgroup_peak_bytes") for phase in figures["phases"]), figures
 
     assert not poller.failures, poller.failures[:5]
     path, slowest = poller.slowest()
