@@ -84,6 +84,11 @@ NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
 """torch-to-nnef's trace of the meta copy, per layer (MiniLM 570 MiB for 6 layers,
 SmolLM2 1043 MiB for 30, with twice the largest float32 tensor)."""
 
+REFERENCE_WHOLE_FACTOR = 1.4
+"""The independent reference whole (float32 weights within ``max_memory``): B + 1.4 x float32
+weights, measured on a quiet machine at 394-439 MiB for MiniLM's 86 MiB and 1112-1115 MiB for
+SmolLM2's 513 (the job phase's peak; B = 400 MiB is a bound, the phases before it measure
+317-341 MiB)."""
 REFERENCE_BASE_BYTES = 64 * MiB
 REFERENCE_WEIGHT_FACTOR = 1.7
 """Every verified job whose model builds computes the independent reference
@@ -109,10 +114,12 @@ SAFETENSORS_WRITE_EXTRA_BYTES = 64 * MiB
 """The writer beyond its buffers: the shard plan, hashing, the prefetch thread (2.76 GB
 float32 -> bf16 unverified: 727 MiB measured, 720 predicted)."""
 
-SAFETENSORS_VERIFY_FACTOR = 2.1
-"""A verified safetensors export runs the source, then the export, through transformers in
-float32, the weights resident within ``max_memory``: both at the peak, and the outputs
-(MiniLM 601 MiB for 87 MiB of float32 weights, SmolLM2 1516 MiB for 513)."""
+SAFETENSORS_VERIFY_FACTOR = 1.2
+"""A verified safetensors export runs the export through transformers in float32, the weights
+resident within ``max_memory``. The source's outputs were computed before the exports and its
+resident weights released (``jobs.pipeline._release_resident_weights``), so only the export's
+model is held (MiniLM 440 MiB for 86 MiB of float32 weights, SmolLM2 992 MiB for 513; it was
+2.1 while the source's weights stayed resident through the job)."""
 
 GGUF_TYPE_BYTES: dict[str, float] = {
     "f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
@@ -186,6 +193,20 @@ def _ties(headers: CheckpointHeaders) -> int:
 # --- safetensors ------------------------------------------------------------------------------
 
 
+def _ring_bytes(headers: CheckpointHeaders) -> int:
+    """What the writer's ring of read buffers holds at most: a slot's pages are touched only as
+    far as the largest piece read into it, so the ring is bounded by the ``SAFETENSORS_SLOTS``
+    largest pieces (a tensor cut in pieces of at most ``SAFETENSORS_CHUNK_BYTES``), not by
+    slots x chunk (MiniLM, whose largest tensor is 45 MiB, touched ~50 MiB of the 128)."""
+    if not headers.tensors:
+        return SAFETENSORS_SLOTS * SAFETENSORS_CHUNK_BYTES
+    pieces: list[int] = []
+    for t in headers.tensors:
+        full, rest = divmod(t.nbytes, SAFETENSORS_CHUNK_BYTES)
+        pieces += [SAFETENSORS_CHUNK_BYTES] * min(full, SAFETENSORS_SLOTS) + ([rest] if rest else [])
+    return sum(sorted(pieces, reverse=True)[:SAFETENSORS_SLOTS])
+
+
 def plan_safetensors(
     spec: Any, headers: CheckpointHeaders, max_memory: int, verify: bool
 ) -> ExportPlan:
@@ -200,12 +221,14 @@ def plan_safetensors(
     casts = out_itemsize is not None and any(
         t.floating and ITEMSIZE[t.dtype] != out_itemsize for t in headers.tensors
     )
-    buffers = SAFETENSORS_SLOTS * SAFETENSORS_CHUNK_BYTES * (2 if casts else 1)
+    ring = _ring_bytes(headers)
+    buffers = ring * (2 if casts else 1)
     writing = JOB_BASE_BYTES + buffers + SAFETENSORS_WRITE_EXTRA_BYTES
     notes = [
         (f"writing: base {JOB_BASE_BYTES >> 20} MiB + {SAFETENSORS_SLOTS} read buffers"
-         f"{' and as many cast buffers' if casts else ''} of {SAFETENSORS_CHUNK_BYTES >> 20} "
-         f"MiB + {SAFETENSORS_WRITE_EXTRA_BYTES >> 20} MiB")
+         f"{' and as many cast buffers' if casts else ''} (the {SAFETENSORS_SLOTS} largest "
+         f"pieces of at most {SAFETENSORS_CHUNK_BYTES >> 20} MiB: {ring >> 20} MiB) + "
+         f"{SAFETENSORS_WRITE_EXTRA_BYTES >> 20} MiB")
     ]
     verification: VerificationMode = "none"
     peak = writing
@@ -271,17 +294,16 @@ def _read_from_file(t: TensorHeader) -> bool:
 
 def _reference_bytes(headers: CheckpointHeaders, max_memory: int | None) -> tuple[int, str]:
     """The job process's peak while it computes the independent reference, and its formula
-    in words. Whole (float32 weights within ``max_memory``): B + 64 MiB + 1.7 x float32
-    weights. Layer by layer (``checkpoint.independent``): B + 64 MiB + 1.7 x (one layer + what
+    in words. Whole (float32 weights within ``max_memory``): B + 1.4 x float32 weights. Layer by layer (``checkpoint.independent``): B + 64 MiB + 1.7 x (one layer + what
     stays resident outside the stack, the embedding and head read from the file excluded, in
     the stored dtype) + 3 x n_ctx x vocab float32 logits (a causal LM with a tokenizer); a
     pickle (no headers) is bounded by ``max_memory``."""
     weights = _floating_elements(headers) * 4
     if max_memory is None or weights <= max_memory:
-        held = int(REFERENCE_WEIGHT_FACTOR * weights)
-        return JOB_BASE_BYTES + REFERENCE_BASE_BYTES + held, (
-            f"the independent reference (transformers, float32, whole): base + 64 MiB + "
-            f"{REFERENCE_WEIGHT_FACTOR} x float32 weights ({held >> 20} MiB)"
+        held = int(REFERENCE_WHOLE_FACTOR * weights)
+        return JOB_BASE_BYTES + held, (
+            f"the independent reference (transformers, float32, whole): base + "
+            f"{REFERENCE_WHOLE_FACTOR} x float32 weights ({held >> 20} MiB)"
         )
     layers = _layers(headers)
     vocab = int((headers.config or {}).get("vocab_size") or 0)
@@ -515,7 +537,10 @@ def plan_nnef(spec: Any, headers: CheckpointHeaders, tract_limit: int | None = N
         children = (ChildPlan("tract", whole),)
         tract = f"tract: 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
     return ExportPlan(
-        format="nnef", job_peak_rss_bytes=job, job_rss_during_children_bytes=job,
+        # the trace is gone and the heap trimmed before tract runs (service.heap): the job
+        # holds its base and the streaming buffers (MiniLM: 455 MiB measured, 488 planned)
+        format="nnef", job_peak_rss_bytes=job,
+        job_rss_during_children_bytes=JOB_BASE_BYTES + 2 * largest,
         children=children, verification=(mode or "whole") if verify else "none",
         artifact_bytes=archive,
         notes=(
