@@ -89,33 +89,15 @@ PROFILED = {
 def child_ours(ckpt: Path, out: Path, verify: bool) -> None:
     """One job exporting ``ckpt`` to ONNX, as the worker runs it; prints its export summary,
     its phase timeline and the time spent in each of :data:`PROFILED`, as JSON."""
-    import functools
-    import importlib
-    import time
 
+    from bench.measure import time_calls
     from service.config import Settings
     from service.jobs.layout import JobLayout
     from service.jobs.pipeline import run_pipeline
     from service.jobs.spec import JobSpec
     from service.stage import InMemoryContext
 
-    steps: list[tuple[str, float]] = []
-
-    def timed(name: str, fn: Any) -> Any:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.monotonic()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                steps.append((name, round(time.monotonic() - start, 2)))
-
-        return wrapper
-
-    for module_name, names in PROFILED.items():
-        module = importlib.import_module(module_name)
-        for name in names:
-            setattr(module, name, timed(name, getattr(module, name)))
+    steps = time_calls(PROFILED)
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings(data_dir=out / ".var", local_roots=[ckpt.parent])
     job_id = "c" * 32

@@ -11,12 +11,15 @@ upstream converter alike. So the command is started by a small launcher (``pytho
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +55,27 @@ def run_measured(
         os.unlink(report)
     return {"exit": result["exit"], "wall_s": round(wall, 2),
             "peak_rss": result["maxrss_kib"] * 1024}  # fmt: skip
+
+
+def time_calls(profiled: Mapping[str, Iterable[str]]) -> list[tuple[str, float]]:
+    """Wrap each named function of each module (``{"module": ["name", ...]}``) so that every
+    call appends ``(name, wall seconds)`` to the returned list: where a job's seconds go, by
+    its own steps, in the bench's process (the export benches' profiles share this)."""
+    steps: list[tuple[str, float]] = []
+
+    def timed(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                steps.append((name, round(time.monotonic() - start, 2)))
+
+        return wrapper
+
+    for module_name, names in profiled.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            setattr(module, name, timed(name, getattr(module, name)))
+    return steps
