@@ -29,7 +29,7 @@ def release_between_stages() -> bool:
     import gc
 
     gc.collect()
-    return malloc_trim()
+    return release_free_heap()
 
 
 class HeapTrimmer:
