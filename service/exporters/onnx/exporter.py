@@ -593,7 +593,11 @@ def _causal_lm_with_past(module: nn.Module) -> Any:
             position_ids: torch.Tensor,
             *past: torch.Tensor,
         ) -> tuple[torch.Tensor, ...]:
-            cache = DynamicCache(config=config)
+            # A cache of full layers, whatever the config says: transformers' sliding-window
+            # layer crops its past to the window, which the trace turns into shapes that
+            # onnxruntime refuses once the context passes the window. Full layers keep the
+            # whole past and the mask still hides what lies beyond the window (optimum's layout).
+            cache = DynamicCache()
             for i in range(layers):
                 cache.update(past[2 * i], past[2 * i + 1], i)
             out = self.model(

@@ -314,26 +314,49 @@ def test_a_deep_decoders_stamped_layers_run_like_every_layer_traced(
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-@pytest.mark.timeout(600)
-def test_a_decoder_whose_layers_are_of_two_kinds_is_traced_whole() -> None:
-    """Qwen2 with sliding-window attention from layer 2 on: two traced layers cannot stand for
-    the others. (Captured only: onnxruntime refuses this graph's sliding-window mask, an Expand
-    of an invalid shape, whether its layers are stamped or not.)"""
-    from transformers import AutoConfig
+def _greedy_in_transformers(ckpt: Path, prompt: list[int], steps: int) -> list[int]:
+    """transformers' greedy tokens, each step a whole forward without a cache (no cache layout
+    of ours or theirs involved)."""
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids, tokens = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+    return tokens
 
-    from service.exporters.onnx.exporter import capture_graph
 
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, num_hidden_layers=4, use_sliding_window=True, sliding_window=2,
-        max_window_layers=2,
-    )  # fmt: skip
-    assert len(set(config.layer_types)) == 2
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    graph = capture_graph(model, "text-generation-with-past", torch.float32)
-    assert graph.traced_layers is None
-    assert "past_key_values.3.value" in graph.inputs
+# A prompt longer than the window of 3 below: every step attends past the window's edge.
+_PAST_THE_WINDOW = [5, 9, 17, 33, 2, 7, 11]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("model_type", "config", "traced_layers"),
+    [
+        # Mistral: every layer slides (window 3), so two are traced and two stamped.
+        ("mistral", {"sliding_window": 3}, 2),
+        # Qwen2: full attention in layers 0-1, sliding from layer 2 on: two kinds of layer,
+        # so two traced layers cannot stand for the others and the model is traced whole.
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2}, None),
+    ],
+)
+def test_sliding_window_decoders_decode_past_the_window_like_transformers(
+    model_type: str, config: dict[str, object], traced_layers: int | None, tmp_path: Path
+) -> None:
+    """A sliding-window decoder's ONNX keeps the whole past and masks what lies beyond the
+    window, so a context longer than the window decodes like transformers. (Capturing
+    transformers' sliding cache instead, which crops its past, gave a graph that onnxruntime
+    refused as soon as the context passed the window: "Expand: invalid shape", while the job's
+    own check, on a context shorter than a real model's window, passed.)"""
+    ckpt = _save_deep_decoder(model_type, tmp_path / "ckpt", 4, **config)
+    assert AutoModelForCausalLM.from_pretrained(ckpt).config.sliding_window == 3
+    exported = _export(ckpt, tmp_path, ONNXSpec(prompt_tokens=6, decode_steps=3))
+    assert exported.result.summary["traced_layers"] == traced_layers
+    verify = exported.result.summary["verify"]
+    assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
+    found = _decode_in_ort(exported.out / MODEL_NAME, _PAST_THE_WINDOW, 4)
+    assert found == _greedy_in_transformers(ckpt, _PAST_THE_WINDOW, 4)
 
 
 @pytest.mark.timeout(600)
