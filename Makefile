@@ -53,5 +53,5 @@ docker-engine:
 	scripts/docker_engine.sh
 
 # The image and the compose stack, built and exercised (tests marked `container`)
-container-test: $(VENV)/.installed docker-engine
+container-test: install docker-engine
 	$(PY) -m pytest -q -m container tests/containers --timeout 2400
