@@ -27,6 +27,15 @@ broke; torch-to-nnef capped in pyproject.toml at the series they were checked on
   then restarts positions at 0 every step (SmolLM2's PyTorch reference drifted by 12.9 after the
   prompt). :func:`cache_update_restored` also swaps in :func:`_initialized_layer_update`, which
   keeps the concat-without-empty-tensor that tract needs and the layer's bookkeeping.
+* Its LLM exporter's text handler (``torch_to_nnef_llm.models.handlers.default.
+  DefaultArchitectureHandler.build_forward_inputs(self, *, inputs, wrapper)``, ``inputs`` =
+  ``(input_ids, *past)``) hands the model one additive causal mask, ``[1, 1, S, P+S]``, under
+  ``model_inputs["attention_mask"]``; transformers takes a 4-D mask as it is for every layer,
+  so a sliding-window layer (Mistral, Qwen2 with ``use_sliding_window``, Gemma 3) attended past
+  its window and the archive diverged from transformers once a context outgrew the window.
+  :func:`sliding_window_masks` gives such a model its window (a ``{"full_attention",
+  "sliding_attention"}`` mapping where the model has ``layer_types``, as the library's own
+  Gemma 3 VLM handler does).
 
 The patches are context managers: a job process enters them around an export and leaves them
 as they were. This module imports torch and torch-to-nnef at import time: import it inside
@@ -271,6 +280,51 @@ def _initialized_layer_update(
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
     return self.keys, self.values
+
+
+@contextlib.contextmanager
+def sliding_window_masks() -> Iterator[None]:
+    """Give a sliding-window decoder its window in torch-to-nnef's traced mask (see the module
+    docstring); a model without a sliding window keeps the library's mask untouched."""
+    from torch_to_nnef_llm.models.handlers.default import DefaultArchitectureHandler
+
+    original = DefaultArchitectureHandler.__dict__["build_forward_inputs"]
+
+    def build_forward_inputs(self: Any, *, inputs: tuple[Any, ...], wrapper: Any) -> Any:
+        built = original(self, inputs=inputs, wrapper=wrapper)
+        config = wrapper.model.config
+        window = getattr(config, "sliding_window", None)
+        mask = built.model_inputs.get("attention_mask")
+        if window is None or not isinstance(mask, torch.Tensor):
+            return built
+        windowed = _windowed_mask(mask, int(window))
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None:  # Mistral: one kind of layer, all sliding
+            built.model_inputs["attention_mask"] = windowed
+        elif "sliding_attention" in layer_types:
+            built.model_inputs["attention_mask"] = {
+                "full_attention": mask,
+                "sliding_attention": windowed,
+            }
+        return built
+
+    DefaultArchitectureHandler.build_forward_inputs = build_forward_inputs
+    try:
+        yield
+    finally:
+        DefaultArchitectureHandler.build_forward_inputs = original
+
+
+def _windowed_mask(causal: torch.Tensor, window: int) -> torch.Tensor:
+    """The additive mask of ``causal``'s shape (``[1, 1, S, P+S]``, the S queries at positions
+    P..P+S-1) for a sliding window: a query sees itself and the ``window - 1`` keys before it,
+    as in transformers. Built from positions, as the library builds ``causal``, so the traced
+    graph holds for any S and P."""
+    queries, keys = causal.shape[-2], causal.shape[-1]
+    q_pos = torch.arange(keys - queries, keys).unsqueeze(1)
+    k_pos = torch.arange(keys).unsqueeze(0)
+    hidden = ((k_pos > q_pos) | (k_pos <= q_pos - window)).to(causal.dtype)
+    return (torch.full_like(causal, torch.finfo(causal.dtype).min) * hidden).to(causal.dtype)
 
 
 @contextlib.contextmanager

@@ -222,6 +222,7 @@ def export_nnef(
             t2n.checkpoint_tensors_writable(),
             t2n.eager_q4_dequantize(),
             t2n.cache_update_restored(),
+            t2n.sliding_window_masks(),
         ):
             launcher = write_launcher(work / "bin")
             offload_dir = work / "offload"

@@ -397,6 +397,31 @@ def test_tract_cli_asserts_output_bundles_as_torch_to_nnef_invokes_it(
 
 
 @pytest.mark.parametrize(
+    ("model_type", "window"),
+    [
+        ("mistral", {"sliding_window": 3}),  # every layer slides, no layer_types
+        # layer 0 full, layer 1 sliding: transformers takes a mask per kind of layer
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
+        ("gemma3_text", {"sliding_window": 3}),
+    ],
+)
+def test_sliding_window_decoders_run_in_tract_like_pytorch_past_the_window(
+    model_type: str, window: dict[str, object], tmp_path: Path
+) -> None:
+    """A 6-token prompt and 3 decode steps over a window of 3: tract's archive must mask what
+    lies beyond each sliding layer's window as transformers does. (torch-to-nnef's own mask is
+    causal only: every one of these failed the job's check at layer 0 on the prompt; with a
+    real model's window of 512 or 4096 the check's short context had hidden it.)"""
+    save_tiny_family(model_type, tmp_path / "ckpt", False, head_dim=16, **window)
+    exported = _export(
+        tmp_path / "ckpt", tmp_path / "job", NNEFSpec(prompt_tokens=6, decode_steps=3)
+    )
+    verify = exported.result.summary["verify"]
+    assert verify["max_abs_err"] <= verify["tolerance"], verify
+    assert all(verify["argmax_agreed"]), verify
+
+
+@pytest.mark.parametrize(
     "model_type", ["mistral", "qwen2", "qwen3", "gemma3_text", "roberta", "xlm-roberta"]
 )
 def test_every_supported_family_exports_and_runs_in_tract(model_type: str, tmp_path: Path) -> None:

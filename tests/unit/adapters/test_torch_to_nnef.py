@@ -126,3 +126,52 @@ def test_a_cached_decode_under_torch_to_nnefs_cache_patch_matches_an_uncached_on
             )
             cached = model(ids[:, -1:], past_key_values=past, use_cache=True).logits[:, -1]
     assert torch.allclose(cached, uncached, atol=1e-5), (cached - uncached).abs().max()
+
+
+def _forward_inputs(config: object, seq: int, past: int) -> dict[str, object]:
+    """What torch-to-nnef's text handler hands the model for ``seq`` new tokens after ``past``
+    cached ones (one layer's worth of cache is enough for the handler)."""
+    from types import SimpleNamespace
+
+    from torch_to_nnef_llm.models.handlers.default import DefaultArchitectureHandler
+
+    wrapper = SimpleNamespace(
+        model=SimpleNamespace(config=config), force_causal_mask=True, with_dyn_cache=False
+    )
+    cache = [torch.zeros(1, 2, past, 8), torch.zeros(1, 2, past, 8)]
+    inputs = (torch.zeros(1, seq, dtype=torch.int64), *cache)
+    built = DefaultArchitectureHandler().build_forward_inputs(inputs=inputs, wrapper=wrapper)
+    return dict(built.model_inputs)
+
+
+def _visible(mask: torch.Tensor) -> list[list[int]]:
+    """Each query's visible keys in an additive mask [1, 1, S, P+S]."""
+    return [[k for k, v in enumerate(row) if v == 0] for row in mask[0, 0].tolist()]
+
+
+def test_the_text_handler_passes_one_causal_mask_and_the_adapter_adds_the_window() -> None:
+    from transformers import MistralConfig, Qwen2Config
+
+    mistral = MistralConfig(sliding_window=3)
+    plain = _forward_inputs(mistral, seq=2, past=3)["attention_mask"]
+    assert isinstance(plain, torch.Tensor) and plain.shape == (1, 1, 2, 5), (
+        "assumption broken: torch-to-nnef's DefaultArchitectureHandler.build_forward_inputs("
+        "inputs=(input_ids, *past), wrapper) hands the model one additive causal mask "
+        "[1, 1, S, P+S] under model_inputs['attention_mask']"
+    )
+    assert _visible(plain) == [[0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    with t2n.sliding_window_masks():
+        windowed = _forward_inputs(mistral, seq=2, past=3)["attention_mask"]
+        mixed = _forward_inputs(
+            Qwen2Config(use_sliding_window=True, sliding_window=3, max_window_layers=1,
+                        num_hidden_layers=2),
+            seq=2, past=3,
+        )["attention_mask"]  # fmt: skip
+        unwindowed = _forward_inputs(MistralConfig(sliding_window=None), seq=2, past=3)
+    # transformers' window of 3: a query sees itself and the 2 keys before it
+    assert isinstance(windowed, torch.Tensor) and _visible(windowed) == [[1, 2, 3], [2, 3, 4]]
+    assert isinstance(mixed, dict) and set(mixed) == {"full_attention", "sliding_attention"}
+    assert _visible(mixed["full_attention"]) == _visible(plain)
+    assert _visible(mixed["sliding_attention"]) == [[1, 2, 3], [2, 3, 4]]
+    assert _visible(unwindowed["attention_mask"]) == _visible(plain)  # type: ignore[arg-type]
+    assert _visible(_forward_inputs(mistral, seq=2, past=3)["attention_mask"]) == _visible(plain)
