@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from service.exporters.nnef.tract_cli import load_runnable, run_decode
 from tests.e2e.test_service import PROBLEM, download_all, submit
 from tests.fixtures.models import copy_tree
-from tests.fixtures.real_models import COVERING_VARIANTS, real_variant
+from tests.fixtures.real_models import COVERING_VARIANTS, real_model, real_variant
 from tests.fixtures.service import ServiceProcess, running_service
 from tests.integration.real_models.test_consumers import (
     PROBES,
@@ -49,6 +49,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  architectures=["GPT2LMHeadModel"])  # fmt: skip
     both_bin = replace(COVERING_VARIANTS[2], layers=2)  # .bin shards: no header to read early
     _edit_config(copy_tree(real_variant("smollm2", both_bin), root / "wide-bin"), hidden_size=65536)
+    copy_tree(real_model("minilm"), root / "minilm")
     return root
 
 
@@ -129,6 +130,35 @@ def test_an_architecture_nnef_does_not_support_is_refused_at_submission_with_the
     body = response.json()
     assert body["type"].endswith("unsupported_export")
     assert "causal LM type 'gpt2'" in body["detail"] and "llama" in body["detail"]
+
+
+@pytest.mark.parametrize(
+    "export",
+    [
+        {"format": "gguf", "type": "Q4_K_M"},
+        {"format": "gguf", "type": "Q4_K_M", "verify": False,
+         "imatrix": {"calibration": "builtin"}},
+    ],
+)  # fmt: skip
+def test_an_encoder_is_not_run_as_a_causal_lm_in_llama_cpp(
+    service: ServiceProcess, root: Path, export: dict[str, object]
+) -> None:
+    """Real all-MiniLM (BertModel): a K-quant's perplexity check and an importance matrix need
+    next-token logits, which llama.cpp does not compute for an encoder (llama-perplexity
+    aborted after the export: verification_failed with a backtrace). Refused at submission,
+    with what to take instead; the same Q4_K_M unverified is accepted."""
+    with service.client() as client:
+        response = client.post(
+            "/v1/jobs", json={"source": (root / "minilm").as_uri(), "exports": [export]}
+        )
+        assert response.status_code == 422, response.text
+        body = response.json()
+        assert body["type"].endswith("unsupported_export"), body
+        assert "BertModel is an encoder" in body["detail"] and "q8_0" in body["detail"]
+        unverified = {"format": "gguf", "type": "Q4_K_M", "verify": False}
+        plan = client.post("/v1/jobs", json={
+            "source": (root / "minilm").as_uri(), "exports": [unverified], "dry_run": True})  # fmt: skip
+    assert plan.status_code == 200, plan.text
 
 
 def test_a_hidden_size_the_bin_weights_lack_fails_the_job_typed_with_no_artifacts(

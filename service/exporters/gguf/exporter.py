@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from service.checkpoint.vision import is_multimodal
-from service.errors import MissingTokenizer, NoModelConfig
+from service.errors import MissingTokenizer, NoModelConfig, UnsupportedExport
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.exporters.common.families import is_causal_lm
 from service.exporters.gguf.lora import LORA_PREFIX
 from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_vlm, mmproj_type
 from service.exporters.gguf.plan import OutType, has_tokenizer, resolve_architecture
@@ -91,10 +92,12 @@ class GGUFExporter(Exporter):
     ) -> None:
         """Refuse architectures the configured llama.cpp's converter does not write, and
         vision-language models whose projector is not checked (``mmproj.check_vlm``)."""
+        assert isinstance(spec, GGUFSpec)
         if config is not None:
             bin_dir = settings.llama_cpp_dir if settings else None
             check_vlm(config, bin_dir)
             resolve_architecture(config, bin_dir)
+            _refuse_encoder_on_text(spec, config)
 
     def check_request(self, spec: ExportSpec, settings: Settings) -> None:
         """An imatrix source is judged like the model's: allowed roots, egress, scheme."""
@@ -113,6 +116,7 @@ class GGUFExporter(Exporter):
         if config is not None:
             check_vlm(config, settings.llama_cpp_dir)
             resolve_architecture(config, settings.llama_cpp_dir)
+            _refuse_encoder_on_text(spec, config)
         self._check_tokenizer(spec, root)
 
     @staticmethod
@@ -397,6 +401,27 @@ class GGUFExporter(Exporter):
             "quantizer_peak_rss_bytes": run.peak_rss,
             **({"llama_cpp": checks} if checks else {}),
         }
+
+
+def _refuse_encoder_on_text(spec: GGUFSpec, config: dict[str, Any]) -> None:
+    """Refuse, at submission, what would run an encoder as a causal LM in llama.cpp.
+
+    A K-quant's check (``llama-perplexity``) and an importance matrix (``llama-imatrix``) read
+    next-token logits, which llama.cpp does not compute for an encoder (BERT, RoBERTa): the tool
+    aborts, and the job failed after its export as ``verification_failed`` with a backtrace."""
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    if not spec.runs_llama_cpp or not architectures:
+        return
+    if is_causal_lm(config) or is_multimodal(config):
+        return
+    computes = spec.imatrix is not None and spec.imatrix.calibration is not None
+    what = "an importance matrix from calibration text" if computes else f"verified {spec.type}"
+    raise UnsupportedExport(
+        f"{what} runs the model as a causal LM in llama.cpp (llama-perplexity, llama-imatrix), "
+        f"and {', '.join(architectures)} is an encoder, for which llama.cpp computes no "
+        "next-token logits; take f16, bf16, q8_0 or q4_0 (checked by reading the file back), "
+        f'or set "verify": false on this {spec.type} export (without "imatrix")'
+    )
 
 
 def _tokenizer_summary(plan: GGUFPlan) -> dict[str, Any]:
