@@ -234,9 +234,9 @@ def check_logits(
             "-c", str(n_ctx), "-b", str(n_ctx)]  # fmt: skip
     if lora is not None:
         argv += ["--lora", str(lora)]
-    out = ""
+    out, peak = "", 0
     for _ in range(_ATTEMPTS):
-        out, _ = _tool_output(argv, work, "llama-kl-divergence", check_abort)
+        out, peak = _tool_output(argv, work, "llama-kl-divergence", check_abort)
         figures = parse_llama_kl(out, positions)
         if figures is not None:
             break
@@ -250,6 +250,9 @@ def check_logits(
         **figures.as_dict(),
         "reference_perplexity": ppl_base,
         "bounds": None if bounds is None else dataclasses.asdict(bounds),
+        # wait4's peak RSS: llama.cpp maps the file, so its pages count here as page cache
+        # the kernel can drop, not memory the tool holds
+        "llama_cpp_peak_rss_bytes": peak,
     }
     if bounds is None:
         return report

@@ -234,6 +234,14 @@ def test_each_fp8_artifact_runs_in_its_consumer_like_the_float_model(
     assert_within(figures, bounds, f"FP8 SmolLM2 as {dirname} {spec}", ppl=spec["format"] != "gguf")
 
 
+@pytest.mark.parametrize("dirname", ["gguf", "gguf-2"])
+def test_the_gguf_logits_check_reports_llama_cpps_peak_memory(fp8_job: Job, dirname: str) -> None:
+    """Each child's peak is in the manifest: llama-perplexity's too, which maps the whole file."""
+    logits = fp8_job.export(dirname)["verify"]["logits"]
+    gguf_bytes = next((fp8_job.artifacts / dirname).glob("*.gguf")).stat().st_size
+    assert 0 < gguf_bytes < logits["llama_cpp_peak_rss_bytes"] < 2 * 2**30, logits
+
+
 @pytest.mark.parametrize("dirname", ["nnef", "onnx"])
 def test_nnef_and_onnx_report_their_runtimes_logit_figures_in_the_manifest(
     fp8_job: Job, dirname: str
