@@ -211,6 +211,14 @@ def public_endpoint_of(settings: Settings) -> str:
     return endpoint_of(settings)
 
 
+def stall_read_seconds(settings: Settings) -> float:
+    """How long one object-store request may wait for the server's next bytes: the stall bound
+    of every transfer (``download_stall_seconds``), at most 60 s. obstore's requests and the
+    signed ones of :class:`MultipartUploads` use the same figure, so a store that stopped
+    answering fails each of them as soon as it fails a download."""
+    return min(60.0, settings.download_stall_seconds)
+
+
 def store_for(
     bucket: str, settings: Settings, tenant: str | None, *, checksum: bool = False,
     endpoint: str | None = None,
@@ -235,7 +243,7 @@ def store_for(
     client: ClientConfig = {
         "allow_http": endpoint.startswith("http://"),
         "connect_timeout": timedelta(seconds=10),
-        "read_timeout": timedelta(seconds=min(60.0, settings.download_stall_seconds)),
+        "read_timeout": timedelta(seconds=stall_read_seconds(settings)),
     }
     # Retries are the caller's (:func:`call`, the source's resumable reads): one policy,
     # service/retry.py, for every transfer.
@@ -478,8 +486,9 @@ class MultipartUploads(_SignedRequests):
     streamed put in progress: its stored parts stay on the server, unlisted, until aborted)."""
 
     def __init__(self, bucket: str, settings: Settings, tenant: str | None,
-                 read_seconds: float = 60.0) -> None:
-        super().__init__(bucket, settings, tenant, read_seconds)
+                 read_timeout: float | None = None) -> None:
+        super().__init__(bucket, settings, tenant,
+                         stall_read_seconds(settings) if read_timeout is None else read_timeout)
 
     def in_progress(self, prefix: str, retry: bool = True) -> list[tuple[str, str]]:
         """``(key, upload id)`` of every upload initiated under ``prefix``, neither completed
@@ -516,7 +525,7 @@ def abort_uploads(
     for the bucket's AbortIncompleteMultipartUpload lifecycle rule, or a later removal."""
     try:
         uploads = MultipartUploads(bucket, settings, tenant,
-                                   read_seconds=10.0 if quick else 60.0)
+                                   min(10.0, stall_read_seconds(settings)) if quick else None)
     except AccessDenied:
         return None
     try:

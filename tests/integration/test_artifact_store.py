@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -26,7 +27,12 @@ from service.errors import (
     PublishFailed,
 )
 from service.fsutil import sha256_file
-from service.objectstore import COPY_OBJECT_MAX_BYTES, COPY_PART_BYTES, S3Location
+from service.objectstore import (
+    COPY_OBJECT_MAX_BYTES,
+    COPY_PART_BYTES,
+    S3Location,
+    abort_uploads,
+)
 from service.stage import InMemoryContext
 from tests.fixtures.corrupting_proxy import corrupting_proxy
 from tests.fixtures.seaweedfs import S3Server, seaweedfs  # noqa: F401  (fixture)
@@ -148,6 +154,25 @@ def test_server_stopped_mid_upload_fails_typed_and_publishes_nothing(
     assert store.published(location)
     store.remove(location)
     assert _keys(seaweedfs, bucket, prefix) == []
+
+
+def test_the_cleanup_before_a_publish_gives_up_on_a_stopped_server_within_the_stall_bound(
+    tmp_path: Path, seaweedfs: S3Server, bucket: str,  # noqa: F811
+) -> None:
+    """Publishing first aborts what an earlier attempt left in progress; against a server that
+    accepts connections and never answers, each of its requests waits download_stall_seconds
+    (as an upload's does), not a fixed minute, so the publication fails as soon as it would."""
+    settings = _settings(tmp_path, seaweedfs, bucket, download_stall_seconds=2)
+    os.kill(seaweedfs.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        aborted = abort_uploads(bucket, "artifacts/_/", settings, None)
+    finally:
+        os.kill(seaweedfs.pid, signal.SIGCONT)
+    elapsed = time.monotonic() - started
+    assert aborted is None  # best effort: the store did not answer
+    # 2 attempts (download_retries=1) of 2 s each, plus the backoff: a fixed 60 s read took 120
+    assert elapsed < 30, f"the cleanup waited {elapsed:.1f} s on a stopped store"
 
 
 def test_a_job_cancelled_mid_upload_aborts_its_multipart_upload_on_the_server(
