@@ -17,9 +17,11 @@ manifest, removes what it uploaded and aborts its multipart uploads still in pro
 (``obstore.put`` does not: their stored parts would stay on the server, billed and unlisted).
 An abort the store cannot take then (it is stopped) is done by the job's next attempt (publish
 first aborts what is in progress under the job's location) or the removal of its set, or left
-to the bucket's
-AbortIncompleteMultipartUpload lifecycle rule (the only cleanup when the service signs with web
-identity or instance credentials, which it cannot use for these requests). Removal (DELETE, retention) deletes the manifest FIRST, so a half-removed
+to the sweep of orphaned uploads (:meth:`ArtifactStore.abort_orphaned_uploads`, which the API
+runs at start and with retention: uploads in progress longer than
+``MODELPREP_ARTIFACT_UPLOAD_ORPHAN_AFTER``), or the bucket's AbortIncompleteMultipartUpload
+lifecycle rule (the only cleanup when the service signs with web identity or instance
+credentials, which it cannot use for these requests). Removal (DELETE, retention) deletes the manifest FIRST, so a half-removed
 set is never mistaken for a published one.
 """
 
@@ -30,7 +32,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -250,6 +252,26 @@ class ArtifactStore:
             call(lambda: obstore.delete(store, rest), what, self.settings)
         abort_uploads(location.bucket, location.prefix + "/", self.settings, None)
         return sum(int(m["size"]) for m in objects)
+
+    def abort_orphaned_uploads(self, now: datetime | None = None) -> int | None:
+        """Abort the multipart uploads in progress under the store's prefix and every granted
+        destination that began more than ``artifact_upload_orphan_after`` ago; returns how
+        many, None when a prefix could not be swept (the next round tries again).
+
+        Why: a publish that fails while the store is unreachable cannot abort its upload then,
+        and the job's retry or removal, which would, may never come; the parts would stay on
+        the server, billed and unlisted. An upload that young may be a live publish: kept."""
+        before = (now or datetime.now(UTC)) - timedelta(
+            seconds=self.settings.artifact_upload_orphan_after)
+        prefixes = {self.root, *(S3Location.parse(uri)
+                                 for granted in self.settings.artifact_destinations.values()
+                                 for uri in granted)}
+        aborted: int | None = 0
+        for location in sorted(prefixes, key=lambda loc: loc.uri):
+            count = abort_uploads(location.bucket, location.prefix + "/" if location.prefix
+                                  else "", self.settings, None, initiated_before=before)
+            aborted = None if count is None or aborted is None else aborted + count
+        return aborted
 
 
 def check_destination(destination: str, tenant: str | None, settings: Settings) -> S3Location:

@@ -167,6 +167,13 @@ class Settings(BaseSettings):
         description='JSON {"tenant": ["s3://bucket/prefix", ...]}: where a job of the tenant '
         'may ask to publish with "destination" ("_" is open mode).',
     )
+    artifact_upload_orphan_after: float = Field(
+        default=86400.0, gt=0, examples=["24h"],
+        description="Seconds (or 24h, 90m) after which a multipart upload still in progress "
+        "under the artifact store or a granted destination is a failed publish's orphan and "
+        "is aborted (at API start, then every retention_interval_seconds); longer than the "
+        "upload of the largest file.",
+    )
     artifact_url_seconds: int = Field(
         default=900, ge=1, le=7 * 86400,
         description="How long the presigned URL an artifact download redirects to is valid.",
@@ -322,7 +329,9 @@ class Settings(BaseSettings):
         "files are removed, as DELETE does; None: kept until deleted.",
     )
     retention_interval_seconds: float = Field(
-        default=60.0, gt=0, description="How often the API looks for expired artifacts."
+        default=60.0, gt=0,
+        description="How often the API looks for expired artifacts and orphaned multipart "
+        "uploads.",
     )
     tenant_max_artifact_bytes: int | None = Field(
         default=None, ge=0, examples=["500GB"],
@@ -331,7 +340,7 @@ class Settings(BaseSettings):
         "DELETE or retention frees them.",
     )
 
-    @field_validator("artifact_ttl", mode="before")
+    @field_validator("artifact_ttl", "artifact_upload_orphan_after", mode="before")
     @classmethod
     def _human_duration(cls, value: object) -> object:
         if isinstance(value, str) and value.strip():

@@ -480,6 +480,27 @@ class _SignedRequests:
         return call(send, what, self._settings) if retry else send()
 
 
+@dataclass(frozen=True)
+class InProgressUpload:
+    """One multipart upload neither completed nor aborted (ListMultipartUploads)."""
+
+    key: str
+    upload_id: str
+    initiated: datetime | None
+    """When the store says it began; None when its answer has no readable ``Initiated``."""
+
+
+def _timestamp(text: str | None) -> datetime | None:
+    """An S3 timestamp (``2026-11-27T01:02:03.000Z``), None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
 class MultipartUploads(_SignedRequests):
     """The multipart uploads in progress under a prefix: ListMultipartUploads and
     AbortMultipartUpload (obstore has neither, and ``obstore.put`` leaves the upload of a failed
@@ -490,46 +511,56 @@ class MultipartUploads(_SignedRequests):
         super().__init__(bucket, settings, tenant,
                          stall_read_seconds(settings) if read_timeout is None else read_timeout)
 
-    def in_progress(self, prefix: str, retry: bool = True) -> list[tuple[str, str]]:
-        """``(key, upload id)`` of every upload initiated under ``prefix``, neither completed
-        nor aborted."""
-        found: list[tuple[str, str]] = []
+    def in_progress(self, prefix: str, retry: bool = True) -> list[InProgressUpload]:
+        """Every upload initiated under ``prefix``, neither completed nor aborted."""
+        found: list[InProgressUpload] = []
         query = {"uploads": "", "prefix": prefix}
         while True:
             body = self._request("GET", "", query, retry=retry).content
             root = ElementTree.fromstring(body)
             for upload in root.findall("{*}Upload"):
-                found.append((upload.findtext("{*}Key") or "", upload.findtext("{*}UploadId") or ""))
+                found.append(InProgressUpload(upload.findtext("{*}Key") or "",
+                                              upload.findtext("{*}UploadId") or "",
+                                              _timestamp(upload.findtext("{*}Initiated"))))
             if root.findtext("{*}IsTruncated") != "true":
                 return found
             query = {**query, "key-marker": root.findtext("{*}NextKeyMarker") or "",
                      "upload-id-marker": root.findtext("{*}NextUploadIdMarker") or ""}
 
-    def abort_all(self, prefix: str, retry: bool = True) -> int:
-        """Abort every upload in progress under ``prefix`` (the store drops their parts);
-        returns how many. An upload completed or aborted meanwhile is not an error."""
-        uploads = self.in_progress(prefix, retry)
-        for key, upload_id in uploads:
+    def abort_all(
+        self, prefix: str, retry: bool = True, initiated_before: datetime | None = None,
+    ) -> int:
+        """Abort every upload in progress under ``prefix`` (the store drops their parts), or
+        only those initiated before ``initiated_before`` (one whose start the store does not
+        say is kept: it may be live); returns how many. An upload completed or aborted
+        meanwhile is not an error."""
+        uploads = [u for u in self.in_progress(prefix, retry)
+                   if initiated_before is None
+                   or (u.initiated is not None and u.initiated < initiated_before)]
+        for upload in uploads:
             with contextlib.suppress(ObjectNotFound):  # NoSuchUpload: already gone
-                self._request("DELETE", key, {"uploadId": upload_id}, retry=retry)
+                self._request("DELETE", upload.key, {"uploadId": upload.upload_id}, retry=retry)
         return len(uploads)
 
 
 def abort_uploads(
     bucket: str, prefix: str, settings: Settings, tenant: str | None, *, quick: bool = False,
+    initiated_before: datetime | None = None,
 ) -> int | None:
     """Best effort: abort the multipart uploads in progress under ``prefix``; returns how many,
     or None when that failed (the store unreachable, or no key pair to sign with: web identity
     and instance credentials stay inside object_store). ``quick``: one attempt with a short
-    timeout, for cleaning up after a failure the store itself may have caused. What is left is
-    for the bucket's AbortIncompleteMultipartUpload lifecycle rule, or a later removal."""
+    timeout, for cleaning up after a failure the store itself may have caused.
+    ``initiated_before``: only uploads begun before then (:meth:`MultipartUploads.abort_all`).
+    What is left is for the bucket's AbortIncompleteMultipartUpload lifecycle rule, a later
+    removal, or the sweep of orphaned uploads."""
     try:
         uploads = MultipartUploads(bucket, settings, tenant,
                                    min(10.0, stall_read_seconds(settings)) if quick else None)
     except AccessDenied:
         return None
     try:
-        return uploads.abort_all(prefix, retry=not quick)
+        return uploads.abort_all(prefix, retry=not quick, initiated_before=initiated_before)
     except (ServiceError, _Transient, httpx.HTTPError, ElementTree.ParseError):
         return None
     finally:

@@ -36,13 +36,20 @@ is `application/problem+json` whose `type` is a page of this service (`/problems
 """
 
 
-async def _expire_artifacts(jobs: JobService, settings: Settings) -> None:
-    """Retention (``MODELPREP_ARTIFACT_TTL``): every ``retention_interval_seconds``, remove
-    the files of jobs finished longer ago than the TTL. Every API process may run it: removing
-    a job's files twice is harmless (the tombstone is written once)."""
-    if settings.artifact_ttl is None:
+async def _housekeeping(jobs: JobService, settings: Settings) -> None:
+    """At start, then every ``retention_interval_seconds``: abort the artifact store's orphaned
+    multipart uploads (``MODELPREP_ARTIFACT_UPLOAD_ORPHAN_AFTER``), and remove the files of
+    jobs finished longer ago than ``MODELPREP_ARTIFACT_TTL``. Every API process may run both:
+    aborting an upload or removing a job's files twice is harmless (the tombstone is written
+    once)."""
+    if settings.artifact_ttl is None and settings.artifact_store is None:
         return
     while True:
+        try:
+            if await asyncio.to_thread(jobs.abort_orphaned_uploads) is None:
+                log.warning("some orphaned multipart uploads could not be aborted; next round")
+        except Exception:  # a store hiccup must not end housekeeping; the next round retries
+            log.exception("aborting orphaned multipart uploads failed")
         try:
             while await asyncio.to_thread(jobs.expire_artifacts):
                 pass  # a full batch: there may be more
@@ -72,7 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # objects and stop every thread for 0.2-0.3 s, about once a minute under load.
         gc.collect()
         gc.freeze()
-        retention = asyncio.create_task(_expire_artifacts(job_service, settings))
+        retention = asyncio.create_task(_housekeeping(job_service, settings))
         try:
             yield
         finally:

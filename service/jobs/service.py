@@ -268,6 +268,12 @@ class JobService:
             self.remove_files(job_id)
         return expired
 
+    def abort_orphaned_uploads(self) -> int | None:
+        """Abort the artifact store's multipart uploads left by publishes that failed long
+        ago (:meth:`ArtifactStore.abort_orphaned_uploads`); 0 without an artifact store."""
+        store = ArtifactStore.configured(self.settings)
+        return 0 if store is None else store.abort_orphaned_uploads()
+
     def artifact(self, job_id: str, path: str, tenant: str | None = None) -> tuple[Job, Path]:
         """The job and the file of one of its artifacts; only succeeded jobs have artifacts."""
         job = self.store.get(job_id, tenant)

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -30,12 +31,19 @@ from service.fsutil import sha256_file
 from service.objectstore import (
     COPY_OBJECT_MAX_BYTES,
     COPY_PART_BYTES,
+    MultipartUploads,
     S3Location,
     abort_uploads,
 )
 from service.stage import InMemoryContext
 from tests.fixtures.corrupting_proxy import corrupting_proxy
-from tests.fixtures.seaweedfs import S3Server, seaweedfs  # noqa: F401  (fixture)
+from tests.fixtures.seaweedfs import (  # noqa: F401  (fixture)
+    S3Server,
+    seaweedfs,
+    start_seaweedfs,
+    stop_seaweedfs,
+)
+from tests.fixtures.waiting import eventually
 
 
 @pytest.fixture(autouse=True)
@@ -173,6 +181,88 @@ def test_the_cleanup_before_a_publish_gives_up_on_a_stopped_server_within_the_st
     assert aborted is None  # best effort: the store did not answer
     # 2 attempts (download_retries=1) of 2 s each, plus the backoff: a fixed 60 s read took 120
     assert elapsed < 30, f"the cleanup waited {elapsed:.1f} s on a stopped store"
+
+
+def _initiated(bucket: str, settings: Settings) -> dict[str, list[datetime]]:
+    """When each upload in progress in ``bucket`` began (per key), as the server says."""
+    uploads = MultipartUploads(bucket, settings, None)
+    try:
+        found = uploads.in_progress("")
+    finally:
+        uploads.close()
+    started: dict[str, list[datetime]] = {}
+    for upload in found:
+        assert upload.initiated is not None, upload
+        started.setdefault(upload.key, []).append(upload.initiated)
+    return started
+
+
+def test_the_sweep_aborts_the_orphan_of_a_publish_that_failed_while_the_server_was_down(
+    tmp_path: Path,
+) -> None:
+    """A job fails while the server is down and is never retried: its multipart upload stays
+    in progress once the server is back. The sweep aborts uploads under the store's prefix
+    older than ``artifact_upload_orphan_after``, and keeps younger ones (a live publish) and
+    those outside the prefix.
+
+    Its own server: stopped mid-upload (SIGSTOP), then killed and restarted on the same data
+    and address, so requests the failed job sent to the stopped server die with it rather
+    than create or abort uploads behind the test's back once it resumes."""
+    proc, server = start_seaweedfs(tmp_path / "s3")
+    try:
+        bucket = "sweep"
+        server.create_bucket(bucket)
+        settings = _settings(tmp_path, server, bucket, download_stall_seconds=2,
+                             artifact_upload_orphan_after=1)
+        store = ArtifactStore.configured(settings)
+        assert store is not None
+        staging = tmp_path / "staging"
+        digests = _staging(staging, {"b.bin": 40 * 1024 * 1024})
+        location = store.location_for("6" * 32, None)
+        prefix = location.prefix + "/"
+        ctx = InMemoryContext(settings=settings, work_dir=tmp_path / "work")
+        stopped = False
+        original = ctx.advance
+
+        def advance(n: int) -> None:
+            nonlocal stopped
+            original(n)
+            if not stopped and ctx.done > 24 * 1024 * 1024:  # b.bin's first part is out
+                eventually(lambda: server.multipart_uploads(bucket, prefix) != [],
+                           what="the server to hold b.bin's multipart upload", timeout=60)
+                os.kill(server.pid, signal.SIGSTOP)
+                stopped = True
+
+        ctx.advance = advance  # type: ignore[method-assign]
+        with pytest.raises(PublishFailed):
+            store.publish(staging, location, digests, ctx)
+        assert stopped
+        stop_seaweedfs(proc)
+        proc, server = start_seaweedfs(tmp_path / "s3", restart=server)
+        assert server.multipart_uploads(bucket, prefix) == [f"{prefix}b.bin"]
+        [orphan_started] = _initiated(bucket, settings)[f"{prefix}b.bin"]
+        # A live publish under the store, begun 2 s after the orphan (Initiated has whole
+        # seconds), and an upload outside the store's prefix.
+        time.sleep(max(0.0, (orphan_started + timedelta(seconds=2) - datetime.now(UTC))
+                       .total_seconds()))
+        live, outside = f"artifacts/_/{'7' * 32}/c.bin", "elsewhere/d.bin"
+        for key in (live, outside):
+            status, body = server.request("POST", f"/{bucket}/{key}", query={"uploads": ""})
+            assert status == 200, (status, body)
+        [live_started] = _initiated(bucket, settings)[live]
+        assert live_started - orphan_started >= timedelta(seconds=2)
+
+        # Right after the failure nothing is old enough.
+        assert store.abort_orphaned_uploads(now=orphan_started) == 0
+        assert server.multipart_uploads(bucket, prefix) == [f"{prefix}b.bin"]
+        # Once the orphan is older than the bound, but the live upload not.
+        assert store.abort_orphaned_uploads(now=live_started + timedelta(seconds=1)) == 1
+        assert server.multipart_uploads(bucket, prefix) == []
+        assert server.multipart_uploads(bucket, "artifacts/") == [live]
+        assert server.multipart_uploads(bucket, "elsewhere/") == [outside]
+        assert not store.published(location)
+    finally:
+        stop_seaweedfs(proc)
 
 
 def test_a_job_cancelled_mid_upload_aborts_its_multipart_upload_on_the_server(
