@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -207,6 +208,26 @@ def test_retention_removes_the_objects_of_expired_jobs(
         assert f"{prefix}/manifest.json" in c.keys(prefix)
         eventually(lambda: c.keys(prefix) == [], what="the expired job's objects removed",
                    timeout=60, context=c.api.logs)
+
+
+def test_the_service_aborts_orphaned_multipart_uploads_under_its_store_at_start(
+    tmp_path: Path, seaweedfs: S3Server,  # noqa: F811
+) -> None:
+    """An upload left in progress under the store (a publish that failed while the store was
+    down, never retried) is aborted by the API's housekeeping once older than the bound; one
+    outside the store's prefix is not the service's to touch."""
+    seaweedfs.create_bucket("e2e-orphans")
+    orphan, outside = f"jobs/_/{'8' * 32}/model.safetensors", "other/model.safetensors"
+    for key in (orphan, outside):
+        status, body = seaweedfs.request("POST", f"/e2e-orphans/{key}", query={"uploads": ""})
+        assert status == 200, (status, body)
+    assert seaweedfs.multipart_uploads("e2e-orphans", "") == sorted([orphan, outside])
+    time.sleep(2.0)  # Initiated has whole seconds: the orphan is now older than 1 s
+    with cluster(tmp_path, seaweedfs, "e2e-orphans", workers=0,
+                 MODELPREP_ARTIFACT_UPLOAD_ORPHAN_AFTER="1") as c:
+        eventually(lambda: seaweedfs.multipart_uploads("e2e-orphans", "jobs/") == [],
+                   what="the orphaned upload aborted", timeout=60, context=c.api.logs)
+    assert seaweedfs.multipart_uploads("e2e-orphans", "") == [outside]
 
 
 @pytest.mark.timeout(300)
