@@ -13,6 +13,12 @@ it touches, with no artifact published.
 * The safetensors, ONNX and NNEF writers each flip the rows of one weight as they write it
   (``model.layers.0.mlp.down_proj.weight``): the reloaded safetensors' outputs, onnxruntime's
   and tract's against the job's reference catch it.
+* The same mutations through the quantized and constrained modes: GGUF Q4_K_M (reader,
+  writer, converter; the raw FP8 codes make llama.cpp's perplexity NaN, caught by the
+  K-quant's perplexity check before its logits), NNEF q4_0 (reader; its writer flipping a weight's q4_0 blocks, caught by
+  tract against the compressed model), NNEF checked block by block (tract's budget below the
+  archive: the block holding the flipped weight differs from PyTorch's layer). ONNX has no
+  block-by-block check of its own: onnxruntime maps the weights and runs the model whole.
 * Not covered: a converter mutation for safetensors, ONNX and NNEF. None of them permutes a
   weight (safetensors copies the state dict, ONNX and NNEF trace the module and keep PyTorch's
   layout), so GGUF's q/k permutation has no counterpart; a skipped transpose in a graph
@@ -49,27 +55,42 @@ EXPORTS: dict[str, dict[str, Any]] = {
     "nnef": {"format": "nnef", "decode_steps": 3},
     "onnx": {"format": "onnx", "decode_steps": 3},
     "gguf": {"format": "gguf", "type": "q8_0"},
+    "gguf Q4_K_M": {"format": "gguf", "type": "Q4_K_M"},
+    "nnef q4_0": {"format": "nnef", "compression": "q4_0", "decode_steps": 3},
 }
 
 
 CAUGHT_BY = {
-    **dict.fromkeys(["safetensors", "nnef", "onnx"], "disagrees with transformers' from_pretrained"),
+    **dict.fromkeys(
+        ["safetensors", "nnef", "onnx", "nnef q4_0"], "disagrees with transformers' from_pretrained"
+    ),
     # GGUF's writer reads the checkpoint itself, not the job's model: llama.cpp's logits on the
     # fixed text against transformers' run of the source catch the misread weights.
     "gguf": "too far from transformers",
+    # a K-quant's perplexity check runs first: llama.cpp's log-probabilities of the raw codes
+    # are NaN, and llama-perplexity gives no estimate
+    "gguf Q4_K_M": "llama-perplexity gave no estimate",
 }
 """Which of the job's checks catches a reader that drops the FP8 scales, by format."""
 
 
-def _run(tmp_path: Path, source: Path, export: dict[str, Any]) -> JobLayout:
-    settings = Settings(data_dir=tmp_path / "data", local_roots=[source.parent])
-    job_id = "f" * 32
-    layout = JobLayout.for_job(settings, job_id)
-    layout.prepare()
-    ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id=job_id)
+def _run(
+    tmp_path: Path, source: Path, export: dict[str, Any], ctx: InMemoryContext | None = None
+) -> JobLayout:
+    """The job as the job process runs it; ``ctx`` (from :func:`_context`) for other settings."""
+    ctx = ctx or _context(tmp_path, source)
+    layout = JobLayout.for_job(ctx.settings, ctx.job_id)
     spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [export]})
     run_pipeline(spec, ctx, layout)
     return layout
+
+
+def _context(tmp_path: Path, source: Path, **settings: Any) -> InMemoryContext:
+    config = Settings(data_dir=tmp_path / "data", local_roots=[source.parent], **settings)
+    job_id = "f" * 32
+    layout = JobLayout.for_job(config, job_id)
+    layout.prepare()
+    return InMemoryContext(settings=config, work_dir=layout.work, job_id=job_id)
 
 
 def _raw_codes(codes: torch.Tensor, scale_inv: torch.Tensor, first_row: int,
@@ -89,8 +110,9 @@ def test_a_reader_that_drops_the_fp8_scales_fails_the_job(
     assert not layout.artifacts.exists()
 
 
+@pytest.mark.parametrize("gguf_type", ["f16", "Q4_K_M"])
 def test_a_gguf_writer_that_flips_a_tensors_rows_fails_the_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gguf_type: str
 ) -> None:
     from service.exporters.gguf import stream
 
@@ -101,12 +123,18 @@ def test_a_gguf_writer_that_flips_a_tensors_rows_fails_the_job(
             yield block[::-1].copy() if permuted and t.name == "blk.0.ffn_down.weight" else block
 
     monkeypatch.setattr(stream.RowBlockReader, "blocks", flipped)
-    with pytest.raises(VerificationFailed, match="blk.0.ffn_down.weight"):
-        _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)), {"format": "gguf", "type": "f16"})
+    with pytest.raises(VerificationFailed, match=WRITER_CAUGHT_BY[gguf_type]):
+        _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)),
+             {"format": "gguf", "type": gguf_type})  # fmt: skip
 
 
+WRITER_CAUGHT_BY = {"f16": "blk.0.ffn_down.weight", "Q4_K_M": "blk.0.ffn_down.weight"}
+"""What catches GGUF's flipped rows, by type."""
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "Q4_K_M"])
 def test_a_gguf_converter_that_skips_the_qk_permutation_fails_the_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gguf_type: str
 ) -> None:
     import importlib
 
@@ -118,7 +146,8 @@ def test_a_gguf_converter_that_skips_the_qk_permutation_fails_the_job(
         llama.LlamaModel, "permute", staticmethod(lambda weights, n_head, n_head_kv=None: weights)
     )
     with pytest.raises(VerificationFailed, match="too far from transformers"):
-        _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)), {"format": "gguf", "type": "f16"})
+        _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)),
+             {"format": "gguf", "type": gguf_type})  # fmt: skip
 
 
 FLIPPED = "model.layers.0.mlp.down_proj.weight"
@@ -202,3 +231,64 @@ def test_an_nnef_writer_that_flips_a_tensors_rows_fails_the_job(
         {"format": "nnef", "decode_steps": 3}, "tract",
     )  # fmt: skip
     assert len(flipped_files) == 1, flipped_files  # the mutation did reach the writer
+
+
+def test_an_nnef_writer_that_flips_a_tensors_rows_fails_the_job_checked_layer_by_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tract's budget holds one block, not the archive: the job checks it block by block, and
+    the block holding the flipped weight differs from PyTorch's layer."""
+    from torch_to_nnef.nnef_io import writer
+
+    from service.checkpoint.headers import local_file_header
+    from service.plan.formats import block_weight_bytes, tract_peaks
+
+    write = writer.write_nnef_tensor
+
+    def flipped(array: Any, filename: str, quantized: bool) -> None:
+        if Path(filename).name.endswith(f"{FLIPPED}.dat"):
+            array = np.ascontiguousarray(array[::-1])
+        write(array, filename, quantized)
+
+    monkeypatch.setattr(writer, "write_nnef_tensor", flipped)
+    # 8 float16 layers: the archive outweighs one block with the embedding, so a budget between
+    # the two makes the job check block by block (as test_nnef_layerwise.py)
+    source = real_variant("smollm2", Variant(tie="output", config_keys="v4", dtype="float16",
+                                             layers=8))  # fmt: skip
+    sizes = [(t.name, t.nbytes) for f in source.glob("*.safetensors") for t in local_file_header(f)]
+    whole, blocks = tract_peaks(sum(n for _, n in sizes), block_weight_bytes(sizes))
+    assert blocks < (whole + blocks) // 2 < whole
+    ctx = _context(tmp_path, source, tract_max_memory=str((whole + blocks) // 2))
+    with pytest.raises(VerificationFailed, match="tract's block for .*layers.0"):
+        _run(tmp_path, source, {"format": "nnef", "decode_steps": 3}, ctx)
+    assert not JobLayout.for_job(ctx.settings, ctx.job_id).artifacts.exists()
+
+
+def test_an_nnef_q4_0_writer_that_flips_a_tensors_rows_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch-to-nnef writes a q4_0 weight as its blocks' codes and scales, not through
+    ``write_nnef_tensor``: the flipped rows (codes and scales together) reach the archive."""
+    from torch_to_nnef.tensor.quant import qtract
+
+    from service.checkpoint.headers import local_file_header
+
+    source = real_variant("smollm2", Variant(layers=LAYERS))
+    (rows,) = {t.shape[0] for f in source.glob("*.safetensors") for t in local_file_header(f)
+               if t.name == FLIPPED}  # fmt: skip
+    cls = qtract.QTensorTractScaleOnly
+    write = cls._write_binary_dat_from_parts.__func__  # type: ignore[attr-defined]
+    flipped_files: list[str] = []
+
+    def flipped(klass: Any, path: Path, header: bytes, codes: Any, scale: Any, post: bool) -> None:
+        if path.name.endswith(f"{FLIPPED}.dat"):
+            flipped_files.append(path.name)
+            codes = codes.reshape(rows, -1).flip(0).reshape(codes.shape)
+            scale = scale.reshape(rows, -1).flip(0).reshape(scale.shape)
+        write(klass, path, header, codes, scale, post)
+
+    monkeypatch.setattr(cls, "_write_binary_dat_from_parts", classmethod(flipped))
+    _assert_failed_without_artifacts(
+        tmp_path, source, {"format": "nnef", "compression": "q4_0", "decode_steps": 3}, "tract",
+    )  # fmt: skip
+    assert len(flipped_files) == 1, flipped_files
