@@ -289,7 +289,11 @@ class LoraMergeReader:
             base.copy_(self.inner.read(name).reshape(-1)[first * cols : (first + count) * cols])
         f = self.adapter.factors[name]
         if self.adapter.fan_in_fan_out:  # W (in, out): rows are inputs, (B @ A)^T = A^T @ B^T
-            delta = f.a[:, first : first + count].T @ f.b.T
+            # Both operands made contiguous, as in the other branch: fed as transposed views,
+            # MKL's kernel (and so the last bit of each sum) depended on how many rows a call
+            # asked for, and a tensor streamed in chunks differed from the same tensor read
+            # whole (seen on one machine's CPU, not another's).
+            delta = f.a[:, first : first + count].T.contiguous() @ f.b.T.contiguous()
         else:
             delta = f.b[first : first + count] @ f.a
         merged = base.reshape(count, cols).float().add_(delta, alpha=f.scale)
