@@ -1,4 +1,5 @@
-"""Calibrate the graph runtimes' logit bounds (``service.logits.RUNTIME_LOGIT_BOUNDS``) on the
+"""Calibrate the graph runtimes' logit bounds (``service.logits.RUNTIME_LOGIT_BOUNDS``,
+``COMPRESSED_LOGIT_BOUNDS``) on the
 real corpus (prints a table).
 
 For each decoder of ``tests/fixtures/real_models.py`` (whole models), jobs export ONNX in
@@ -66,8 +67,9 @@ def _job(work: Path, source: Path, export: dict[str, Any], layerwise: bool) -> d
 
 def main(names: list[str]) -> None:
     lifted = logits.LogitBounds(kl_mean=math.inf, kl_p99=math.inf, top1=0.0, ppl_ratio=math.inf)
-    for key in list(logits.RUNTIME_LOGIT_BOUNDS):
-        logits.RUNTIME_LOGIT_BOUNDS[key] = lifted
+    for table in (logits.RUNTIME_LOGIT_BOUNDS, logits.COMPRESSED_LOGIT_BOUNDS):
+        for key in list(table):
+            table[key] = lifted
     rows = []
     for name in names:
         for label, export, f16, layerwise in ROWS:

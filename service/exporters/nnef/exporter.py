@@ -504,7 +504,7 @@ def _with_logits(
 ) -> ParityReport:
     """``report`` with tract's figures on the fixed text against the job's independent
     reference (``verify.check_logits``, whole or from ``blocks``; VerificationFailed beyond
-    the dtype's bounds; a q4_0 archive's figures are reported unjudged)."""
+    the dtype's bounds, or beyond q4_0's for a q4_0 archive)."""
     from service.exporters.nnef.verify import check_logits
 
     figures = check_logits(

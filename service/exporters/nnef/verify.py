@@ -27,7 +27,6 @@ from service.exporters.common.parity import ParityReport, Tolerance, compare_out
 from service.exporters.common.reference import GreedyReference
 from service.exporters.nnef import tract_cli
 from service.logits import (
-    LogitBounds,
     compare_logits,
     placed_rows,
     runtime_bounds,
@@ -272,9 +271,9 @@ def check_logits(
     """tract's logits on each chunk of the fixed text against transformers' (the job's
     independent reference, :class:`service.checkpoint.independent.IndependentReference`): KL
     mean and p99, top-1 agreement, perplexity ratio (``service.logits``, the figures ONNX and
-    GGUF report); VerificationFailed beyond the dtype's bounds (:data:`RUNTIME_LOGIT_BOUNDS`).
-    A compressed archive (``q4_0``) reports its figures unjudged: torch-to-nnef's min-max q4_0
-    has no calibrated bound yet, and its decode is checked against the compressed weights.
+    GGUF report); VerificationFailed beyond the dtype's bounds (:data:`RUNTIME_LOGIT_BOUNDS`),
+    or a compressed archive's (``q4_0``: :data:`COMPRESSED_LOGIT_BOUNDS`), whose decode is
+    checked only against the compressed weights, so this is what judges the compression itself.
 
     ``blocks``: the archive's blocks cut by the layer-by-layer check
     (:mod:`service.exporters.nnef.layerwise`), run one after the other, each fed the one
@@ -287,11 +286,10 @@ def check_logits(
         run = run_tract(blocks, "layerwise-logits", request, work, check_abort)
     found = run.outputs["logits"]
     figures = compare_logits(reference.chunk_logits(), placed_rows(found, chunks), chunks)
-    bounds: LogitBounds | None = None if compression else runtime_bounds(dtype)
+    bounds = runtime_bounds(dtype, compression)
     report = {"reference": reference.summary()["implementation"], **figures.as_dict(),
-              "mode": "whole" if blocks is None else "layerwise",
-              "bounds": None if bounds is None else asdict(bounds)}  # fmt: skip
-    failed = [] if bounds is None else bounds.violations(figures)
+              "mode": "whole" if blocks is None else "layerwise", "bounds": asdict(bounds)}  # fmt: skip
+    failed = bounds.violations(figures)
     if failed:
         raise VerificationFailed(
             f"tract's run of the NNEF archive is too far from transformers' run of the source "

@@ -32,6 +32,7 @@ and changes only the one tensor named (GGUF's converter: the one permutation).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -292,3 +293,26 @@ def test_an_nnef_q4_0_writer_that_flips_a_tensors_rows_fails_the_job(
         tmp_path, source, {"format": "nnef", "compression": "q4_0", "decode_steps": 3}, "tract",
     )  # fmt: skip
     assert len(flipped_files) == 1, flipped_files
+
+
+def test_an_nnef_q4_0_archive_beyond_its_logit_bound_fails_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q4_0's logits are judged: a correct archive passes its bound (recorded in the
+    manifest), and the same archive held to float32's bound fails the job."""
+    from dataclasses import asdict
+
+    from service import logits
+
+    source = real_variant("smollm2", Variant(layers=LAYERS))
+    export = {"format": "nnef", "compression": "q4_0", "decode_steps": 3}
+    layout = _run(tmp_path / "within", source, export)
+    (entry,) = json.loads((layout.artifacts / "manifest.json").read_text())["exports"]
+    assert entry["verify"]["logits"]["bounds"] == asdict(logits.COMPRESSED_LOGIT_BOUNDS["q4_0"])
+
+    monkeypatch.setitem(
+        logits.COMPRESSED_LOGIT_BOUNDS, "q4_0", logits.RUNTIME_LOGIT_BOUNDS["float32"]
+    )
+    _assert_failed_without_artifacts(
+        tmp_path, source, export, "tract's run of the NNEF archive is too far from transformers'"
+    )
