@@ -50,6 +50,8 @@ def mmproj_type(text_type: str) -> OutType:
 VLM_FAMILIES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "Gemma 3",
     "Idefics3ForConditionalGeneration": "SmolVLM / Idefics3",
+    "Qwen2VLForConditionalGeneration": "Qwen2-VL",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL",
 }
 """The vision-language models a GGUF export takes (by the architecture upstream's ``--mmproj``
 dispatches on): those whose projector the job checks with llama-mtmd-cli against transformers

@@ -73,8 +73,10 @@ class Layout:
     """Embeddings per frame, from the config."""
     processor_kwargs: tuple[tuple[str, Any], ...] = ()
     """Given to the image processor with the image."""
-    token_type_ids: bool = False
-    """Whether the model takes ``token_type_ids`` marking the image tokens (Gemma 3)."""
+    type_ids: str | None = None
+    """The keyword under which the model takes a mask marking the image tokens with 1 (Gemma 3's
+    ``token_type_ids``; Qwen2-VL's ``mm_token_type_ids``, from which it places the image's
+    M-RoPE positions; without it every position would be a text one), None if it takes none."""
 
     @property
     def frames(self) -> int:
@@ -87,6 +89,14 @@ def _idefics3_per_frame(config: dict[str, Any]) -> int:
     return patches // int(config.get("scale_factor", 2)) ** 2
 
 
+def _qwen2vl_per_frame(config: dict[str, Any]) -> int:
+    vision = config.get("vision_config") or {}
+    side = image_size(config) // int(vision.get("patch_size", 14))
+    return side * side // int(vision.get("spatial_merge_size", 2)) ** 2
+
+
+QWEN2VL_PIECES = ("<|vision_start|>", IMAGE, "<|vision_end|>")
+
 IDEFICS3_ONE_TILE = ("<fake_token_around_image>", "<row_1_col_1>", IMAGE, "\n\n",
                      "<fake_token_around_image>", "<global-img>", IMAGE,
                      "<fake_token_around_image>")  # fmt: skip
@@ -97,7 +107,7 @@ LAYOUTS: dict[str, Layout] = {
         ("<start_of_image>", IMAGE, "<end_of_image>"),
         "<image_soft_token>",
         lambda config: int(config.get("mm_tokens_per_image", 256)),
-        token_type_ids=True,
+        type_ids="token_type_ids",
     ),
     # mtmd.cpp PROJECTOR_TYPE_IDEFICS3 on an image of one tile (the fixed image is drawn at the
     # preprocessor's longest edge, the tile size, so mtmd resizes nothing): the tile as slice
@@ -105,6 +115,15 @@ LAYOUTS: dict[str, Layout] = {
     # (its own processor, unsplit, gives the one tile; it would not slice a one-tile image)
     "Idefics3ForConditionalGeneration": Layout(
         IDEFICS3_ONE_TILE, "<image>", _idefics3_per_frame, (("do_image_splitting", False),)
+    ),
+    # mtmd.cpp PROJECTOR_TYPE_QWEN2VL / QWEN25VL: <|vision_start|> (merged patches)
+    # <|vision_end|>; the image at the tower's 224 pixels, a multiple of the 28-pixel merged
+    # patch, so neither side resizes it; transformers also takes the image's grid (M-RoPE)
+    "Qwen2VLForConditionalGeneration": Layout(
+        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
+    ),
+    "Qwen2_5_VLForConditionalGeneration": Layout(
+        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
     ),
 }
 """The sequence layout of every family in ``mmproj.VLM_FAMILIES``."""
@@ -178,9 +197,12 @@ def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: in
     tokenizer: Any = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     processor: Any = AutoImageProcessor.from_pretrained(str(root), local_files_only=True)  # type: ignore[no-untyped-call]
     with Image.open(image) as img:
-        pixels = processor(
+        processed = processor(
             images=[img.convert("RGB")], return_tensors="pt", **dict(layout.processor_kwargs)
-        )["pixel_values"]
+        )
+    pixels = processed["pixel_values"]
+    # Qwen2-VL's patches come flat with their grid (t, h, w), which M-RoPE positions need
+    grid = {"image_grid_thw": processed["image_grid_thw"]} if "image_grid_thw" in processed else {}
     if pixels.ndim == 5:  # frames per image (Idefics3): mtmd's frames, each the same tile
         pixels = pixels[:, :1].repeat(1, layout.frames, 1, 1, 1)
     placeholder = lookup_token(tokenizer, layout.placeholder)
@@ -196,12 +218,14 @@ def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: in
     )
     model.eval()
     input_ids = torch.tensor([ids])
-    extra = {"token_type_ids": (input_ids == placeholder).long()} if layout.token_type_ids else {}
+    marks = (input_ids == placeholder).long()
+    extra = {layout.type_ids: marks} if layout.type_ids is not None else {}
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             pixel_values=pixels.to(torch.float32),
+            **grid,
             max_new_tokens=tokens,
             do_sample=False,
             output_scores=True,

@@ -2,7 +2,7 @@
 llama-mtmd-cli agrees with transformers on the fixed image, safetensors keeps every sub-model and
 the processor files, and the formats and families that cannot take it refuse it at submission.
 
-The checkpoints are a tiny random Gemma 3 and a tiny random SmolVLM (Idefics3)
+The checkpoints are a tiny random Gemma 3, SmolVLM (Idefics3), Qwen2-VL and Qwen2.5-VL
 (``tests.fixtures.vlm``: no registry ships a small VLM's weights), the real consumer is
 llama.cpp's own ``llama-mtmd-cli`` and the reference is transformers' class of each.
 """
@@ -29,7 +29,7 @@ from service.jobs.layout import JobLayout
 from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
-from tests.fixtures.vlm import write_tiny_gemma3, write_tiny_idefics3
+from tests.fixtures.vlm import write_tiny_gemma3, write_tiny_idefics3, write_tiny_qwen2vl
 
 PROCESSOR_FILES = ("processor_config.json", "chat_template.jinja", "tokenizer.model",
                    "tokenizer.json", "tokenizer_config.json", "config.json")  # fmt: skip
@@ -131,6 +131,35 @@ def test_a_smolvlm_gets_its_text_model_and_projector_that_llama_cpp_runs_like_tr
     ), mtmd
 
 
+@pytest.mark.parametrize(
+    ("version", "arch", "projector"),
+    [("2", "Qwen2VLForConditionalGeneration", "qwen2vl_merger"),
+     ("2.5", "Qwen2_5_VLForConditionalGeneration", "qwen2.5vl_merger")],
+)  # fmt: skip
+def test_a_qwen2_vl_gets_its_text_model_and_projector_that_llama_cpp_runs_like_transformers(
+    tmp_path: Path, version: str, arch: str, projector: str
+) -> None:
+    """Qwen2-VL and Qwen2.5-VL (windowed vision attention, full attention every second block):
+    the text model by upstream's QWEN2VL class with its M-RoPE sections, the projector by its
+    merger class, and mtmd's image (8x8 merged patches between <|vision_start|> and
+    <|vision_end|>, at M-RoPE positions) agreeing with transformers, which is given the same
+    positions through mm_token_type_ids."""
+    root = write_tiny_qwen2vl(tmp_path / "qwen2vl", version=version)
+    summary = _export(root, tmp_path / "out", type="f16")
+    assert summary["hf_architecture"] == arch
+    mmproj = summary["mmproj"]
+    assert mmproj["converter"].endswith("Qwen2VLVisionModel")
+    assert mmproj["tower"]["vision_blocks"] == 4 and mmproj["verification"]["read_back"]
+    from gguf import GGUFReader
+
+    fields = GGUFReader(tmp_path / "out" / mmproj["file"]).fields
+    assert bytes(fields["clip.projector_type"].parts[-1]).decode() == projector
+    mtmd = mmproj["mtmd"]
+    assert mtmd["result"] == "agree" and mtmd["agreed_tokens"] >= mtmd["comparable_tokens"] >= 15, (
+        mtmd
+    )
+
+
 def test_every_vlm_family_taken_has_an_mtmd_layout() -> None:
     """No family is written with a projector the job cannot check."""
     assert set(VLM_FAMILIES) == set(LAYOUTS)
@@ -184,11 +213,11 @@ def test_the_graph_formats_refuse_a_vlm_at_submission_naming_what_they_take(
 
 def _vlm_configs() -> dict[str, dict[str, Any]]:
     """Real configs of the families GGUF does not take, from transformers' own classes."""
-    from transformers import LlavaConfig, Mistral3Config, PaliGemmaConfig, Qwen2VLConfig
+    from transformers import LlavaConfig, Mistral3Config, PaliGemmaConfig, Qwen3VLConfig
 
     configs = {}
     for cls, arch in ((LlavaConfig, "LlavaForConditionalGeneration"),
-                      (Qwen2VLConfig, "Qwen2VLForConditionalGeneration"),
+                      (Qwen3VLConfig, "Qwen3VLForConditionalGeneration"),
                       (Mistral3Config, "Mistral3ForConditionalGeneration"),
                       (PaliGemmaConfig, "PaliGemmaForConditionalGeneration")):  # fmt: skip
         config = cls().to_dict()
@@ -201,7 +230,7 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
     ("arch", "why"),
     [
         ("LlavaForConditionalGeneration", "projector class for it (llava)"),
-        ("Qwen2VLForConditionalGeneration", "projector class for it (qwenvl)"),
+        ("Qwen3VLForConditionalGeneration", "projector class for it (qwen3vl)"),
         ("Mistral3ForConditionalGeneration", "projector class for it (llava)"),
         ("PaliGemmaForConditionalGeneration", "writes no projector for it"),
     ],
@@ -209,7 +238,7 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
 def test_a_vlm_family_gguf_does_not_take_is_refused_at_submission_naming_what_it_takes(
     tmp_path: Path, arch: str, why: str
 ) -> None:
-    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), Qwen2-VL and
+    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), Qwen3-VL and
     Mistral 3 (upstream writes a projector, which no job here checks) and PaliGemma (no
     projector class) are refused before any download, with the families GGUF takes."""
     config = _vlm_configs()[arch]
