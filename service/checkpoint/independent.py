@@ -332,20 +332,21 @@ def _mappable(model: Any, source_dir: Path) -> dict[str, _StoredTensor]:
 
     found: dict[str, _StoredTensor] = {}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    embedding_at: tuple[Path, str] | None = None
-    if type(embedding) is nn.Embedding and id(embedding) in paths:
-        path = paths[id(embedding)]
-        embedding_at = stored(f"{path}.weight")
-        if embedding_at is not None:
-            found[path] = _StoredTensor("embedding", *embedding_at)
-    if type(head) is nn.Linear and id(head) in paths:
+    plain_embedding = type(embedding) is nn.Embedding and id(embedding) in paths
+    plain_head = type(head) is nn.Linear and id(head) in paths
+    embedding_at = stored(f"{paths[id(embedding)]}.weight") if plain_embedding else None
+    head_at = stored(f"{paths[id(head)]}.weight") if plain_head else None
+    if bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)):
+        # a tied pair is stored once, under either name (SmolLM2 under the embedding's; a
+        # checkpoint saved from the head's side under ``lm_head.weight``): both read that one
+        embedding_at, head_at = embedding_at or head_at, head_at or embedding_at
+    if plain_embedding and embedding_at is not None:
+        found[paths[id(embedding)]] = _StoredTensor("embedding", *embedding_at)
+    if plain_head and head_at is not None:
         path = paths[id(head)]
-        at = stored(f"{path}.weight")
-        tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-        at = at if at is not None or not tied else embedding_at
         bias = stored(f"{path}.bias") if head.bias is not None else None
-        if at is not None and (head.bias is None) == (bias is None):
-            found[path] = _StoredTensor("head", *at, bias=bias)
+        if (head.bias is None) == (bias is None):
+            found[path] = _StoredTensor("head", *head_at, bias=bias)
     return found
 
 

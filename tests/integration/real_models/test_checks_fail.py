@@ -17,7 +17,9 @@ it touches, with no artifact published.
   writer, converter; the raw FP8 codes make llama.cpp's perplexity NaN, caught by the
   K-quant's perplexity check before its logits), NNEF q4_0 (reader; its writer flipping a weight's q4_0 blocks, caught by
   tract against the compressed model), NNEF checked block by block (tract's budget below the
-  archive: the block holding the flipped weight differs from PyTorch's layer). ONNX has no
+  archive: the block holding the flipped weight differs from PyTorch's layer), and the job's
+  reference computed layer by layer (a job budget below the model in float32: the misread
+  source is still caught, for ONNX and NNEF). ONNX has no
   block-by-block check of its own: onnxruntime maps the weights and runs the model whole.
 * Not covered: a converter mutation for safetensors, ONNX and NNEF. None of them permutes a
   weight (safetensors copies the state dict, ONNX and NNEF trace the module and keep PyTorch's
@@ -75,13 +77,13 @@ CAUGHT_BY = {
 """Which of the job's checks catches a reader that drops the FP8 scales, by format."""
 
 
-def _run(
-    tmp_path: Path, source: Path, export: dict[str, Any], ctx: InMemoryContext | None = None
-) -> JobLayout:
-    """The job as the job process runs it; ``ctx`` (from :func:`_context`) for other settings."""
+def _run(tmp_path: Path, source: Path, export: dict[str, Any], ctx: InMemoryContext | None = None,
+         **job: Any) -> JobLayout:  # fmt: skip
+    """The job as the job process runs it; ``ctx`` (from :func:`_context`) for other settings,
+    ``job`` more of the job's spec (``max_memory``)."""
     ctx = ctx or _context(tmp_path, source)
     layout = JobLayout.for_job(ctx.settings, ctx.job_id)
-    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [export]})
+    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [export], **job})
     run_pipeline(spec, ctx, layout)
     return layout
 
@@ -109,6 +111,26 @@ def test_a_reader_that_drops_the_fp8_scales_fails_the_job(
         _run(tmp_path, real_fp8("smollm2", LAYERS), EXPORTS[fmt])
     layout = JobLayout.for_job(Settings(data_dir=tmp_path / "data"), "f" * 32)
     assert not layout.artifacts.exists()
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "nnef"])
+def test_a_reader_that_drops_the_fp8_scales_fails_the_job_with_the_layer_by_layer_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """A job whose budget cannot hold the model in float32 gets transformers' reference layer
+    by layer (accelerate's disk offload): it still catches the misread source."""
+    monkeypatch.setattr("service.checkpoint.fp8.dequantize_rows", _raw_codes)
+    source = real_fp8("smollm2", LAYERS)
+    ctx = _context(tmp_path, source)
+    with pytest.raises(VerificationFailed, match=CAUGHT_BY[fmt]):
+        _run(tmp_path, source, EXPORTS[fmt], ctx, max_memory=REFERENCE_BUDGET)
+    assert ctx.details["model"]["reference"]["mode"] == "layer-by-layer"
+    assert not JobLayout.for_job(ctx.settings, ctx.job_id).artifacts.exists()
+
+
+REFERENCE_BUDGET = "64MiB"
+"""A job budget below the 2-layer SmolLM2's float32 weights (~140 MB): transformers' reference
+runs layer by layer."""
 
 
 @pytest.mark.parametrize("gguf_type", ["f16", "Q4_K_M"])

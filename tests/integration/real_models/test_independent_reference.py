@@ -1,7 +1,7 @@
 """transformers' independent reference layer by layer, on real SmolLM2 (bf16, tied head).
 
 Layer by layer, the embedding and the output head are never loaded: their rows come from the
-memory-mapped safetensors file (a tied head reads the embedding's). What that computes must be
+memory-mapped safetensors file (a tied pair reads the one stored, under either name). What that computes must be
 what transformers computes with the whole model loaded, within the agreement the job holds its
 own model to in that mode.
 """
@@ -44,3 +44,25 @@ def test_layer_by_layer_reads_embedding_and_head_from_the_file_and_agrees_with_w
     assert whole.chunks is not None
     figures = compare_logits(whole.chunk_logits(), layered.chunk_logits(), whole.chunks)
     assert figures.top1 == 1.0 and figures.kl_mean < 1e-6, figures
+
+
+def test_layer_by_layer_reads_a_tie_stored_under_the_heads_name(tmp_path: Path) -> None:
+    """A tied pair stored once as ``lm_head.weight`` (as the variants store it by default):
+    layer by layer, the embedding reads the head's rows rather than staying on meta, which
+    accelerate refused ("weight is on the meta device")."""
+    from safetensors import safe_open
+
+    from tests.fixtures.real_models import Variant, real_variant
+
+    source = real_variant("smollm2", Variant(layers=2))
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
+    ids = fixed_input_ids(json.loads((source / "config.json").read_text())["vocab_size"])
+    whole = independent_reference(source, LlamaForCausalLM, ids, FIXED_TEXT, 2**34, tmp_path / "w")
+    layered = independent_reference(
+        source, LlamaForCausalLM, ids, FIXED_TEXT, 64 << 20, tmp_path / "l"
+    )
+    assert layered.mode == "layer-by-layer"
+    assert layered.info["mapped_from_file"] == ["lm_head", "model.embed_tokens"], layered.info
+    assert relative_agreement(whole.outputs, layered.outputs, 1e-4)["passed"]
