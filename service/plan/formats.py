@@ -397,8 +397,8 @@ def _plan_vlm(
 ) -> tuple[int, int]:
     """A VLM's GGUF beyond its text model: the vision tensors go to the projector file
     (``mmproj-*.gguf``, f32, q8_0 for q8_0/q4_0, else f16: ``gguf.mmproj.mmproj_type``) instead
-    of the text file, written by the same streaming writer (no more row blocks). Verified in
-    an unquantized type, the mtmd check runs transformers' whole VLM in float32 in the job
+    of the text file, written by the same streaming writer (no more row blocks). Verified, the
+    mtmd check (for a llama-quantize type on the f16 file it quantized) runs transformers' whole VLM in float32 in the job
     (B + 64 MiB + 1.7 x float32 weights, whatever ``max_memory``) and llama-mtmd-cli, which
     maps the text file and loads the projector (check base + both files). Returns the job's
     peak and the artifact's bytes; appends the child and the notes."""
@@ -413,17 +413,19 @@ def _plan_vlm(
         f"projector: {len(vision)} vision tensors, {projector >> 20} MiB, streamed like the text "
         "model's"
     )
-    if not spec.verify or type_name not in UNQUANTIZED_GGUF:
+    if not spec.verify:
         return job, text + projector
+    # a llama-quantize type's check runs on the f16 file it was made from (scaled back to f16)
+    mapped = text if type_name in UNQUANTIZED_GGUF else int(text * 2.0 / per_text)
     weights = _floating_elements(headers) * 4
     reference = JOB_BASE_BYTES + REFERENCE_BASE_BYTES + int(REFERENCE_WEIGHT_FACTOR * weights)
     children.append(
-        ChildPlan("llama-mtmd-cli", LLAMA_CHECK_BASE_BYTES + text + projector, text)
+        ChildPlan("llama-mtmd-cli", LLAMA_CHECK_BASE_BYTES + mapped + projector, mapped)
     )
     notes.append(
         f"mtmd check: transformers' whole VLM in float32 in the job, base + 64 MiB + "
         f"{REFERENCE_WEIGHT_FACTOR} x float32 weights ({weights >> 20} MiB); llama-mtmd-cli "
-        f"maps the text file ({text >> 20} MiB) and loads the projector"
+        f"maps the text file ({mapped >> 20} MiB) and loads the projector"
     )
     return max(job, reference), text + projector
 

@@ -66,9 +66,13 @@ def test_an_unverified_vlm_streams_its_tower_like_the_text_model() -> None:
     assert b.artifact_bytes - a.artifact_bytes >= 22 * 2 * 4 * 1024 * 1024 * 2  # the tower, f16
 
 
-def test_a_k_quant_vlm_plans_no_mtmd_check() -> None:
-    plan = plan_export(gguf("Q4_K_M"), gemma3(vision_layers=2), 16 * MiB)
-    assert "llama-mtmd-cli" not in [c.name for c in plan.children]
+def test_a_k_quant_vlm_plans_its_mtmd_check_on_the_f16_text_file() -> None:
+    headers = gemma3(vision_layers=2)
+    k_quant, f16 = (plan_export(gguf(t), headers, 16 * MiB) for t in ("Q4_K_M", "f16"))
+    (mtmd,) = [c for c in k_quant.children if c.name == "llama-mtmd-cli"]
+    (f16_mtmd,) = [c for c in f16.children if c.name == "llama-mtmd-cli"]
+    assert mtmd.mapped_bytes >= f16_mtmd.mapped_bytes
+    assert k_quant.job_peak_rss_bytes >= f16.job_peak_rss_bytes
 
 
 def test_a_vlm_whose_mtmd_reference_exceeds_the_budget_is_refused_with_its_numbers() -> None:

@@ -210,6 +210,10 @@ class GGUFExporter(Exporter):
             digest, extra = self._quantize(
                 spec, written_path, whole, plan.data_bytes, ctx, check, checkpoint.root, fetched
             )
+            # the f16 file stays for the projector's mtmd check (below), then goes
+            mtmd_text: Path | None = written_path if projector is not None else None
+            if mtmd_text is None:
+                written_path.unlink()
             digests = {name: digest}
             if shard_bytes is not None:
                 digests = split_gguf(
@@ -221,14 +225,20 @@ class GGUFExporter(Exporter):
                 path, plan, reader, metadata, ctx, max_shard_bytes=shard_bytes, check=checked
             )
             report = verify_gguf([out_dir / n for n in digests], plan, reader, ctx, read_back=False)
+            mtmd_text = out_dir / next(iter(digests))
         if checked is not None:
             report = checked
         files = list(digests)
         mmproj: dict[str, Any] | None = None
         if projector is not None:
-            mmproj = self._write_projector(
-                spec, projector, checkpoint, config, out_dir / files[0], out_dir, ctx
-            )
+            assert mtmd_text is not None
+            try:
+                mmproj = self._write_projector(
+                    spec, projector, checkpoint, config, mtmd_text, out_dir, ctx
+                )
+            finally:
+                if spec.quantized:
+                    mtmd_text.unlink(missing_ok=True)
             digests[mmproj["file"]] = mmproj.pop("sha256")
             files.append(mmproj["file"])
         lora: dict[str, Any] = {}
@@ -298,8 +308,14 @@ class GGUFExporter(Exporter):
         ctx: JobContext,
     ) -> dict[str, Any]:
         """Stream the projector beside the text model, read it back like the text model, and
-        with ``verify`` run llama-mtmd-cli on both files against transformers
-        (``mtmd_check``); the summary, with the file's sha256 under ``sha256``."""
+        with ``verify`` run llama-mtmd-cli on ``text_file`` and the projector against
+        transformers (``mtmd_check``); the summary, with the file's sha256 under ``sha256``.
+
+        For a llama-quantize type ``text_file`` is the f16 file it quantized, not the K-quant:
+        the projector shipped is the same f16 (or f32) file either way, and a K-quant's own
+        greedy tokens are not expected to equal transformers' (its logits move by more than the
+        bound's 0.05 lead; ``llama_check`` judges them by perplexity against that f16 file), so
+        the check of the projector runs with the text model it was quantized from."""
         from service.exporters.gguf.mmproj import check_tower
         from service.exporters.gguf.mtmd_check import check_mtmd
         from service.exporters.gguf.plan import add_metadata
@@ -332,14 +348,13 @@ class GGUFExporter(Exporter):
         }
         if not spec.verify:
             return summary
-        if spec.quantized:
-            summary["mtmd"] = {"skipped": f"greedy agreement is not expected of {spec.type}"}
-            return summary
         try:
             summary["mtmd"] = check_mtmd(
                 text_file, path, checkpoint.root, config, ctx.work_dir / "gguf-mtmd",
                 ctx.check_abort, bin_dir,
             )  # fmt: skip
+            if spec.quantized:
+                summary["mtmd"]["text_model"] = f"the f16 file llama-quantize made {spec.type} from"
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -364,9 +379,9 @@ class GGUFExporter(Exporter):
         root: Path,
         fetched: tuple[Path, dict[str, Any]] | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        """llama-quantize (after llama-imatrix when asked) from the verified f16 file; with
-        ``check``, llama.cpp's tokenization and perplexity of both files (no file is kept when
-        a check fails)."""
+        """llama-quantize (after llama-imatrix when asked) from the verified f16 file, which the
+        caller removes; with ``check``, llama.cpp's tokenization and perplexity of both files
+        (no file is kept when a check fails)."""
         from service.exporters.gguf.llama_check import check_perplexity, perplexity
         from service.exporters.gguf.quantize import compute_imatrix, quantize
 
@@ -383,7 +398,6 @@ class GGUFExporter(Exporter):
             imatrix=imatrix, bin_dir=bin_dir,
         )  # fmt: skip
         ctx.add_metric("quantizer_peak_rss_bytes", run.peak_rss)
-        f16.unlink()
         if check:
             try:
                 checks["tokenizer"] = self._llama_tokenize(dest, root, ctx)

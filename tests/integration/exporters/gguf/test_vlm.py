@@ -160,6 +160,19 @@ def test_a_qwen2_vl_gets_its_text_model_and_projector_that_llama_cpp_runs_like_t
     )
 
 
+def test_a_k_quant_vlms_projector_is_checked_by_mtmd_with_the_f16_it_was_quantized_from(
+    smolvlm: Path, tmp_path: Path
+) -> None:
+    """Q4_K_M ships an f16 projector; llama-mtmd-cli runs it with the f16 text file
+    llama-quantize read (kept until then, removed after) against transformers."""
+    summary = _export(smolvlm, tmp_path / "out", type="Q4_K_M")
+    assert summary["files"] == ["model-Q4_K_M.gguf", "mmproj-model-f16.gguf"]
+    mtmd = summary["mmproj"]["mtmd"]
+    assert "skipped" not in mtmd and mtmd["text_model"].startswith("the f16 file"), mtmd
+    assert mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    assert not list((tmp_path / "out" / ".work").rglob("*.gguf"))
+
+
 def test_every_vlm_family_taken_has_an_mtmd_layout() -> None:
     """No family is written with a projector the job cannot check."""
     assert set(VLM_FAMILIES) == set(LAYOUTS)
