@@ -120,3 +120,32 @@ def test_auto_map_of_a_70b_skeleton_keeps_layers_whole_within_budget(settings: S
     totals = placed_bytes(model, device_map, torch.bfloat16)
     assert totals["cpu"] + PAGE_BYTES <= budget
     assert totals["cpu"] + totals["disk"] == sum(p.numel() for p in model.parameters()) * 2
+
+
+def test_a_wider_build_computes_its_buffers_as_the_checkpoints_dtype_does(
+    tmp_path: Path, settings: Settings
+) -> None:
+    """A bfloat16 Gemma 3 built in float32 (as a verified job builds it) holds the buffers
+    transformers' from_pretrained(dtype="auto") then a cast hold: embed_scale = sqrt(640) is
+    25.25 in bfloat16, 25.298 computed in float32; rotary inv_freq stays transformers' float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gemma3_text", vocab_size=64, hidden_size=640, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_hidden_layers=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "g")
+    want = dict(
+        torch.nn.Module.float(
+            AutoModelForCausalLM.from_pretrained(tmp_path / "g", dtype="auto")
+        ).named_buffers()
+    )
+    with open_checkpoint(tmp_path / "g") as checkpoint:
+        wide = build_on_meta(checkpoint, settings, dtype=torch.float32)
+        natural = build_on_meta(checkpoint, settings)
+    got = dict(wide.model.named_buffers())
+    assert got["model.embed_tokens.embed_scale"].item() == 25.25
+    assert natural.model.get_buffer("model.embed_tokens.embed_scale").dtype == torch.bfloat16
+    for name, value in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], value), name
