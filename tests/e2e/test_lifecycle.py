@@ -44,7 +44,9 @@ def start_slow_job(svc: ServiceProcess, server: FileServer, weights: bytes) -> s
         while time.monotonic() < deadline:
             job = client.get(f"/v1/jobs/{job_id}").json()
             requested = any(seen.path == "/slow/model.safetensors" for seen in server.seen)
-            if job["phase"] == "download" and requested:
+            # The API's own header read at submission is a request too: the job is under way
+            # once its process (the one leading its own session) is there as well.
+            if job["phase"] == "download" and requested and len(job_processes(svc)) == 1:
                 return job_id
             time.sleep(0.1)
     raise AssertionError(f"job never started downloading:\n{svc.logs()[-3000:]}")
