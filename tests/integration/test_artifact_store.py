@@ -8,8 +8,10 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -48,6 +50,25 @@ from tests.fixtures.waiting import eventually
 STALL_SECONDS = 6
 """The stall bound of the tests that stop the server mid-publish: the publish must not fail on
 a slow answer before the stop, only on the stopped server after it."""
+
+
+def _stopping_after(
+    tmp_path: Path, settings: Settings, after: int, stop: Callable[[], None]
+) -> tuple[InMemoryContext, threading.Event]:
+    """A job context that calls ``stop`` once, when more than ``after`` bytes are published;
+    the event says it did."""
+    ctx = InMemoryContext(settings=settings, work_dir=tmp_path / "work")
+    stopped = threading.Event()
+    original = ctx.advance
+
+    def advance(n: int) -> None:
+        original(n)
+        if not stopped.is_set() and ctx.done > after:
+            stop()
+            stopped.set()
+
+    ctx.advance = advance  # type: ignore[method-assign]
+    return ctx, stopped
 
 
 @pytest.fixture(autouse=True)
@@ -136,24 +157,15 @@ def test_server_stopped_mid_upload_fails_typed_and_publishes_nothing(
     staging = tmp_path / "staging"
     digests = _staging(staging, {"a.bin": 1024, "b.bin": 40 * 1024 * 1024})
     location = store.location_for("1" * 32, None)
-    ctx = InMemoryContext(settings=settings, work_dir=tmp_path / "work")
-    stopped = False
-    original = ctx.advance
-
-    def advance(n: int) -> None:
-        nonlocal stopped
-        original(n)
-        if not stopped and ctx.done > 8 * 1024 * 1024:  # inside b.bin's first parts
-            os.kill(seaweedfs.pid, signal.SIGSTOP)
-            stopped = True
-
-    ctx.advance = advance  # type: ignore[method-assign]
+    # inside b.bin's first parts
+    ctx, stopped = _stopping_after(tmp_path, settings, 8 * 1024 * 1024,
+                                   lambda: os.kill(seaweedfs.pid, signal.SIGSTOP))  # fmt: skip
     try:
         with pytest.raises(PublishFailed) as failed:
             store.publish(staging, location, digests, ctx)
     finally:
         os.kill(seaweedfs.pid, signal.SIGCONT)
-    assert stopped
+    assert stopped.is_set()
     assert failed.value.code == "publish_failed"
     assert not store.published(location)
     keys = _keys(seaweedfs, bucket, f"artifacts/_/{'1' * 32}")
@@ -227,23 +239,17 @@ def test_the_sweep_aborts_the_orphan_of_a_publish_that_failed_while_the_server_w
         digests = _staging(staging, {"b.bin": 40 * 1024 * 1024})
         location = store.location_for("6" * 32, None)
         prefix = location.prefix + "/"
-        ctx = InMemoryContext(settings=settings, work_dir=tmp_path / "work")
-        stopped = False
-        original = ctx.advance
 
-        def advance(n: int) -> None:
-            nonlocal stopped
-            original(n)
-            if not stopped and ctx.done > 24 * 1024 * 1024:  # b.bin's first part is out
-                eventually(lambda: server.multipart_uploads(bucket, prefix) != [],
-                           what="the server to hold b.bin's multipart upload", timeout=60)
-                os.kill(server.pid, signal.SIGSTOP)
-                stopped = True
+        def stop() -> None:
+            eventually(lambda: server.multipart_uploads(bucket, prefix) != [],
+                       what="the server to hold b.bin's multipart upload", timeout=60)
+            os.kill(server.pid, signal.SIGSTOP)
 
-        ctx.advance = advance  # type: ignore[method-assign]
+        # b.bin's first part is out
+        ctx, stopped = _stopping_after(tmp_path, settings, 24 * 1024 * 1024, stop)
         with pytest.raises(PublishFailed):
             store.publish(staging, location, digests, ctx)
-        assert stopped
+        assert stopped.is_set()
         stop_seaweedfs(proc)
         proc, server = start_seaweedfs(tmp_path / "s3", restart=server)
         assert server.multipart_uploads(bucket, prefix) == [f"{prefix}b.bin"]
