@@ -102,10 +102,11 @@ def service(
     checkpoint: Path, cgroup: MemoryCgroup, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceProcess]:
     env = {"MODELPREP_WORKERS": "1"}
-    with running_service(
-        tmp_path_factory.mktemp("data"), [checkpoint.parent], env=env, cgroup=cgroup.path
-    ) as svc:
+    data = tmp_path_factory.mktemp("data")
+    with running_service(data, [checkpoint.parent], env=env, cgroup=cgroup.path) as svc:
         yield svc
+    # the jobs' artifacts (several GB): gone once the module is done, not at the end of the session
+    shutil.rmtree(data, ignore_errors=True)
 
 
 def _manifest(service: ServiceProcess, job: dict[str, Any]) -> dict[str, Any]:
