@@ -25,6 +25,17 @@ names each assumption):
 * a lazy operation recording its function and arguments in ``_func``/``_args``/``_kwargs``
   (``data[:n]`` as ``torch.Tensor.__getitem__``, a MoE layer's ``torch.stack(experts, dim=0)``
   as ``torch.stack``), read by :func:`leading_rows` and :func:`stacked_rows`;
+* gguf-py's lazy ``data[i]`` (an int key) recording the same, read by :func:`picked_row` (LLaVA's
+  Pixtral class copies the ``[IMG_BREAK]`` row of the text embedding into the projector);
+* ``MmprojModel.filter_tensors`` dropping every ``language_model.*`` tensor, the text embedding
+  of a Hugging Face Pixtral/Mistral 3 checkpoint included, before ``LlavaVisionModel`` can copy
+  its ``[IMG_BREAK]`` row (``v.token_embd.img_break``, which llama-mtmd-cli requires of a
+  Pixtral projector: without it the file does not load); :func:`plan_conversion` hands that
+  one tensor to the class, which writes only the row (:func:`break_row_filtered` is the test's
+  probe: when it turns False upstream has fixed it);
+* ``conversion/mistral3.py``'s ``Mistral3Model`` delegating everything to ``self.impl``, an
+  instance of its nested ``Ministral3Model`` (``Mistral4Model`` for ``model_type`` mistral4),
+  which :func:`delegate_class` plans with instead;
 * ``conversion/base.py`` leaving ``sys.path`` alone when ``NO_LOCAL_GGUF`` is set;
 * ``convert_lora_to_gguf.py`` importable as a module (its script body runs under ``__main__``),
   its ``LoraTorchTensor(A, B)`` following the base class's tensor transforms, and its
@@ -75,6 +86,8 @@ class WeightReader(Protocol):
     def aliases(self) -> dict[str, str]: ...
 
     def read(self, name: str) -> torch.Tensor: ...
+
+    def iter_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]: ...
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +275,78 @@ def leading_rows(tensor: Any, data: Any) -> int | None:
     if key.start not in (None, 0) or key.step not in (None, 1) or not isinstance(key.stop, int):
         return None
     return key.stop if key.stop >= 0 else None
+
+
+def picked_row(tensor: Any, data: Any) -> int | None:
+    """``i`` when ``tensor`` is upstream's lazy ``data[i]`` (one row), else None.
+
+    Why: LLaVA's Pixtral class copies the ``[IMG_BREAK]`` row of the text embedding into the
+    projector as ``data[token_id]``; evaluated through the lazy graph that is the whole
+    embedding in float32 (131072 x 5120 x 4 = 2.7 GB on Pixtral 12B) for one row. The row is
+    read alone instead (:func:`row_reader`). Relies on the same recording as
+    :func:`leading_rows`, with an int key: a test names it."""
+    import torch
+
+    if getattr(tensor, "_func", None) is not torch.Tensor.__getitem__:
+        return None
+    args: tuple[Any, ...] = tuple(getattr(tensor, "_args", ()))
+    if len(args) != 2 or args[0] is not data or type(args[1]) is not int:
+        return None
+    return args[1] if args[1] >= 0 else None
+
+
+def row_reader(reader: WeightReader, name: str, index: int, width: int) -> Callable[[], np.ndarray]:
+    """Float32 values of row ``index`` (``width`` elements) of the checkpoint tensor ``name``,
+    read without the rest of the tensor: ``read_into`` where the reader has it, else its chunks
+    up to the row (bounded by the chunk size, never the whole tensor)."""
+
+    def compute() -> np.ndarray:
+        import numpy as np
+        import torch
+
+        start = index * width
+        read_into = getattr(reader, "read_into", None)
+        if read_into is not None:
+            dtype = next(i.dtype for i in reader.tensor_infos() if i.name == name)
+            row = torch.empty(width, dtype=dtype)
+            read_into(name, start, row)
+        else:
+            pieces, seen = [], 0
+            for chunk in reader.iter_chunks(name, 16 << 20):
+                flat = chunk.reshape(-1)
+                if seen + flat.numel() > start:
+                    pieces.append(flat[max(0, start - seen) : start + width - seen].clone())
+                seen += flat.numel()
+                if seen >= start + width:
+                    break
+            row = torch.cat(pieces)
+        return np.ascontiguousarray(row.to(torch.float32).numpy())
+
+    return compute
+
+
+def break_row_filtered(bin_dir: Path | None = None) -> bool:
+    """Whether upstream's Pixtral projector class still has the text embedding filtered away
+    (the case :func:`plan_conversion` works around; see the module doc)."""
+    conversion = load_converter(bin_dir)
+    cls: Any = conversion.get_model_class("LlavaForConditionalGeneration", mmproj=True)
+    return cls.filter_tensors(("language_model.model.embed_tokens.weight", lambda: None)) is None
+
+
+def delegate_class(model_class: Any, config: dict[str, Any]) -> Any:
+    """The class that does the work when upstream's class only delegates to ``self.impl``.
+
+    Why: ``Mistral3Model`` (Mistral Small 3.x's text model) builds a nested ``Ministral3Model``
+    (``Mistral4Model`` for ``model_type`` mistral4) as ``self.impl`` and hands it
+    ``prepare_tensors``; the impl indexes the files itself, so the hooks fed to the outer class
+    would never run. Planning with the nested class, chosen as ``__init__`` chooses it, is the
+    same conversion."""
+    if model_class.__name__ != "Mistral3Model" or not hasattr(model_class, "Ministral3Model"):
+        return model_class
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if (text or {}).get("model_type") == "mistral4":
+        return model_class.Mistral4Model
+    return model_class.Ministral3Model
 
 
 def stacked_rows(tensor: Any, leaves: dict[int, str]) -> tuple[str, ...] | None:
@@ -453,6 +538,7 @@ def plan_conversion(
     except NotImplementedError:
         what = "a multimodal projector for" if mmproj else ""
         raise UnsupportedExport(f"llama.cpp's converter does not support {what} {arch}") from None
+    model_class = delegate_class(model_class, config)
 
     infos = {info.name: info for info in reader.tensor_infos()}
     for alias, canonical in reader.aliases().items():
@@ -465,6 +551,7 @@ def plan_conversion(
     ``handed``, so that no id is reused while planning)."""
     handed: list[Any] = []
     stacked: dict[str, tuple[str, ...]] = {}
+    picked: dict[str, int] = {}
     seen: set[str] = set()
     unknown_hash: list[str] = []
 
@@ -479,10 +566,16 @@ def plan_conversion(
         handed.append(leaf)
         return leaf
 
+    keeps_break_row = mmproj and hasattr(model_class, "img_break_tok_id")
+
     def index_tensors(self: Any, remote_hf_model_id: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in infos:
             item = self.filter_tensors((name, lambda n=name: lazy(n)))
+            if item is None and keeps_break_row and name.endswith("embed_tokens.weight"):
+                # see break_row_filtered: upstream's Pixtral class reads [IMG_BREAK]'s row of
+                # the text embedding, which MmprojModel.filter_tensors drops first
+                item = (name.replace("language_model.", ""), lambda n=name: lazy(n))
             if item:
                 renamed[item[0]] = name
                 out[item[0]] = item[1]
@@ -497,6 +590,9 @@ def plan_conversion(
             parts = stacked_rows(tensor, leaves)
             if parts is not None:
                 stacked[new_name] = parts
+            row = picked_row(tensor, data) if name in renamed else None
+            if row is not None:
+                picked[new_name] = row
         return outputs
 
     def get_vocab_base_pre(self: Any, tokenizer: Any) -> str:
@@ -576,6 +672,9 @@ def plan_conversion(
         shape = tuple(int(d) for d in tensor.shape)
         if plain and _head_of(tuple(infos[origin].shape), shape):
             tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), origin, None))
+        elif name in picked and len(shape) == 1 and tuple(infos[origin].shape)[1:] == shape:
+            compute = row_reader(reader, origin, picked[name], shape[0])
+            tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), None, compute))
         elif name in stacked and all(
             tuple(infos[p].shape) == shape[1:] for p in stacked[name]
         ) and len(stacked[name]) == shape[0]:
@@ -590,6 +689,7 @@ def plan_conversion(
     model.gguf_writer.tensors.clear()  # its lazy graphs would keep evaluated tensors alive
     produced.clear()
     stacked.clear()
+    picked.clear()
     leaves.clear()
     handed.clear()
     kv = list(model.gguf_writer.kv_data[0].items()) if metadata else []
@@ -676,6 +776,7 @@ def plan_lora_conversion(
         model_class: Any = conversion.get_model_class(arch)
     except NotImplementedError:
         raise UnsupportedExport(f"llama.cpp's converter does not support {arch}") from None
+    model_class = delegate_class(model_class, config)
     produced: dict[str, Any] = {}
     renamed: dict[str, str] = {}
     written: set[str] = set()

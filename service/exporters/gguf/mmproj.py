@@ -52,12 +52,23 @@ VLM_FAMILIES: dict[str, str] = {
     "Idefics3ForConditionalGeneration": "SmolVLM / Idefics3",
     "Qwen2VLForConditionalGeneration": "Qwen2-VL",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL",
+    "LlavaForConditionalGeneration": "Pixtral: LLaVA with a Pixtral tower",
+    "Mistral3ForConditionalGeneration": "Mistral Small 3.1 / 3.2",
 }
 """The vision-language models a GGUF export takes (by the architecture upstream's ``--mmproj``
 dispatches on): those whose projector the job checks with llama-mtmd-cli against transformers
 (``mtmd_check.LAYOUTS`` holds each one's sequence layout), each tested on a tiny model of the
 real class (``tests/fixtures/vlm.py``). Every other VLM is refused at submission
 (:func:`check_vlm`), rather than written with a projector nothing checked."""
+
+
+VLM_TOWERS: dict[str, tuple[str, ...]] = {
+    "LlavaForConditionalGeneration": ("pixtral",),
+    "Mistral3ForConditionalGeneration": ("pixtral",),
+}
+"""Families whose upstream projector class takes only some vision towers
+(``vision_config.model_type``): ``LlavaVisionModel`` raises on any tower but Pixtral's (a CLIP
+LLaVA 1.5/1.6 among them), so those are refused at submission, not at the converter."""
 
 
 def check_vlm(config: dict[str, Any], bin_dir: Path | None = None) -> None:
@@ -74,11 +85,18 @@ def check_vlm(config: dict[str, Any], bin_dir: Path | None = None) -> None:
         return
     arch = upstream_arch(config) or "a model without architectures"
     upstream = supported_mmproj_architectures(bin_dir)
-    if arch in VLM_FAMILIES and arch in upstream:
-        return
     tower = (config.get("vision_config") or {}).get("model_type")
+    towers = VLM_TOWERS.get(arch)
+    tower_taken = towers is None or tower in towers
+    if arch in VLM_FAMILIES and arch in upstream and tower_taken:
+        return
     if arch not in upstream:
         why = "llama.cpp's converter writes no projector for it"
+    elif not tower_taken:
+        why = (
+            f"llama.cpp's converter writes its projector ({upstream[arch]}) for "
+            f"{' or '.join(towers or ())} vision towers only"
+        )
     else:
         why = (
             f"llama.cpp's converter has a projector class for it ({upstream[arch]}), but its "

@@ -14,7 +14,8 @@ so its prompt is ``<bos>`` + the image + the prompt text, and mtmd wraps the ima
 family's markers (Gemma 3: ``<start_of_image>`` + one embedding per soft token +
 ``<end_of_image>``; Idefics3: the image as one tile after
 ``<fake_token_around_image><row_1_col_1>``, then as the overview after a two-newline token and
-``<fake_token_around_image><global-img>``). transformers is given those ids, the image's
+``<fake_token_around_image><global-img>``; Pixtral, under LLaVA or Mistral 3: the rows of
+patches with an ``[IMG_BREAK]`` after each row but the last, then ``[IMG_END]``). transformers is given those ids, the image's
 ``pixel_values`` from the checkpoint's own image processor (one frame per frame mtmd encodes),
 and generates greedily in float32, the whole model in memory: the plan
 counts it (``service.plan.formats``), so a VLM too large for it is refused at submission.
@@ -77,6 +78,12 @@ class Layout:
     """The keyword under which the model takes a mask marking the image tokens with 1 (Gemma 3's
     ``token_type_ids``; Qwen2-VL's ``mm_token_type_ids``, from which it places the image's
     M-RoPE positions; without it every position would be a text one), None if it takes none."""
+    row_break: str | None = None
+    """The token after every row of a frame's embeddings but the last (Pixtral's
+    ``[IMG_BREAK]``: mtmd writes its embedding, copied into the projector, inside the image),
+    None when a frame is one run of embeddings."""
+    rows: Callable[[dict[str, Any]], int] | None = None
+    """Rows of embeddings per frame (with :attr:`row_break`), from the config."""
 
     @property
     def frames(self) -> int:
@@ -95,11 +102,27 @@ def _qwen2vl_per_frame(config: dict[str, Any]) -> int:
     return side * side // int(vision.get("spatial_merge_size", 2)) ** 2
 
 
+def _pixtral_side(config: dict[str, Any]) -> int:
+    """Embeddings per row (and rows) of Pixtral's fixed image: the tower's side in patches,
+    merged ``spatial_merge_size`` x ``spatial_merge_size`` by Mistral 3's patch merger."""
+    vision = config.get("vision_config") or {}
+    merge = int(config.get("spatial_merge_size", 1))
+    return image_size(config) // int(vision.get("patch_size", 16)) // merge
+
+
 QWEN2VL_PIECES = ("<|vision_start|>", IMAGE, "<|vision_end|>")
 
 IDEFICS3_ONE_TILE = ("<fake_token_around_image>", "<row_1_col_1>", IMAGE, "\n\n",
                      "<fake_token_around_image>", "<global-img>", IMAGE,
                      "<fake_token_around_image>")  # fmt: skip
+
+PIXTRAL_LAYOUT = Layout(
+    (IMAGE, "[IMG_END]"),
+    "[IMG]",
+    lambda config: _pixtral_side(config) ** 2,
+    row_break="[IMG_BREAK]",
+    rows=_pixtral_side,
+)
 
 LAYOUTS: dict[str, Layout] = {
     # mtmd.cpp PROJECTOR_TYPE_GEMMA3: <start_of_image> (soft tokens) <end_of_image>
@@ -125,14 +148,32 @@ LAYOUTS: dict[str, Layout] = {
     "Qwen2_5_VLForConditionalGeneration": Layout(
         QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
     ),
+    # mtmd.cpp PROJECTOR_TYPE_PIXTRAL (Pixtral under LLaVA, Mistral 3 with its patch merger):
+    # the rows of (merged) patches, the [IMG_BREAK] embedding after each but the last, then
+    # [IMG_END]; the image at the tower's image_size, a multiple of the (merged) patch, so
+    # neither side resizes it; transformers also takes the image's size (2-D RoPE positions)
+    "LlavaForConditionalGeneration": PIXTRAL_LAYOUT,
+    "Mistral3ForConditionalGeneration": PIXTRAL_LAYOUT,
 }
 """The sequence layout of every family in ``mmproj.VLM_FAMILIES``."""
 
 
+PIXTRAL_SIDE = 16
+"""The fixed image's side in (merged) patches at most for a Pixtral tower (see
+:func:`image_size`)."""
+
+
 def image_size(config: dict[str, Any]) -> int:
-    """The vision tower's input side in pixels."""
+    """The fixed image's side in pixels: the vision tower's input side, except that a Pixtral
+    tower's ``image_size`` is its largest (1024 on Pixtral 12B, 1540 on Mistral Small 3.1),
+    more embeddings than mtmd takes of one image (1024: it would shrink it and transformers
+    would not), so there :data:`PIXTRAL_SIDE` (merged) patches at most."""
     vision = config.get("vision_config") or {}
-    return int(vision.get("image_size", 224))
+    side = int(vision.get("image_size", 224))
+    if vision.get("model_type") == "pixtral":
+        merged = int(vision.get("patch_size", 16)) * int(config.get("spatial_merge_size", 1))
+        side = min(side, PIXTRAL_SIDE * merged)
+    return side
 
 
 def fixed_image(path: Path, size: int) -> Path:
@@ -201,15 +242,16 @@ def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: in
             images=[img.convert("RGB")], return_tensors="pt", **dict(layout.processor_kwargs)
         )
     pixels = processed["pixel_values"]
-    # Qwen2-VL's patches come flat with their grid (t, h, w), which M-RoPE positions need
-    grid = {"image_grid_thw": processed["image_grid_thw"]} if "image_grid_thw" in processed else {}
+    # Qwen2-VL's patches come flat with their grid (t, h, w), which M-RoPE positions need;
+    # Pixtral's image comes with its size, from which its 2-D RoPE positions are taken
+    grid = {k: processed[k] for k in ("image_grid_thw", "image_sizes") if k in processed}
     if pixels.ndim == 5:  # frames per image (Idefics3): mtmd's frames, each the same tile
         pixels = pixels[:, :1].repeat(1, layout.frames, 1, 1, 1)
     placeholder = lookup_token(tokenizer, layout.placeholder)
     ids = [int(tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []
     for piece in layout.pieces:
         if piece is IMAGE:
-            ids += [placeholder] * layout.per_frame(config)
+            ids += _frame(tokenizer, config, layout, placeholder)
         else:
             ids.append(lookup_token(tokenizer, piece))
     ids += tokenizer(PROMPT, add_special_tokens=False).input_ids
@@ -241,6 +283,17 @@ def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: in
     if new and new[-1] in eos:  # llama.cpp stops before printing an end-of-generation token
         new, margins = new[:-1], margins[: len(new) - 1]
     return Greedy(new, margins, [token_bytes(tokenizer, t) for t in new])
+
+
+def _frame(tokenizer: Any, config: dict[str, Any], layout: Layout, placeholder: int) -> list[int]:
+    """One frame's ids: its embeddings' placeholders, with the row breaks where it has them."""
+    count = layout.per_frame(config)
+    if layout.row_break is None or layout.rows is None:
+        return [placeholder] * count
+    rows = layout.rows(config)
+    row = [placeholder] * (count // rows)
+    brk = lookup_token(tokenizer, layout.row_break)
+    return [i for r in range(rows) for i in (row if r == rows - 1 else [*row, brk])]
 
 
 def _ids(value: Any) -> list[int]:

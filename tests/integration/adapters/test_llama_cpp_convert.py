@@ -96,6 +96,73 @@ def test_a_row_slice_of_a_lazy_tensor_is_recognised_as_its_first_rows() -> None:
         assert conv.leading_rows(other, data) is None
 
 
+def test_one_row_of_a_lazy_tensor_is_recognised_as_that_row() -> None:
+    """Why Pixtral's [IMG_BREAK] row is read alone: ``data[i]`` records getitem and its int."""
+    conv.load_converter()
+    lazy_type = importlib.import_module("conversion.base").LazyTorchTensor
+    data = lazy_type(meta=lazy_type.meta_with_dtype_and_shape(torch.float32, (10, 4)),
+                     args=("w",), func=lambda name: torch.zeros(10, 4))  # fmt: skip
+    assert conv.picked_row(data[7], data) == 7, (
+        "assumption broken: gguf-py's lazy __getitem__ records _func=torch.Tensor.__getitem__ "
+        "and _args=(tensor, int) for one row"
+    )
+    for other in (data[:7], data[-1], (data * 2)[7], data[7:8]):
+        assert conv.picked_row(other, data) is None
+
+
+def test_a_row_is_read_alone_with_or_without_read_into() -> None:
+    """row_reader gives the row's values whichever way the reader serves it."""
+    full = torch.arange(40, dtype=torch.bfloat16).reshape(10, 4)
+
+    class Chunks:
+        def tensor_infos(self) -> list[Any]:
+            return []
+
+        def aliases(self) -> dict[str, str]:
+            return {}
+
+        def read(self, name: str) -> torch.Tensor:
+            raise AssertionError("the whole tensor was read for one row")
+
+        def iter_chunks(self, name: str, max_bytes: int) -> Any:
+            yield from full.reshape(-1).split(3)
+
+    assert conv.row_reader(Chunks(), "w", 7, 4)().tolist() == [28.0, 29.0, 30.0, 31.0]
+
+
+def test_upstreams_pixtral_projector_class_still_filters_the_embedding_it_reads() -> None:
+    """The adapter hands LlavaVisionModel the text embedding that MmprojModel.filter_tensors
+    drops, so that it can copy the [IMG_BREAK] row; once upstream keeps it, the workaround in
+    plan_conversion is dead code to remove."""
+    assert conv.break_row_filtered(), (
+        "assumption broken: upstream's Pixtral projector class now keeps "
+        "language_model.*embed_tokens.weight; remove keeps_break_row from plan_conversion"
+    )
+    source = inspect.getsource(
+        conv.load_converter().get_model_class("LlavaForConditionalGeneration", mmproj=True)
+    )
+    assert "img_break_embd = data_torch[self.img_break_tok_id]" in source, (
+        "assumption broken: LlavaVisionModel copies [IMG_BREAK]'s row as data[token_id]"
+    )
+
+
+def test_mistral3s_text_class_delegates_to_the_nested_class_the_adapter_plans_with() -> None:
+    module = conv.load_converter()
+    outer = module.get_model_class("Mistral3ForConditionalGeneration")
+    source = inspect.getsource(outer)
+    assert "self.impl = Mistral3Model.Ministral3Model(*args, **kwargs)" in source and (
+        "self.impl.prepare_tensors()" in source
+    ), "assumption broken: Mistral3Model delegates prepare_tensors to a nested Ministral3Model"
+    assert conv.delegate_class(outer, {"text_config": {"model_type": "mistral"}}) is (
+        outer.Ministral3Model
+    )
+    assert conv.delegate_class(outer, {"text_config": {"model_type": "mistral4"}}) is (
+        outer.Mistral4Model
+    )
+    llama = module.get_model_class("LlamaForCausalLM")
+    assert conv.delegate_class(llama, {}) is llama
+
+
 def test_the_converter_runs_on_gguf_py_of_its_own_llama_cpp() -> None:
     conv.load_converter()
     import gguf

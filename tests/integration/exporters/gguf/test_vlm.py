@@ -29,7 +29,12 @@ from service.jobs.layout import JobLayout
 from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
-from tests.fixtures.vlm import write_tiny_gemma3, write_tiny_idefics3, write_tiny_qwen2vl
+from tests.fixtures.vlm import (
+    cached_pixtral,
+    write_tiny_gemma3,
+    write_tiny_idefics3,
+    write_tiny_qwen2vl,
+)
 
 PROCESSOR_FILES = ("processor_config.json", "chat_template.jinja", "tokenizer.model",
                    "tokenizer.json", "tokenizer_config.json", "config.json")  # fmt: skip
@@ -160,6 +165,63 @@ def test_a_qwen2_vl_gets_its_text_model_and_projector_that_llama_cpp_runs_like_t
     )
 
 
+@pytest.mark.parametrize(
+    ("merge", "arch", "text_arch"),
+    [(1, "LlavaForConditionalGeneration", "llama"), (2, "Mistral3ForConditionalGeneration",
+                                                     "mistral3")],
+)  # fmt: skip
+def test_a_pixtral_vlm_gets_its_projector_with_the_row_break_that_llama_cpp_runs_like_transformers(
+    tmp_path: Path, merge: int, arch: str, text_arch: str
+) -> None:
+    """Pixtral under LLaVA and Mistral 3 (Pixtral tower, RMSNorm and 2x2 patch merger): the
+    projector holds the [IMG_BREAK] row of the text embedding (upstream's class reads it from
+    an embedding its base class filters away; without it llama-mtmd-cli refuses the file), and
+    mtmd's rows of patches, a break after each but the last, then [IMG_END], agree with
+    transformers given the same ids and the image's size."""
+    from gguf import GGUFReader
+
+    root = cached_pixtral(merge)
+    summary = _export(root, tmp_path / "out", type="f16")
+    assert summary["hf_architecture"] == arch
+    mmproj = summary["mmproj"]
+    assert mmproj["converter"].endswith("LlavaVisionModel")
+    assert mmproj["tower"]["vision_blocks"] == 3 and mmproj["verification"]["read_back"]
+    text = GGUFReader(tmp_path / "out" / "model-f16.gguf").fields
+    assert bytes(text["general.architecture"].parts[-1]).decode() == text_arch
+    projector = GGUFReader(tmp_path / "out" / mmproj["file"])
+    assert bytes(projector.fields["clip.projector_type"].parts[-1]).decode() == "pixtral"
+    tensors = {t.name: t for t in projector.tensors}
+    with open_checkpoint(root) as c:
+        embedding = c.reader.read("language_model.model.embed_tokens.weight")
+    brk = json.loads((root / "tokenizer.json").read_text())["model"]["vocab"].get("[IMG_BREAK]")
+    if brk is None:
+        brk = next(t["id"] for t in json.loads((root / "tokenizer.json").read_text())[
+            "added_tokens"] if t["content"] == "[IMG_BREAK]")  # fmt: skip
+    row = tensors["v.token_embd.img_break"].data.astype("float32")
+    assert row.shape == (embedding.shape[1],)
+    assert abs(row - embedding[brk].numpy()).max() < 1e-2, "not the [IMG_BREAK] row"
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    ), mtmd
+
+
+@pytest.mark.parametrize(("side", "patch", "merge"), [(1024, 16, 1), (1540, 14, 2)])
+def test_a_published_pixtrals_fixed_image_is_one_neither_mtmd_nor_transformers_resizes(
+    side: int, patch: int, merge: int
+) -> None:
+    """Pixtral 12B and Mistral Small 3.1: their tower's image_size is more embeddings than
+    mtmd takes of one image (1024, it would shrink the image), so the fixed image is 16 merged
+    patches a side, a multiple of the merged patch and under the processor's longest edge."""
+    from service.exporters.gguf.mtmd_check import image_size
+
+    config = {"spatial_merge_size": merge,
+              "vision_config": {"model_type": "pixtral", "image_size": side, "patch_size": patch}}  # fmt: skip
+    pixels = image_size(config)
+    assert pixels % (patch * merge) == 0 and pixels <= side
+    assert 8 <= (pixels // (patch * merge)) ** 2 <= 1024
+
+
 def test_a_k_quant_vlms_projector_is_checked_by_mtmd_with_the_f16_it_was_quantized_from(
     smolvlm: Path, tmp_path: Path
 ) -> None:
@@ -225,13 +287,14 @@ def test_the_graph_formats_refuse_a_vlm_at_submission_naming_what_they_take(
 
 
 def _vlm_configs() -> dict[str, dict[str, Any]]:
-    """Real configs of the families GGUF does not take, from transformers' own classes."""
-    from transformers import LlavaConfig, Mistral3Config, PaliGemmaConfig, Qwen3VLConfig
+    """Real configs of the families GGUF does not take, from transformers' own classes (LLaVA's
+    default is LLaVA 1.5's CLIP tower)."""
+    from transformers import Llama4Config, LlavaConfig, PaliGemmaConfig, Qwen3VLConfig
 
     configs = {}
     for cls, arch in ((LlavaConfig, "LlavaForConditionalGeneration"),
                       (Qwen3VLConfig, "Qwen3VLForConditionalGeneration"),
-                      (Mistral3Config, "Mistral3ForConditionalGeneration"),
+                      (Llama4Config, "Llama4ForConditionalGeneration"),
                       (PaliGemmaConfig, "PaliGemmaForConditionalGeneration")):  # fmt: skip
         config = cls().to_dict()
         config["architectures"] = [arch]
@@ -242,9 +305,9 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize(
     ("arch", "why"),
     [
-        ("LlavaForConditionalGeneration", "projector class for it (llava)"),
+        ("LlavaForConditionalGeneration", "(llava) for pixtral vision towers only"),
         ("Qwen3VLForConditionalGeneration", "projector class for it (qwen3vl)"),
-        ("Mistral3ForConditionalGeneration", "projector class for it (llava)"),
+        ("Llama4ForConditionalGeneration", "projector class for it (llama4)"),
         ("PaliGemmaForConditionalGeneration", "writes no projector for it"),
     ],
 )
@@ -252,7 +315,7 @@ def test_a_vlm_family_gguf_does_not_take_is_refused_at_submission_naming_what_it
     tmp_path: Path, arch: str, why: str
 ) -> None:
     """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), Qwen3-VL and
-    Mistral 3 (upstream writes a projector, which no job here checks) and PaliGemma (no
+    Llama 4 (upstream writes a projector, which no job here checks) and PaliGemma (no
     projector class) are refused before any download, with the families GGUF takes."""
     config = _vlm_configs()[arch]
     settings = Settings(data_dir=tmp_path)
