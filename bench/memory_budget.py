@@ -7,8 +7,8 @@ sizes, each exported by a real ``modelprep serve`` living in a memory cgroup of 
 Q4_K_M, ONNX and NNEF, each as its own job with verify on, then every export accepted alone in
 one job. For each job: outcome, wall, the job's peak (its process's RSS with and without the
 children it waited for; its memory cgroup's charge, children and page cache included), each
-child's peak (llama.cpp's quantizer and logits check, onnxruntime, tract: wait4's RSS, mapped
-file pages included) and the
+child's own peak (llama.cpp's quantizer and logits check, onnxruntime, tract: its RSS, mapped
+file pages included, without the job's pages wait4 would fold in) and the
 verification mode, plus the slowest answer of the API, polled every 0.25 s throughout.
 
     .venv/bin/python bench/memory_budget.py [--limit 2.5GiB] [--sizes 5,10] [--work var/bench]

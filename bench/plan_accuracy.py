@@ -13,9 +13,8 @@ bytes. Checkpoints: with ``--corpus`` the real models of ``tests/fixtures/real_m
 real tokenizer; 3 layers = 1.1 GB, 8 layers = 1.9 GB). A markdown table goes to stdout,
 each figure as predicted / measured and the ratio.
 
-A child's recorded peak comes from ``wait4`` of a process forked from the job, which Linux
-counts from the job's resident memory at the fork (see ``service/plan/formats.py``): tract's
-and llama-quantize's are compared with the larger of that and the predicted child's own.
+A child's recorded peak is its own (``service/exporters/common/child_process.py``), compared
+with the predicted child's own.
 """
 
 from __future__ import annotations
@@ -63,14 +62,13 @@ def pairs(row: dict[str, Any]) -> dict[str, tuple[int, int]]:
     plan, (export,) = row["plan"], row["plan"]["exports"]
     out = {"job peak": (plan["peak_rss_bytes"], row["metrics"]["peak_rss_bytes"])}
     children = {c["name"]: c["peak_rss_bytes"] for c in export["children"]}
-    during = export["job_rss_during_children_bytes"]
     verify = row.get("verify") or {}
     if "ort_peak_rss_bytes" in verify:
         out["onnxruntime"] = (children["onnxruntime"], verify["ort_peak_rss_bytes"])
     if "tract_peak_rss_bytes" in verify:
-        out["tract"] = (max(during, children["tract"]), verify["tract_peak_rss_bytes"])
+        out["tract"] = (children["tract"], verify["tract_peak_rss_bytes"])
     if "quantizer_peak_rss_bytes" in row["metrics"]:
-        quantizer = max(during, children["llama-quantize"])
+        quantizer = children["llama-quantize"]
         out["llama-quantize"] = (quantizer, row["metrics"]["quantizer_peak_rss_bytes"])
     if "artifact_bytes" in row:
         out["artifacts"] = (plan["disk"]["artifact_bytes"], row["artifact_bytes"])

@@ -250,8 +250,8 @@ def check_logits(
         **figures.as_dict(),
         "reference_perplexity": ppl_base,
         "bounds": None if bounds is None else dataclasses.asdict(bounds),
-        # wait4's peak RSS: llama.cpp maps the file, so its pages count here as page cache
-        # the kernel can drop, not memory the tool holds
+        # the tool's own peak RSS (run_child): llama.cpp maps the file, so its pages count
+        # here as page cache the kernel can drop, not memory the tool holds
         "llama_cpp_peak_rss_bytes": peak,
     }
     if bounds is None:

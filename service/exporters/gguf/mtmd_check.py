@@ -349,7 +349,7 @@ def run_mtmd(
         "--seed", "0", "-t", "1", "-c", "1024", "--no-warmup", "--log-prefix",
         "--log-timestamps", "--log-colors", "off",
     ]  # fmt: skip
-    # the shell waits for the tool, so wait4's peak of the shell is the tool's
+    # run_child's peak is the largest of the shell's tree: the tool's
     shell = ["/bin/sh", "-c", CHAT_SESSION, "sh", str(log), str(image), PROMPT, *argv]
     peak = run_child(shell, work, "llama-mtmd-cli", check_abort, timeout=1800.0)
     return reply(log.read_bytes()), peak

@@ -7,7 +7,7 @@ into the job's work directory (bounded memory, verified against the source), the
 runs ``llama-imatrix`` (optional) and ``llama-quantize`` on it as children: progress is read
 from the tool's log ("[  12/ 291] blk.1.attn_q.weight ..."), a cancel kills the child, a deadline
 bounds it, and a failure is a typed :class:`~service.errors.ExportFailed`. The child's RSS is its
-own (read from ``wait4``) and is returned once it exits, so the job process never holds more
+own (``run_child`` measures it apart from the job's) and is returned once it exits, so the job process never holds more
 than the writer's row block.
 """
 
