@@ -57,9 +57,22 @@ LLAMA_CHECK_BASE_BYTES = 64 * MiB
 SmolLM2-135M q8_0, 202 MiB for a 138 MiB file). 160 MiB before a child's peak was its own,
 when the job's pages at the fork were counted in it."""
 
-MTMD_BASE_BYTES = 160 * MiB
-"""llama-mtmd-cli beyond the mapped text file and its projector: the text and vision
-contexts' buffers."""
+MTMD_BASE_BYTES = 20 * MiB
+"""llama-mtmd-cli's own peak beyond its files, KV cache and activations: 20.0-20.4 MiB on the
+tiny Gemma 3, SmolVLM, Pixtral and Mistral 3 (its own ``VmHWM``, ``run_child``'s figure; 160
+MiB + files before, when wait4's 430-456 MiB, the job's RSS at fork, was taken for it)."""
+MTMD_VISION_WORKSPACE_BYTES = {
+    "Qwen2VLForConditionalGeneration": 36 * MiB,
+    "Qwen2_5_VLForConditionalGeneration": 36 * MiB,
+}
+"""What a family's image encoding holds beyond :data:`MTMD_BASE_BYTES`: Qwen2-VL and 2.5-VL
+measured 56 MiB over their files on the tiny models and 61 MiB with a 12-block 768-wide tower
+(8 text layers 1024 wide), nearly flat in the tower's width; the other families nothing
+measurable."""
+MTMD_CONTEXT = 1024
+"""The context llama-mtmd-cli gets (``gguf.mtmd_check.run_mtmd``: ``-c 1024``)."""
+MTMD_UBATCH = 512
+"""llama.cpp's default micro-batch: the rows of the text model's activations."""
 
 ORT_BASE_BYTES = 40 * MiB
 ORT_WEIGHT_FACTOR = 1.0
@@ -404,7 +417,7 @@ def _plan_vlm(
     of the text file, written by the same streaming writer (no more row blocks). Verified, the
     mtmd check (for a llama-quantize type on the f16 file it quantized) runs transformers' whole VLM in float32 in the job
     (B + 64 MiB + 1.7 x float32 weights, whatever ``max_memory``) and llama-mtmd-cli, which
-    maps the text file and loads the projector (check base + both files). Returns the job's
+    maps the text file and loads the projector (:func:`_mtmd_peak`). Returns the job's
     peak and the artifact's bytes; appends the child and the notes."""
     vision = [t for t in headers.tensors if is_vision_tensor(t.name)]
     per_text = GGUF_TYPE_BYTES.get(type_name, 2.0)
@@ -423,15 +436,38 @@ def _plan_vlm(
     mapped = text if type_name in UNQUANTIZED_GGUF else int(text * 2.0 / per_text)
     weights = _floating_elements(headers) * 4
     reference = JOB_BASE_BYTES + REFERENCE_BASE_BYTES + int(REFERENCE_WEIGHT_FACTOR * weights)
-    children.append(
-        ChildPlan("llama-mtmd-cli", MTMD_BASE_BYTES + mapped + projector, mapped)
-    )
+    tool = _mtmd_peak(headers.config or {}, mapped, projector)
+    children.append(ChildPlan("llama-mtmd-cli", tool, mapped))
     notes.append(
         f"mtmd check: transformers' whole VLM in float32 in the job, base + 64 MiB + "
         f"{REFERENCE_WEIGHT_FACTOR} x float32 weights ({weights >> 20} MiB); llama-mtmd-cli "
-        f"maps the text file ({mapped >> 20} MiB) and loads the projector"
+        f"maps the text file ({mapped >> 20} MiB), loads the projector and holds "
+        f"{(tool - mapped - projector) >> 20} MiB of its own"
     )
     return max(job, reference), text + projector
+
+
+def _mtmd_peak(config: dict[str, Any], mapped: int, projector: int) -> int:
+    """llama-mtmd-cli's peak RSS: :data:`MTMD_BASE_BYTES`, the family's vision workspace, the
+    mapped text file, the projector, the f16 KV cache of :data:`MTMD_CONTEXT` positions
+    (cleared at start, so resident) and the text model's activations (8 bytes per element of
+    a micro-batch of hidden and FFN rows). Measured within 7% on the tiny Gemma 3, SmolVLM,
+    Qwen2-VL, Qwen2.5-VL, Pixtral and Mistral 3 and on a Gemma 3 and a Qwen2-VL of ~250 MB
+    (``tests/integration/exporters/gguf/test_vlm.py`` compares)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+    def num(key: str, default: int) -> int:
+        value = (text or {}).get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+    hidden = num("hidden_size", 0)
+    heads = max(1, num("num_attention_heads", 1))
+    head_dim = num("head_dim", hidden // heads)
+    kv = 2 * num("num_hidden_layers", 0) * MTMD_CONTEXT * num("num_key_value_heads", heads)
+    activations = 8 * MTMD_UBATCH * (hidden + num("intermediate_size", 4 * hidden))
+    arch = str((config.get("architectures") or [""])[0])
+    workspace = MTMD_VISION_WORKSPACE_BYTES.get(arch, 0)
+    return MTMD_BASE_BYTES + workspace + mapped + projector + kv * head_dim * 2 + activations
 
 
 # --- ONNX -------------------------------------------------------------------------------------

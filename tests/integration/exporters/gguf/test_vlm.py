@@ -57,6 +57,31 @@ def _export(ckpt: Path, out: Path, **spec: Any) -> dict[str, Any]:
     return result.summary
 
 
+PLAN_BOUND = 0.25
+"""How far llama-mtmd-cli's measured peak may be from the plan's (``plan.formats._mtmd_peak``)."""
+
+
+def _assert_planned(root: Path, summary: dict[str, Any], work: Path) -> None:
+    """llama-mtmd-cli's own peak RSS (its VmHWM, not the job's RSS at fork, which is ~430 MiB
+    here) is within :data:`PLAN_BOUND` of what the plan predicted for the checkpoint."""
+    from service.jobs.planning import source_headers
+    from service.plan.formats import plan_export
+
+    spec = JobSpec.model_validate(
+        {"source": f"file://{root}", "exports": [{"format": "gguf", "type": "f16"}]}
+    )
+    settings = Settings(data_dir=work / "plan-data", local_roots=[root.parent])
+    headers = source_headers(spec, settings)
+    plan = plan_export(spec.export_specs()[0], headers, max_memory=1 << 30)
+    (child,) = [c for c in plan.children if c.name == "llama-mtmd-cli"]
+    measured = summary["mmproj"]["mtmd"]["peak_rss_bytes"]
+    ratio = measured / child.peak_rss_bytes
+    assert abs(ratio - 1) <= PLAN_BOUND, (
+        f"llama-mtmd-cli peaked at {measured >> 10} KiB, the plan said "
+        f"{child.peak_rss_bytes >> 10} KiB (ratio {ratio:.3f})"
+    )
+
+
 def test_a_verified_vlm_job_writes_gguf_with_its_projector_and_safetensors_with_every_part(
     gemma3: Path, tmp_path: Path
 ) -> None:
@@ -134,6 +159,7 @@ def test_a_smolvlm_gets_its_text_model_and_projector_that_llama_cpp_runs_like_tr
     assert (
         mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
     ), mtmd
+    _assert_planned(smolvlm, summary, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -163,6 +189,7 @@ def test_a_qwen2_vl_gets_its_text_model_and_projector_that_llama_cpp_runs_like_t
     assert mtmd["result"] == "agree" and mtmd["agreed_tokens"] >= mtmd["comparable_tokens"] >= 15, (
         mtmd
     )
+    _assert_planned(root, summary, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -204,6 +231,7 @@ def test_a_pixtral_vlm_gets_its_projector_with_the_row_break_that_llama_cpp_runs
     assert (
         mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
     ), mtmd
+    _assert_planned(root, summary, tmp_path)
 
 
 @pytest.mark.parametrize(("side", "patch", "merge"), [(1024, 16, 1), (1540, 14, 2)])
