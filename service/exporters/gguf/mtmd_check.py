@@ -304,12 +304,14 @@ def _ids(value: Any) -> list[int]:
 
 CHAT_SESSION = r"""
 log="$1"; image="$2"; prompt="$3"; shift 3
-fifo="$log.stdin"; rm -f "$fifo" "$log"; mkfifo "$fifo" || exit 1
+fifo="$log.stdin"; rm -f "$fifo" "$log" "$log.hwm"; mkfifo "$fifo" || exit 1
 "$@" --log-file "$log" < "$fifo" > /dev/null &
 tool=$!
 exec 3> "$fifo"
 printf '/image %s\n%s\n' "$image" "$prompt" >&3
 while kill -0 "$tool" 2>/dev/null; do
+  hwm=$(sed -n 's/^VmHWM:[^0-9]*\([0-9]*\) kB$/\1/p' "/proc/$tool/status" 2>/dev/null)
+  [ -n "$hwm" ] && echo "$hwm" > "$log.hwm"
   case "$(tail -c 3 "$log" 2>/dev/null | od -An -c | tr -d ' ')" in
     '\n>') [ "$(grep -c '^> ' "$log")" -ge 3 ] && break ;;
   esac
@@ -320,7 +322,11 @@ wait "$tool"; status=$?
 rm -f "$fifo"; exit "$status"
 """
 """Runs llama-mtmd-cli as a chat of two lines (the image, the prompt) and ends it once the tool
-asks for a third. Why not ``-p``/``--image`` (one turn, then exit): the tool prints through
+asks for a third, recording the tool's own peak RSS (``VmHWM`` of ``/proc/<tool>/status``,
+read every 0.1 s while it runs, the last read once the reply is whole) in ``<log>.hwm``. Why
+there too: ``run_child`` samples its child's tree every 0.25 s, and on a small model the tool
+can start and end between two looks (it then reported the shell's 1.7 MiB). Why not
+``-p``/``--image`` (one turn, then exit): the tool prints through
 llama.cpp's log thread, whose logger is never flushed at exit (llama.cpp #22142), so under load
 the end of the reply was lost (16 tokens generated, 1 printed). The request for the next line
 (``> ``) follows the reply in the same ordered queue, so once it is in the log file the reply is
@@ -349,10 +355,21 @@ def run_mtmd(
         "--seed", "0", "-t", "1", "-c", "1024", "--no-warmup", "--log-prefix",
         "--log-timestamps", "--log-colors", "off",
     ]  # fmt: skip
-    # run_child's peak is the largest of the shell's tree: the tool's
+    # run_child's peak is the largest of the shell's tree it saw; the session's record is the
+    # tool's own whenever it ran (see CHAT_SESSION)
     shell = ["/bin/sh", "-c", CHAT_SESSION, "sh", str(log), str(image), PROMPT, *argv]
     peak = run_child(shell, work, "llama-mtmd-cli", check_abort, timeout=1800.0)
-    return reply(log.read_bytes()), peak
+    return reply(log.read_bytes()), max(peak, tool_peak(log))
+
+
+def tool_peak(log: Path) -> int:
+    """llama-mtmd-cli's own peak RSS in bytes, as the chat session recorded it."""
+    try:
+        return int((log.parent / (log.name + ".hwm")).read_text().strip()) * 1024
+    except (OSError, ValueError):
+        raise VerificationFailed(
+            "llama-mtmd-cli's peak RSS was not recorded (no VmHWM in /proc/<pid>/status)"
+        ) from None
 
 
 def reply(session: bytes) -> bytes:
