@@ -20,9 +20,9 @@ first aborts what is in progress under the job's location) or the removal of its
 to the sweep of orphaned uploads (:meth:`ArtifactStore.abort_orphaned_uploads`, which the API
 runs at start and with retention: uploads in progress longer than
 ``MODELPREP_ARTIFACT_UPLOAD_ORPHAN_AFTER``), or the bucket's AbortIncompleteMultipartUpload
-lifecycle rule (the only cleanup when the service signs with web identity or instance
-credentials, which it cannot use for these requests). Removal (DELETE, retention) deletes the manifest FIRST, so a half-removed
-set is never mistaken for a published one.
+lifecycle rule (the only cleanup when the service signs with instance credentials, which it
+cannot use for these requests). Removal (DELETE, retention) deletes the manifest FIRST, so a
+half-removed set is never mistaken for a published one.
 """
 
 from __future__ import annotations

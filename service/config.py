@@ -156,6 +156,30 @@ class Settings(BaseSettings):
         "tenant's s3:// sources and destinations use; other jobs use the standard chain "
         "(AWS_* environment, shared credentials file, web identity).",
     )
+    s3_web_identity_token_file: Path | None = Field(
+        default=None, validation_alias="AWS_WEB_IDENTITY_TOKEN_FILE",
+        description="With AWS_ROLE_ARN: the file of a web identity token (a Kubernetes "
+        "service account's projected token) that the service exchanges for temporary keys "
+        "with STS AssumeRoleWithWebIdentity; re-read at each refresh (the kubelet rotates "
+        "it). Used when neither the tenant nor AWS_ACCESS_KEY_ID gives keys.",
+    )
+    s3_role_arn: str | None = Field(
+        default=None, validation_alias="AWS_ROLE_ARN",
+        examples=["arn:aws:iam::123456789012:role/modelprep"],
+        description="The role assumed with the web identity token (see "
+        "AWS_WEB_IDENTITY_TOKEN_FILE).",
+    )
+    s3_role_session_name: str = Field(
+        default="modelprep", validation_alias="AWS_ROLE_SESSION_NAME",
+        pattern=r"^[\w+=,.@-]{2,64}$",
+        description="The session name of the assumed role (the store's audit logs show it).",
+    )
+    s3_sts_endpoint: str | None = Field(
+        default=None, validation_alias="AWS_ENDPOINT_URL_STS",
+        description="Endpoint URL of the STS that AssumeRoleWithWebIdentity is sent to; "
+        "default: MODELPREP_S3_ENDPOINT (MinIO, SeaweedFS and Ceph RGW serve STS on their S3 "
+        "endpoint), else AWS STS of s3_region. The egress policy applies to it.",
+    )
     artifact_store: str | None = Field(
         default=None,
         description="s3://bucket/prefix: publish every job's artifacts and manifest under "
@@ -425,6 +449,12 @@ class Settings(BaseSettings):
         if value is not None and not value.startswith("s3://"):
             raise ValueError("artifact_store must be an s3://bucket/prefix URI")
         return value
+
+    @field_validator("s3_web_identity_token_file", "s3_role_arn", "s3_sts_endpoint", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """An AWS_* variable set to "" is unset, as the AWS SDKs read it."""
+        return None if value == "" else value
 
     @field_validator("egress_allowlist")
     @classmethod

@@ -10,11 +10,14 @@ Credentials, in order (read when a client is made, never at import):
 
 1. the tenant's pair in ``MODELPREP_S3_CREDENTIALS`` (``{"tenant": {"access_key_id",
    "secret_access_key"}}``), so each tenant reaches only what its own key may;
-2. the standard chain ``object_store`` implements: ``AWS_ACCESS_KEY_ID`` /
-   ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, web identity
-   (``AWS_WEB_IDENTITY_TOKEN_FILE`` + ``AWS_ROLE_ARN``: Kubernetes service accounts), ECS
-   container credentials and the instance metadata service;
-3. the shared credentials file (``AWS_SHARED_CREDENTIALS_FILE``, default
+2. ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``;
+3. web identity (``AWS_WEB_IDENTITY_TOKEN_FILE`` + ``AWS_ROLE_ARN``: Kubernetes service
+   accounts), exchanged for temporary keys by this service (service/web_identity.py: its STS
+   request obeys the egress policy, goes to the store's own STS, and the keys also sign the
+   requests obstore cannot make), handed to obstore as its ``credential_provider``;
+4. the rest of the chain ``object_store`` implements (ECS container credentials, the instance
+   metadata service);
+5. the shared credentials file (``AWS_SHARED_CREDENTIALS_FILE``, default
    ``~/.aws/credentials``, profile ``AWS_PROFILE`` or ``default``), which ``object_store`` does
    not read itself, used when the environment names neither keys nor a web identity.
 
@@ -77,9 +80,12 @@ from service.errors import (
     SourceUnreachable,
 )
 from service.retry import Backoff
+from service.web_identity import web_identity_configured, web_identity_for
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3Config
+
+    from service.web_identity import WebIdentityCredentials
 
 T = TypeVar("T")
 
@@ -233,11 +239,15 @@ def store_for(
     if checksum:
         config["checksum_algorithm"] = "sha256"
     entry = settings.s3_credentials.get(tenant) if tenant is not None else None
+    provider: WebIdentityCredentials | None = None
     if entry is not None:
         config["access_key_id"] = entry.access_key_id
         config["secret_access_key"] = entry.secret_access_key.get_secret_value()
         if entry.session_token is not None:
             config["session_token"] = entry.session_token.get_secret_value()
+    elif _uses_web_identity(settings):
+        provider = web_identity_for(settings)
+        provider.current()  # STS refusing or unreachable fails here, typed, before any request
     else:
         config.update(_shared_file_credentials() or {})
     client: ClientConfig = {
@@ -248,12 +258,35 @@ def store_for(
     # Retries are the caller's (:func:`call`, the source's resumable reads): one policy,
     # service/retry.py, for every transfer.
     retry: RetryConfig = {"max_retries": 0}
-    return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+    return S3Store(bucket, config=config, client_options=client, retry_config=retry,
+                   credential_provider=provider)
+
+
+def _uses_web_identity(settings: Settings) -> bool:
+    """Web identity is the chain's choice: configured, and no key pair in the environment
+    (which comes first, as in the AWS SDKs)."""
+    return web_identity_configured(settings) and not os.environ.get("AWS_ACCESS_KEY_ID")
 
 
 def _status(message: str) -> int | None:
     match = _STATUS.search(message)
     return int(match.group(1)) if match else None
+
+
+_PROVIDER_FAILED = "External AWS credential provider: "
+_PROVIDER_ERROR = re.compile(re.escape(_PROVIDER_FAILED) + r"(\w+): ([^\n]*)")
+
+
+def _provider_failure(message: str, what: str) -> ServiceError:
+    """The typed error of a ``credential_provider`` callback that raised: obstore reports it as
+    UnauthenticatedError ``External AWS credential provider: <class>: <message>`` (the
+    callback is :class:`~service.web_identity.WebIdentityCredentials`, whose messages hold
+    neither token nor key). An STS that could not be reached stays SourceUnreachable."""
+    match = _PROVIDER_ERROR.search(message)
+    name, detail = (match.group(1), match.group(2)) if match else ("", message.splitlines()[0])
+    if name == SourceUnreachable.__name__:
+        return SourceUnreachable(f"{what}: {detail}")
+    return AccessDenied(f"no credentials for {what}: {detail}")
 
 
 def classify(exc: BaseException, what: str) -> ServiceError | None:
@@ -266,6 +299,8 @@ def classify(exc: BaseException, what: str) -> ServiceError | None:
     if isinstance(exc, NotFoundError) or (isinstance(exc, FileNotFoundError)
                                          and exc.errno is None):
         return ObjectNotFound(f"{what} not found in the object store")
+    if isinstance(exc, UnauthenticatedError) and _PROVIDER_FAILED in str(exc):
+        return _provider_failure(str(exc), what)
     if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
         return AccessDenied(f"the object store refused access to {what}")
     if isinstance(exc, PreconditionError):
@@ -346,9 +381,10 @@ class StaticCredentials:
 
 
 def static_credentials(settings: Settings, tenant: str | None) -> StaticCredentials:
-    """The keys :func:`store_for` would use, when they are keys: the tenant's, the
-    environment's, or the shared file's. Web identity and instance credentials are resolved
-    inside object_store, out of reach: copying a > 5 GB object then fails typed
+    """The keys :func:`store_for` would use, now: the tenant's, the environment's, web
+    identity's temporary ones (with their session token; valid for minutes at least, so ask
+    again for each request), or the shared file's. Container and instance credentials are
+    resolved inside object_store, out of reach: copying a > 5 GB object then fails typed
     (:class:`AccessDenied`, naming the reason), never by moving the bytes through here."""
     entry = settings.s3_credentials.get(tenant) if tenant is not None else None
     if entry is not None:
@@ -360,13 +396,17 @@ def static_credentials(settings: Settings, tenant: str | None) -> StaticCredenti
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
         return StaticCredentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
                                  env.get("AWS_SESSION_TOKEN") or None)
+    if _uses_web_identity(settings):
+        found = web_identity_for(settings).current()
+        return StaticCredentials(found.access_key_id, found.secret_access_key,
+                                 found.session_token)
     shared = _shared_file_credentials()
     if shared is not None:
         return StaticCredentials(shared["access_key_id"], shared["secret_access_key"],
                                  shared.get("session_token"))
     raise AccessDenied(
-        "copying an object larger than 5 GB needs a key pair (tenant, AWS_* environment or "
-        "shared credentials file); web identity and instance credentials cannot sign it here"
+        "copying an object larger than 5 GB needs a key pair (tenant, AWS_* environment, web "
+        "identity or shared credentials file); instance credentials cannot sign it here"
     )
 
 
@@ -439,7 +479,7 @@ def _element(body: bytes, name: str) -> str:
 
 
 class _SignedRequests:
-    """S3 requests obstore cannot make, signed here with a key pair (:func:`static_credentials`)
+    """S3 requests obstore cannot make, signed here with the keys of :func:`static_credentials`
     and sent with httpx; each through :func:`call` (retries, typed errors) unless ``retry`` is
     off."""
 
@@ -447,7 +487,8 @@ class _SignedRequests:
                  read_seconds: float) -> None:
         self._bucket = bucket
         self._settings = settings
-        self._credentials = static_credentials(settings, tenant)
+        self._tenant = tenant
+        static_credentials(settings, tenant)  # none to sign with: fail now, typed
         self._http = httpx.Client(timeout=httpx.Timeout(read_seconds, connect=10.0))
 
     def close(self) -> None:
@@ -461,8 +502,10 @@ class _SignedRequests:
         what = f"s3://{self._bucket}/{key}"
 
         def send() -> httpx.Response:
+            # asked for each request: temporary keys are renewed during a long copy
+            credentials = static_credentials(self._settings, self._tenant)
             signed = sigv4_headers(method, url, query, headers or {}, payload,
-                                   self._credentials, self._settings.s3_region)
+                                   credentials, self._settings.s3_region)
             response = self._http.request(method, url + "?" + _canonical_query(query),
                                           headers=signed, content=payload or None)
             code = _s3_error_code(response.content) if response.content else None
@@ -548,8 +591,8 @@ def abort_uploads(
     initiated_before: datetime | None = None,
 ) -> int | None:
     """Best effort: abort the multipart uploads in progress under ``prefix``; returns how many,
-    or None when that failed (the store unreachable, or no key pair to sign with: web identity
-    and instance credentials stay inside object_store). ``quick``: one attempt with a short
+    or None when that failed (the store or its STS unreachable, or no key pair to sign with:
+    instance credentials stay inside object_store). ``quick``: one attempt with a short
     timeout, for cleaning up after a failure the store itself may have caused.
     ``initiated_before``: only uploads begun before then (:meth:`MultipartUploads.abort_all`).
     What is left is for the bucket's AbortIncompleteMultipartUpload lifecycle rule, a later
@@ -557,7 +600,7 @@ def abort_uploads(
     try:
         uploads = MultipartUploads(bucket, settings, tenant,
                                    min(10.0, stall_read_seconds(settings)) if quick else None)
-    except AccessDenied:
+    except ServiceError:
         return None
     try:
         return uploads.abort_all(prefix, retry=not quick, initiated_before=initiated_before)
