@@ -37,6 +37,7 @@ from tests.fixtures.oidc import (  # noqa: F401  (fixture)
     web_identity_store,
 )
 from tests.fixtures.seaweedfs import S3Server, signed_request
+from tests.fixtures.service import free_port
 
 if TYPE_CHECKING:
     from obstore.store import S3Credential
@@ -184,7 +185,7 @@ def test_an_unreachable_sts_is_source_unreachable_and_one_the_policy_refuses_is_
     bucket: str,
 ) -> None:
     token = web_identity_store.issuer.token()
-    dead = "http://127.0.0.1:9"  # discard port: nothing listens on loopback there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     settings = _settings(tmp_path, web_identity_store, token, AWS_ENDPOINT_URL_STS=dead)
     with pytest.raises(SourceUnreachable, match="after 2 attempts") as unreachable:
         store_for(bucket, settings, None)
