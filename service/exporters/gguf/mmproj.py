@@ -50,6 +50,7 @@ def mmproj_type(text_type: str) -> OutType:
 VLM_FAMILIES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "Gemma 3",
     "Idefics3ForConditionalGeneration": "SmolVLM / Idefics3",
+    "SmolVLMForConditionalGeneration": "SmolVLM2",
     "Qwen2VLForConditionalGeneration": "Qwen2-VL",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL",
     "LlavaForConditionalGeneration": "Pixtral: LLaVA with a Pixtral tower",

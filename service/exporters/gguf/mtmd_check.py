@@ -116,6 +116,10 @@ IDEFICS3_ONE_TILE = ("<fake_token_around_image>", "<row_1_col_1>", IMAGE, "\n\n"
                      "<fake_token_around_image>", "<global-img>", IMAGE,
                      "<fake_token_around_image>")  # fmt: skip
 
+IDEFICS3_LAYOUT = Layout(
+    IDEFICS3_ONE_TILE, "<image>", _idefics3_per_frame, (("do_image_splitting", False),)
+)
+
 PIXTRAL_LAYOUT = Layout(
     (IMAGE, "[IMG_END]"),
     "[IMG]",
@@ -136,9 +140,9 @@ LAYOUTS: dict[str, Layout] = {
     # preprocessor's longest edge, the tile size, so mtmd resizes nothing): the tile as slice
     # 1x1, then the overview, which is the same pixels; transformers gets the same two frames
     # (its own processor, unsplit, gives the one tile; it would not slice a one-tile image)
-    "Idefics3ForConditionalGeneration": Layout(
-        IDEFICS3_ONE_TILE, "<image>", _idefics3_per_frame, (("do_image_splitting", False),)
-    ),
+    "Idefics3ForConditionalGeneration": IDEFICS3_LAYOUT,
+    # SmolVLM2: the same projector type, tokens and processor keys as Idefics3
+    "SmolVLMForConditionalGeneration": IDEFICS3_LAYOUT,
     # mtmd.cpp PROJECTOR_TYPE_QWEN2VL / QWEN25VL: <|vision_start|> (merged patches)
     # <|vision_end|>; the image at the tower's 224 pixels, a multiple of the 28-pixel merged
     # patch, so neither side resizes it; transformers also takes the image's grid (M-RoPE)

@@ -31,6 +31,7 @@ from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
 from tests.fixtures.vlm import (
     cached_pixtral,
+    cached_smolvlm2,
     write_tiny_gemma3,
     write_tiny_idefics3,
     write_tiny_qwen2vl,
@@ -160,6 +161,23 @@ def test_a_smolvlm_gets_its_text_model_and_projector_that_llama_cpp_runs_like_tr
         mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
     ), mtmd
     _assert_planned(smolvlm, summary, tmp_path)
+
+
+def test_a_smolvlm2_gets_the_smolvlm_projector_that_llama_cpp_runs_like_transformers(
+    tmp_path: Path,
+) -> None:
+    """SmolVLM2 (SmolVLMForConditionalGeneration): Idefics3's layout under its own class,
+    converted by the same upstream classes and laid out by mtmd as Idefics3."""
+    root = cached_smolvlm2()
+    summary = _export(root, tmp_path / "out", type="f16")
+    assert summary["hf_architecture"] == "VLlama3ForCausalLM"
+    mmproj = summary["mmproj"]
+    assert mmproj["architecture"] == "SmolVLMForConditionalGeneration"
+    assert mmproj["converter"].endswith("SmolVLMModel") and mmproj["tower"]["vision_blocks"] == 3
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    ), mtmd
 
 
 @pytest.mark.parametrize(
