@@ -92,9 +92,8 @@ TRACT_WEIGHT_FACTOR = 1.35
 """tract holds the whole archive in RAM (bench/export_nnef.py: 6.36 GiB for 4.70 GiB)."""
 
 TRACT_LAYERWISE_FACTOR = 2.0
-"""tract checking the archive block by block holds one block at a time (one decoder layer; the
-first and last blocks hold the embedding or the output head as well): 64 MiB + 2 x the largest
-block's weights (SmolLM2 float16: a layer of 6.8 MiB peaks at 61 MiB, the head's 54 MiB at
+"""tract checking the archive block by block holds one block at a time (a decoder layer, or a
+chunk of the embedding's or the head's rows): 64 MiB + 2 x the largest block's weights (SmolLM2 float16: a layer of 6.8 MiB peaks at 61 MiB, the head's 54 MiB at
 163 MiB; tract packs a matrix for its matmul beside the loaded one)."""
 
 NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
@@ -220,7 +219,9 @@ def _ring_bytes(headers: CheckpointHeaders) -> int:
     pieces: list[int] = []
     for t in headers.tensors:
         full, rest = divmod(t.nbytes, SAFETENSORS_CHUNK_BYTES)
-        pieces += [SAFETENSORS_CHUNK_BYTES] * min(full, SAFETENSORS_SLOTS) + ([rest] if rest else [])
+        pieces += [SAFETENSORS_CHUNK_BYTES] * min(full, SAFETENSORS_SLOTS) + (
+            [rest] if rest else []
+        )
     return sum(sorted(pieces, reverse=True)[:SAFETENSORS_SLOTS])
 
 
@@ -242,10 +243,12 @@ def plan_safetensors(
     buffers = ring * (2 if casts else 1)
     writing = JOB_BASE_BYTES + buffers + SAFETENSORS_WRITE_EXTRA_BYTES
     notes = [
-        (f"writing: base {JOB_BASE_BYTES >> 20} MiB + {SAFETENSORS_SLOTS} read buffers"
-         f"{' and as many cast buffers' if casts else ''} (the {SAFETENSORS_SLOTS} largest "
-         f"pieces of at most {SAFETENSORS_CHUNK_BYTES >> 20} MiB: {ring >> 20} MiB) + "
-         f"{SAFETENSORS_WRITE_EXTRA_BYTES >> 20} MiB")
+        (
+            f"writing: base {JOB_BASE_BYTES >> 20} MiB + {SAFETENSORS_SLOTS} read buffers"
+            f"{' and as many cast buffers' if casts else ''} (the {SAFETENSORS_SLOTS} largest "
+            f"pieces of at most {SAFETENSORS_CHUNK_BYTES >> 20} MiB: {ring >> 20} MiB) + "
+            f"{SAFETENSORS_WRITE_EXTRA_BYTES >> 20} MiB"
+        )
     ]
     verification: VerificationMode = "none"
     peak = writing
@@ -290,9 +293,7 @@ def _transformed(headers: CheckpointHeaders) -> int:
     """Float32 bytes of the largest tensor llama.cpp's converter evaluates whole: a q/k
     projection it permutes (Llama-family classes); a MoE layer's experts stream one after the
     other and are not counted."""
-    permuted = [
-        t for t in headers.tensors if t.name.endswith(("q_proj.weight", "k_proj.weight"))
-    ]
+    permuted = [t for t in headers.tensors if t.name.endswith(("q_proj.weight", "k_proj.weight"))]
     return max((t.numel * 4 for t in permuted), default=0)
 
 
@@ -364,9 +365,11 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = No
         reference, notes_reference = _reference_bytes(headers, max_memory)
         job = max(job, reference)
     notes = [
-        (f"job: B {JOB_BASE_BYTES >> 20} MiB + G {GGUF_BASE_BYTES >> 20} MiB + {blocks} x C "
-        f"{chunk >> 20} MiB + T {transformed >> 20} MiB (the largest tensor the converter "
-        "evaluates whole; MoE experts stream)"),
+        (
+            f"job: B {JOB_BASE_BYTES >> 20} MiB + G {GGUF_BASE_BYTES >> 20} MiB + {blocks} x C "
+            f"{chunk >> 20} MiB + T {transformed >> 20} MiB (the largest tensor the converter "
+            "evaluates whole; MoE experts stream)"
+        ),
         *([notes_reference] if notes_reference else []),
     ]
     artifact = _gguf_bytes(headers, type_name)
@@ -388,9 +391,7 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = No
         )
     elif spec.verify and _causal_lm_with_tokenizer(headers):
         # the logits check against the reference: llama.cpp maps the GGUF file itself
-        children.append(
-            ChildPlan("llama-perplexity", LLAMA_CHECK_BASE_BYTES + artifact, artifact)
-        )
+        children.append(ChildPlan("llama-perplexity", LLAMA_CHECK_BASE_BYTES + artifact, artifact))
         notes.append(f"llama-perplexity maps the file ({artifact >> 20} MiB)")
     if is_multimodal(headers.config):
         job, artifact = _plan_vlm(spec, headers, type_name, job, artifact, children, notes)
@@ -480,13 +481,23 @@ def plan_onnx(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
     largest = _largest_bytes(headers, itemsize)
     cast = headers.source_dtype not in (None, {4: "F32", 2: "F16"}[itemsize])
     layers = _layers(headers)
-    job = (JOB_BASE_BYTES + ONNX_BASE_BYTES + largest * (2 if cast else 1)
-           + layers * ONNX_PER_LAYER_BYTES)
+    job = (
+        JOB_BASE_BYTES
+        + ONNX_BASE_BYTES
+        + largest * (2 if cast else 1)
+        + layers * ONNX_PER_LAYER_BYTES
+    )
     weights = _floating_elements(headers) * itemsize - _ties(headers) // 4 * itemsize
     children = (
-        (ChildPlan("onnxruntime", ORT_BASE_BYTES + int(ORT_WEIGHT_FACTOR * weights),
-                   int(ORT_WEIGHT_FACTOR * weights)),)
-        if spec.verify else ()
+        (
+            ChildPlan(
+                "onnxruntime",
+                ORT_BASE_BYTES + int(ORT_WEIGHT_FACTOR * weights),
+                int(ORT_WEIGHT_FACTOR * weights),
+            ),
+        )
+        if spec.verify
+        else ()
     )
     return ExportPlan(
         format="onnx", job_peak_rss_bytes=job, job_rss_during_children_bytes=job,
@@ -504,9 +515,10 @@ def plan_onnx(spec: Any, headers: CheckpointHeaders) -> ExportPlan:
 def block_weight_bytes(tensors: Iterable[tuple[str, int]]) -> int:
     """The largest block's weight bytes when tract checks a causal LM block by block, from its
     tensors' names and sizes: a decoder layer is every tensor under one ``layers.N.`` (or
-    ``h.N.``, ``layer.N.``, ``blocks.N.``) prefix; the first block holds the embedding beside
-    layer 0 and the last the final norm and the output head, so the largest block is bounded
-    by the largest layer plus the largest tensor outside the layers."""
+    ``h.N.``, ``layer.N.``, ``blocks.N.``) prefix; the embedding lookup and the output head
+    are blocks of their own, run in chunks of their rows no larger than the largest layer (at
+    least 16 MiB: ``service.exporters.nnef.layerwise``), so the largest block is the largest
+    layer, or the largest tensor outside the layers up to that chunk."""
     per_layer: dict[int, int] = {}
     outside = 0
     for name, size in tensors:
@@ -516,7 +528,13 @@ def block_weight_bytes(tensors: Iterable[tuple[str, int]]) -> int:
             per_layer[index] = per_layer.get(index, 0) + size
         else:
             outside = max(outside, size)
-    return max(per_layer.values(), default=0) + outside
+    layer = max(per_layer.values(), default=0)
+    return max(layer, min(outside, max(layer, MIN_VOCAB_CHUNK_BYTES)))
+
+
+MIN_VOCAB_CHUNK_BYTES = 16 * MiB
+"""``service.exporters.nnef.layerwise.MIN_VOCAB_CHUNK_BYTES`` (a format module the plan does
+not import: ``tests/unit/test_plan_tract_layerwise.py`` holds the two equal)."""
 
 
 _LAYER_PREFIX = re.compile(r"\.(?:layers|h|layer|blocks)\.(\d+)\.")
@@ -564,7 +582,8 @@ def plan_nnef(spec: Any, headers: CheckpointHeaders, tract_limit: int | None = N
     verify = bool(spec.verify) and not compressed
     block = (
         block_weight_bytes((t.name, t.numel * itemsize) for t in headers.tensors if t.floating)
-        if _causal(headers) and headers.tensors else None
+        if _causal(headers) and headers.tensors
+        else None
     )
     mode = tract_mode(archive, block, tract_limit) if verify else None
     whole, layerwise = tract_peaks(archive, block or 0)
@@ -573,8 +592,10 @@ def plan_nnef(spec: Any, headers: CheckpointHeaders, tract_limit: int | None = N
         tract = ""
     elif mode == "layerwise":
         children = (ChildPlan("tract", layerwise),)
-        tract = (f"tract block by block: 64 MiB + 2 x largest block ({(block or 0) >> 20} MiB), "
-                 f"whole would be 64 MiB + 1.35 x archive ({archive >> 20} MiB)")
+        tract = (
+            f"tract block by block: 64 MiB + 2 x largest block ({(block or 0) >> 20} MiB), "
+            f"whole would be 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
+        )
     else:  # whole, or None: the whole figure, which the budget then refuses
         children = (ChildPlan("tract", whole),)
         tract = f"tract: 64 MiB + 1.35 x archive ({archive >> 20} MiB)"

@@ -12,20 +12,31 @@ import pytest
 from service.checkpoint.headers import local_file_header
 from service.config import Settings
 from service.errors import VerificationTooLarge
+from service.exporters.nnef import layerwise
 from service.exporters.nnef.exporter import NNEFExporter, NNEFSpec
 from service.exporters.nnef.verify import ensure_tract_fits
-from service.plan.formats import block_weight_bytes, plan_export, tract_mode, tract_peaks
+from service.plan.formats import (
+    MIN_VOCAB_CHUNK_BYTES,
+    block_weight_bytes,
+    plan_export,
+    tract_mode,
+    tract_peaks,
+)
 from tests.fixtures.models import build_checkpoint
 from tests.unit.test_plan import GiB, llama, spec
 
 
-def test_the_largest_block_is_one_layer_plus_the_largest_tensor_outside_the_layers() -> None:
+def test_the_largest_block_is_one_layer_as_the_vocabulary_runs_in_chunks_of_a_layer() -> None:
     headers = llama(30, hidden=1024, inter=2816, vocab=32000, dtype="F16")
     layer = sum(t.nbytes for t in headers.tensors if t.name.startswith("model.layers.0."))
     embedding = 32000 * 1024 * 2
+    assert embedding > layer > MIN_VOCAB_CHUNK_BYTES
     tensors = [(t.name, t.nbytes) for t in headers.tensors]
-    assert block_weight_bytes(tensors) == layer + embedding
-    assert block_weight_bytes(tensors) < headers.weight_bytes / 9
+    assert block_weight_bytes(tensors) == layer
+    # a small layer: the vocabulary's chunk is 16 MiB at least
+    small = llama(2, hidden=256, inter=512, vocab=32000, dtype="F32")
+    assert block_weight_bytes((t.name, t.nbytes) for t in small.tensors) == MIN_VOCAB_CHUNK_BYTES
+    assert MIN_VOCAB_CHUNK_BYTES == layerwise.MIN_VOCAB_CHUNK_BYTES  # the plan's copy
 
 
 def test_nnef_plan_goes_block_by_block_when_the_archive_does_not_fit_tract() -> None:

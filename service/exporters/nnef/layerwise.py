@@ -6,10 +6,27 @@ block instead: the graph the job ships (``graph.nnef``, text) is cut at the laye
 :func:`~service.exporters.nnef.tract_cli.layer_outputs` finds, and each piece becomes a small
 NNEF directory tract loads on its own:
 
-* ``block-000``: ``input_ids`` (and layer 0's KV cache) -> layer 0's output and cache (the
-  embedding lookup, scaled where the model scales it, stays in this block: nothing to feed);
-* ``block-i``: layer ``i-1``'s output, as PyTorch computed it, -> layer ``i``'s output and cache;
-* the last block: the last layer's output -> the logits (final norm and output head).
+* ``embedding``: ``input_ids`` -> the embedding lookup (``tract_core_gather`` of the
+  embedding matrix by the ids), where the graph has one; its output is fed, as tract computed
+  it, to layer 0, whose comparison with PyTorch's layer 0 output checks it (else the lookup stays
+  in layer 0's block);
+* ``layer i``: layer ``i-1``'s output, as PyTorch computed it (layer 0: the lookup's), -> layer
+  ``i``'s output and cache;
+* ``head``: the last layer's output -> the logits (final norm and output head).
+
+A vocabulary matrix (the embedding, the head) outweighs a decoder layer at a large vocabulary
+(float32 49152 x 4096: 0.75 GiB, a layer of that model 0.75 GiB too, and both in one block
+before). The embedding and head blocks therefore run in chunks of the matrix's rows, each at
+most :func:`vocab_chunk_bytes` (the largest layer's weight bytes, at least
+:data:`MIN_VOCAB_CHUNK_BYTES`): a chunk's weight file holds the shipped file's rows ``[a, b)``
+byte for byte under a header naming ``b - a`` rows, and its graph is the block's own with that
+variable's shape changed. The head's chunks give the logits' columns ``[a, b)``, laid side by
+side; the lookup's chunk is fed the ids less ``a`` (clipped) and gives the rows of the positions
+whose id lies in ``[a, b)``, the others zeroed and summed away. The numbers tract runs are still
+the shipped archive's, its whole matrix read once, a chunk at a time. A matrix is chunked only
+where the block's statements treat rows apart (a ``tract_core_gather`` on axis 0, or
+``unsqueeze`` into a ``linear`` giving the block's output) and its file is plain float32 or
+float16; any other stays whole.
 
 A piece is the backward closure of its outputs over the shipped graph's own statements, stopped
 at every layer boundary (a boundary it reaches becomes an external input, fed PyTorch's value):
@@ -47,6 +64,17 @@ _HEADER = re.compile(r"^graph (\w+)\((.*?)\) -> \((.*?)\)\s*$", re.MULTILINE)
 _STRING = re.compile(r"'[^']*'|\"[^\"]*\"")
 _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
 _VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*'([^']*)'")
+_SHAPE = re.compile(r"shape\s*=\s*\[([^\]]*)\]")
+_OPERATOR = re.compile(r"^\s*(\w+)\s*\(")
+_DATUM_TYPE = re.compile(r"datum_type\s*=\s*'(\w+)'")
+
+MIN_VOCAB_CHUNK_BYTES = 16 << 20
+"""The smallest chunk of a vocabulary matrix's rows: below it, a chunk's tract load costs more
+than the memory it saves."""
+
+DAT_HEADER_BYTES = 128
+"""An NNEF tensor file's header (magic ``4E EF``, version, data length, rank, 8 dimensions,
+bits per item, item type), then the data, row-major."""
 
 NNEF_DTYPES = {"float16": "f16", "float32": "f32"}
 """Activation dtypes a boundary can be fed in (numpy has no bfloat16)."""
@@ -117,7 +145,11 @@ class Block:
     outputs: list[dict[str, object]]
     """In graph order: ``{"name", "kind": "hidden"|"cache"|"logits", "index"}``."""
     weight_bytes: int = 0
+    """The most weight bytes tract holds at once for this block (one chunk's, when chunked)."""
     weights: list[str] = field(default_factory=list)
+    chunks: list[dict[str, object]] = field(default_factory=list)
+    """When the block runs in chunks of a vocabulary matrix's rows (module doc):
+    ``{"directory", "begin", "end"}`` each, in order; ``directory`` is then unused."""
 
 
 def _closure(graph: Graph, outputs: Sequence[str], cuts: set[str]) -> tuple[set[str], set[str]]:
@@ -163,6 +195,13 @@ def cut_blocks(graph: Graph, unpacked: Path, work: Path, hidden: int, dtype: str
     ]
     pieces.append(("head", [graph.outputs[0]]))
     kinds = {layers[i]: ("hidden", i) for i in range(len(layers))}
+    lookup = _embedding_lookup(graph)
+    if lookup is not None:  # index -1: the input to layer 0, fed tract's own value
+        cuts.add(lookup.defines[0])
+        pieces.insert(0, ("embedding", [lookup.defines[0]]))
+        kinds[lookup.defines[0]] = ("hidden", -1)
+    variables = {s.defines[0]: s for s in graph.statements if s.label is not None and s.defines}
+    chunk_bytes = vocab_chunk_bytes(graph, unpacked, layers, cuts)
     kinds |= {n: ("cache", i) for i, n in enumerate(caches_out)}
     kinds[graph.outputs[0]] = ("logits", 0)
     in_kinds = {graph.inputs[0]: ("ids", 0)} | {n: ("cache", i) for i, n in enumerate(caches_in)}
@@ -175,7 +214,8 @@ def cut_blocks(graph: Graph, unpacked: Path, work: Path, hidden: int, dtype: str
         # boundaries first (declared first), then the graph's own inputs.
         fed = sorted(reached, key=lambda n: kinds[n][1])
         inputs = fed + [n for n in graph.inputs if n in needed]
-        body = [_external(n, f"1, S, {hidden}", dtype) for n in fed]
+        fed_dtypes = {n: _fed_dtype(graph, n, dtype) for n in fed}
+        body = [_external(n, f"1, S, {hidden}", fed_dtypes[n]) for n in fed]
         weights = []
         for statement in graph.statements:
             if not needed.intersection(statement.defines):
@@ -191,21 +231,196 @@ def cut_blocks(graph: Graph, unpacked: Path, work: Path, hidden: int, dtype: str
         header = f"graph {graph.name}({', '.join(inputs)}) -> ({', '.join(outputs)})"
         text = graph.prelude + header + "\n{\n" + "".join(f"    {s};\n" for s in body) + "}\n"
         (directory / "graph.nnef").write_text(text)
+        chunks: list[dict[str, object]] = []
+        if label in ("embedding", "head"):
+            matrix = _chunkable(graph, needed, outputs, variables, unpacked, chunk_bytes)
+            if matrix is not None:
+                chunks, largest = _write_chunks(matrix, unpacked, directory, text, chunk_bytes)
+                size += largest - (unpacked / f"{matrix.label}.dat").stat().st_size
         blocks.append(
             Block(
                 name=label,
                 directory=directory.name,
                 inputs=[{"name": n, "kind": "hidden", "index": kinds[n][1],
-                         "dtype": NUMPY_DTYPES[dtype]} for n in fed]
+                         "dtype": NUMPY_DTYPES[fed_dtypes[n]]} for n in fed]
                 + [{"name": n, "kind": in_kinds[n][0], "index": in_kinds[n][1]}
                    for n in inputs[len(fed):]],
                 outputs=[{"name": n, "kind": kinds[n][0], "index": kinds[n][1]} for n in outputs],
                 weight_bytes=size,
                 weights=weights,
+                chunks=chunks,
             )
         )  # fmt: skip
     (work / "blocks.json").write_text(json.dumps([asdict(b) for b in blocks], indent=1))
     return blocks
+
+
+def _embedding_lookup(graph: Graph) -> Statement | None:
+    """The statement looking the ids up in the embedding matrix (``tract_core_gather`` of a
+    variable by the graph's first input), if the graph has one."""
+    variables = {s.defines[0] for s in graph.statements if s.label is not None and s.defines}
+    for statement in graph.statements:
+        if (
+            _operator(statement) == "tract_core_gather"
+            and len(statement.defines) == 1
+            and graph.inputs[0] in statement.uses
+            and statement.uses & variables
+        ):
+            return statement
+    return None
+
+
+def _operator(statement: Statement) -> str | None:
+    found = _OPERATOR.match(statement.text.partition("=")[2])
+    return found.group(1) if found else None
+
+
+def _fed_dtype(graph: Graph, name: str, default: str) -> str:
+    """The dtype a boundary is fed in: the lookup's own ``datum_type``, else the caches'."""
+    found = _DATUM_TYPE.search(graph.defined[name].text) if name in graph.defined else None
+    return found.group(1) if found and found.group(1) in NUMPY_DTYPES else default
+
+
+def _dat_dims(path: Path) -> tuple[int, ...]:
+    """The dimensions in an NNEF tensor file's header; ``()`` for a file that is not a plain
+    float16/float32 tensor (tract's own quantized formats keep their own layout)."""
+    with open(path, "rb") as dat:
+        head = dat.read(DAT_HEADER_BYTES)
+    if len(head) < DAT_HEADER_BYTES or head[:2] != b"\x4e\xef":
+        return ()
+    rank = int.from_bytes(head[8:12], "little")
+    bits, item_type = int.from_bytes(head[44:48], "little"), int.from_bytes(head[48:52], "little")
+    if not 1 <= rank <= 8 or item_type != 0 or bits not in (16, 32):
+        return ()
+    dims = tuple(int.from_bytes(head[12 + 4 * i : 16 + 4 * i], "little") for i in range(rank))
+    expected = bits // 8
+    for dim in dims:
+        expected *= dim
+    if int.from_bytes(head[4:8], "little") != expected:
+        return ()
+    return dims
+
+
+def vocab_chunk_bytes(graph: Graph, unpacked: Path, layers: Sequence[str], cuts: set[str]) -> int:
+    """The most bytes of a vocabulary matrix's rows one chunk holds: the largest decoder layer's
+    weight bytes (so a chunk never outweighs a layer), at least :data:`MIN_VOCAB_CHUNK_BYTES`."""
+    largest = 0
+    for index, layer in enumerate(layers):
+        needed, _ = _closure(graph, [layer], cuts - {layer})
+        labels = {s.label for s in graph.statements if s.label and needed & set(s.defines)}
+        if index == 0:  # the embedding, when it stays in layer 0's block, is not the layer's
+            lookup = _embedding_lookup(graph)
+            if lookup is not None and lookup.defines[0] not in cuts:
+                labels -= {graph.defined[n].label for n in lookup.uses if n in graph.defined}
+        size = sum((unpacked / f"{label}.dat").stat().st_size for label in labels if label)
+        largest = max(largest, size)
+    return max(largest, MIN_VOCAB_CHUNK_BYTES)
+
+
+def _chunkable(
+    graph: Graph,
+    needed: set[str],
+    outputs: Sequence[str],
+    variables: dict[str, Statement],
+    unpacked: Path,
+    chunk_bytes: int,
+) -> Statement | None:
+    """The vocabulary matrix of the embedding or head block that can run in chunks of its rows
+    (module doc), if any: a plain float 2-D file larger than a chunk, whose every use in the
+    block is row-wise."""
+    defined = graph.defined
+    users: dict[str, list[Statement]] = {}
+    for name in needed:
+        statement = defined.get(name)
+        if statement is not None:
+            for used in statement.uses:
+                users.setdefault(used, []).append(statement)
+    for name, variable in variables.items():
+        if name not in needed or variable.label is None:
+            continue
+        path = unpacked / f"{variable.label}.dat"
+        if len(_dat_dims(path)) != 2 or path.stat().st_size <= chunk_bytes:
+            continue
+        if _rowwise(name, users, outputs):
+            return variable
+    return None
+
+
+def _rowwise(name: str, users: dict[str, list[Statement]], outputs: Sequence[str]) -> bool:
+    """Whether every path from the matrix ``name`` is row-wise: a gather on axis 0 (the lookup),
+    or ``unsqueeze`` on axis 0 into the right operand of a ``linear`` that is a block output."""
+    found = users.get(name, [])
+    if not found:
+        return False
+    for statement in found:
+        op, text = _operator(statement), statement.text
+        if op == "tract_core_gather" and re.search(r"axis\s*=\s*0\b", text):
+            if _NAME.findall(text.partition("(")[2])[0] != name:
+                return False
+        elif op == "unsqueeze" and re.search(r"axes\s*=\s*\[\s*0\s*\]", text):
+            if not _rowwise(statement.defines[0], users, outputs):
+                return False
+        elif op == "linear":
+            operands = _NAME.findall(_STRING.sub("", text.partition("(")[2]))
+            if len(operands) < 2 or operands[1] != name or statement.defines[0] not in outputs:
+                return False
+        else:
+            return False
+    return True
+
+
+def _write_chunks(
+    matrix: Statement, unpacked: Path, directory: Path, text: str, chunk_bytes: int
+) -> tuple[list[dict[str, object]], int]:
+    """Write the chunk directories of a block beside ``directory`` (module doc): its weight
+    files linked, the matrix's rows ``[a, b)`` copied a buffer at a time (never whole in
+    memory), its graph ``text`` with that variable's label and first dimension changed.
+    Returns the chunks and the largest chunk file's bytes."""
+    label = str(matrix.label)
+    source = unpacked / f"{label}.dat"
+    rows = _dat_dims(source)[0]
+    row_bytes = (source.stat().st_size - DAT_HEADER_BYTES) // rows
+    step = max(1, chunk_bytes // row_bytes)
+    with open(source, "rb") as dat:
+        header = dat.read(DAT_HEADER_BYTES)
+    chunks: list[dict[str, object]] = []
+    for begin in range(0, rows, step):
+        end = min(rows, begin + step)
+        part = directory.with_name(f"{directory.name}-{len(chunks):03d}")
+        part.mkdir()
+        for linked in directory.glob("*.dat"):
+            if linked.name != source.name:
+                os.link(linked, part / linked.name)
+        name = f"{label}.rows-{begin}-{end}"
+        patched = bytearray(header)
+        patched[4:8] = ((end - begin) * row_bytes).to_bytes(4, "little")
+        patched[12:16] = (end - begin).to_bytes(4, "little")
+        with open(source, "rb") as src, open(part / f"{name}.dat", "wb") as out:
+            out.write(patched)
+            src.seek(DAT_HEADER_BYTES + begin * row_bytes)
+            left = (end - begin) * row_bytes
+            while left:
+                buffer = src.read(min(left, 8 << 20))
+                if not buffer:
+                    raise VerificationFailed(f"{source.name} ended before its row {end}")
+                out.write(buffer)
+                left -= len(buffer)
+        lhs, _, rhs = matrix.text.partition("=")
+        shape = _SHAPE.search(rhs)
+        if shape is None:
+            raise VerificationFailed(f"the declaration of {label} gives no shape")
+        dims = ", ".join([str(end - begin), *dims_text(shape.group(1))[1:]])
+        rhs = (rhs[: shape.start()] + f"shape = [{dims}]" + rhs[shape.end() :]).replace(
+            f"'{label}'", f"'{name}'"
+        )
+        (part / "graph.nnef").write_text(text.replace(matrix.text, f"{lhs}={rhs}", 1))
+        chunks.append({"directory": part.name, "begin": begin, "end": end})
+    return chunks, DAT_HEADER_BYTES + min(step, rows) * row_bytes
+
+
+def dims_text(shape: str) -> list[str]:
+    """The dimensions written in a statement's ``shape = [...]``."""
+    return [d.strip() for d in shape.split(",") if d.strip()]
 
 
 def _render(graph: Graph) -> str:
@@ -256,9 +471,12 @@ def verify_causal_lm_layerwise(
     figures: list[dict[str, object]] = []
     for index, block in enumerate(blocks):
         figure: dict[str, object] = {"block": block.name, "weight_bytes": block.weight_bytes}
+        if block.chunks:
+            figure["chunks"] = len(block.chunks)
         if index < len(peaks):
             figure["tract_peak_rss_bytes"] = peaks[index]
         figures.append(figure)
+    by_name = {f["block"]: f for f in figures}
     for layer in range(expected.hidden.shape[0]):
         found = run.outputs.get(f"hidden_{layer}")
         want = expected.hidden[layer].astype(np.float64)
@@ -269,7 +487,7 @@ def verify_causal_lm_layerwise(
             )
         diff = float(np.abs(found.astype(np.float64) - want).max(initial=0.0))
         tol = atol + rtol * float(np.abs(want).max(initial=0.0))
-        figures[layer] |= {"max_abs_err": diff, "tolerance": tol}
+        by_name[f"layer {layer}"] |= {"max_abs_err": diff, "tolerance": tol}
         if not diff <= tol:  # NaN fails too
             raise VerificationFailed(
                 f"tract's block for {expected.layer_names[layer]} differs from PyTorch by "

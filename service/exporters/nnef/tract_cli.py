@@ -38,7 +38,9 @@ time (the peak is one block's weights, not the model's)::
 [layers,T,width], PyTorch's output of every layer at every position, fed to the block after it.
 Each block replays the same teacher-forced decode; every layer's output is saved as
 ``hidden_<layer>`` [T,width], the head's last-position logits as ``logits``, and each block's
-peak RSS (``VmHWM`` reset before it loads) as ``block_peak_rss_bytes``.
+peak RSS (``VmHWM`` reset before it loads) as ``block_peak_rss_bytes``. The embedding lookup's
+block, where there is one, is fed to layer 0 as tract computed it; the lookup and the head run
+in chunks of their matrix's rows where ``blocks.json`` says so (``chunks``).
 
 Run it as ``python service/exporters/nnef/tract_cli.py`` (it imports nothing of the service, so the
 call costs the tract import only); :func:`write_launcher` writes an executable wrapper for code
@@ -49,11 +51,12 @@ with status 2 and an ``ERROR`` line, which torch-to-nnef reports as a tract fail
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,7 +127,9 @@ def run_decode(
     caches = []
     dtypes = [str(d) for d in request["cache_dtypes"]]
     for i, (shape, dtype) in enumerate(zip(request["cache_shapes"], dtypes, strict=True), 1):
-        caches.append(np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype)))
+        caches.append(
+            np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype))
+        )
     step_ids = np.ascontiguousarray(request["prompt"], dtype=np.int64)
     found = []
     layers = []
@@ -192,11 +197,15 @@ def _block_steps(
     hidden: Any,
     shapes: list[list[int]],
     dtypes: list[str],
+    rows: tuple[int, int] | None = None,
 ) -> dict[str, list[np.ndarray]]:
     """One block over a teacher-forced decode (``prompt``, then each of ``tokens`` but the last
     a step, as :func:`run_decode`), feeding back its own KV caches and ``hidden[layer]``
     ``[positions, width]`` to a hidden input; its outputs by kind (``hidden_<layer>`` rows of
-    every position, ``logits`` of the last position), one entry a step."""
+    every position, ``logits`` of the last position), one entry a step. ``rows``: the block is
+    a chunk of the vocabulary matrix's rows ``[a, b)`` (``layerwise``'s module doc): the ids it
+    is fed are less ``a`` (clipped into the chunk), and a hidden output's positions whose id
+    lies outside are zeroed."""
     caches: dict[int, np.ndarray] = {}
     for position, spec in enumerate(block["inputs"]):
         if spec["kind"] == "cache":
@@ -210,8 +219,12 @@ def _block_steps(
     for token in tokens:
         count = int(step_ids.shape[1])
         feed = []
+        outside = None
         for spec in block["inputs"]:
-            if spec["kind"] == "ids":
+            if spec["kind"] == "ids" and rows is not None:
+                outside = ((step_ids < rows[0]) | (step_ids >= rows[1])).reshape(-1)
+                feed.append(np.clip(step_ids - rows[0], 0, rows[1] - rows[0] - 1))
+            elif spec["kind"] == "ids":
                 feed.append(step_ids)
             elif spec["kind"] == "cache":
                 feed.append(caches[int(spec["index"])])
@@ -228,13 +241,53 @@ def _block_steps(
             if spec["kind"] == "cache":
                 caches[int(spec["index"])] = value
             elif spec["kind"] == "hidden":
-                found.setdefault(f"hidden_{spec['index']}", []).append(
-                    value.reshape(-1, value.shape[-1]).astype(np.float32)
-                )
+                value = value.reshape(-1, value.shape[-1]).astype(np.float32)
+                if outside is not None:
+                    value[outside] = 0.0
+                found.setdefault(f"hidden_{spec['index']}", []).append(value)
             else:
                 found.setdefault("logits", []).append(_last_position(value))
         step_ids = np.asarray([[int(token)]], dtype=np.int64)
     return found
+
+
+Steps = dict[str, list[np.ndarray]]
+Run = Callable[..., Steps]
+"""``_block_steps`` bound to all but the runnable and the rows (keywords)."""
+
+
+def _piece_runs(
+    work: Path,
+    block: dict[str, Any],
+    runs: Sequence[Run],
+    peaks: list[int],
+) -> list[Steps]:
+    """Each of ``runs`` (:func:`_block_steps` of one input) on one block, loaded once
+    (``VmHWM`` reset first), or on each of its chunks in turn when it runs in chunks of a
+    vocabulary matrix's rows: the head's logits laid side by side, the lookup's rows summed
+    (each position's row comes from the one chunk holding its id, zeros from the others).
+    Appends the block's peak RSS to ``peaks``."""
+    parts = block.get("chunks") or [{"directory": block["directory"]}]
+    merged: list[Steps] = [{} for _ in runs]
+    peak = 0
+    for part in parts:
+        _reset_hwm()
+        runnable = load_runnable(work / part["directory"])
+        rows = (int(part["begin"]), int(part["end"])) if "begin" in part else None
+        for into, run in zip(merged, runs, strict=True):
+            for key, steps in run(runnable=runnable, rows=rows).items():
+                if key not in into:
+                    into[key] = steps
+                elif key == "logits":
+                    into[key] = [
+                        np.concatenate([a, b]) for a, b in zip(into[key], steps, strict=True)
+                    ]
+                else:
+                    into[key] = [a + b for a, b in zip(into[key], steps, strict=True)]
+        del runnable
+        peak = max(peak, _vm_hwm())
+    peaks.append(peak)
+    return merged
 
 
 def run_layerwise(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -246,17 +299,19 @@ def run_layerwise(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
     dtypes = [str(d) for d in request["cache_dtypes"]]
     shapes = [[int(d) for d in shape] for shape in request["cache_shapes"]]
     saved: dict[str, Any] = {}
-    peaks = []
+    peaks: list[int] = []
+    # PyTorch's layer outputs; index -1 (the embedding lookup's) is tract's own, once run
+    hidden = {layer: value for layer, value in enumerate(request["hidden"])}
     for block in blocks:
-        _reset_hwm()
-        runnable = load_runnable(work / block["directory"])
-        found = _block_steps(
-            runnable, block, request["prompt"], request["tokens"], request["hidden"], shapes, dtypes
-        )
-        del runnable
+        run: Run = functools.partial(
+            _block_steps, block=block, prompt=request["prompt"], tokens=request["tokens"],
+            hidden=hidden, shapes=shapes, dtypes=dtypes,
+        )  # fmt: skip
+        (found,) = _piece_runs(work, block, [run], peaks)
         for key, parts in found.items():
             saved[key] = np.concatenate(parts) if key != "logits" else np.stack(parts)
-        peaks.append(_vm_hwm())
+        if "hidden_-1" in found:
+            hidden[-1] = saved.pop("hidden_-1")
     saved["block_peak_rss_bytes"] = np.asarray(peaks, dtype=np.int64)
     saved["peak_rss_bytes"] = np.asarray(max(peaks, default=0), dtype=np.int64)
     return saved
@@ -276,22 +331,21 @@ def run_layerwise_chunks(work: Path, request: dict[str, np.ndarray]) -> dict[str
     chunks = np.asarray(request["chunks"], dtype=np.int64)
     carried: list[dict[int, np.ndarray]] = [{} for _ in chunks]
     logits: list[np.ndarray] = [np.empty(0, dtype=np.float32)] * len(chunks)
-    peaks = []
+    peaks: list[int] = []
     for block in blocks:
-        _reset_hwm()
-        runnable = load_runnable(work / block["directory"])
-        for c, chunk in enumerate(chunks):
-            found = _block_steps(
-                runnable, block, chunk[None, : first + 1], chunk[first + 1 : last + 1],
-                carried[c], shapes, dtypes,
-            )  # fmt: skip
+        runs: list[Run] = [
+            functools.partial(
+                _block_steps, block=block, prompt=chunk[None, : first + 1],
+                tokens=chunk[first + 1 : last + 1], hidden=fed, shapes=shapes, dtypes=dtypes,
+            )
+            for chunk, fed in zip(chunks, carried, strict=True)
+        ]  # fmt: skip
+        for c, found in enumerate(_piece_runs(work, block, runs, peaks)):
             for key, parts in found.items():
                 if key == "logits":
                     logits[c] = np.stack(parts).astype(np.float32)
                 else:
                     carried[c] = {int(key.removeprefix("hidden_")): np.concatenate(parts)}
-        del runnable
-        peaks.append(_vm_hwm())
     return {
         "logits": np.stack(logits),
         "block_peak_rss_bytes": np.asarray(peaks, dtype=np.int64),

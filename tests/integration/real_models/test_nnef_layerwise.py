@@ -22,7 +22,12 @@ from service.errors import VerificationFailed
 from service.exporters.common.offloaded_model import offloaded_model
 from service.exporters.common.reference import GreedyReference, greedy_reference, prompt_ids
 from service.exporters.nnef import NNEFSpec
-from service.exporters.nnef.layerwise import cut_blocks, unpack, verify_causal_lm_layerwise
+from service.exporters.nnef.layerwise import (
+    MIN_VOCAB_CHUNK_BYTES,
+    cut_blocks,
+    unpack,
+    verify_causal_lm_layerwise,
+)
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
 from service.plan.formats import block_weight_bytes, tract_peaks
@@ -75,23 +80,51 @@ def test_blocks_cut_from_the_shipped_archive_cover_every_weight_it_holds(
     archive = exported.out / "model.nnef.tgz"
     graph = unpack(archive, tmp_path / "unpacked")
     blocks = cut_blocks(graph, tmp_path / "unpacked", tmp_path / "blocks", 576, "f16")
-    assert [b.name for b in blocks] == ["layer 0", "layer 1", "layer 2", "layer 3", "head"]
+    names = ["embedding", "layer 0", "layer 1", "layer 2", "layer 3", "head"]
+    assert [b.name for b in blocks] == names
     with tarfile.open(archive) as tar:
         shipped = {m.name.removesuffix(".dat") for m in tar.getmembers() if m.name.endswith(".dat")}
     used = [w for b in blocks for w in b.weights]
     assert set(used) == shipped  # nothing of the artifact goes unchecked
-    # Each weight is run once, but the tied embedding (the lookup in block 0 and the head) and
+    # Each weight is run once, but the tied embedding (the lookup and the head) and
     # the constants every layer reads (the causal mask's, the rotary frequencies).
     shared = {w for w in used if used.count(w) > 1}
     assert "model.model.embed_tokens.weight" in shared
     assert shared - {"model.model.embed_tokens.weight"} <= {
-        "full0_to_be_expanded", "model.model.rotary_emb.inv_freq"
+        "full0_to_be_expanded",
+        "model.model.rotary_emb.inv_freq",
     }
     assert not any(".layers." in w for w in shared)
     # A block's weight files are the shipped bytes themselves (hard links), not a re-export.
-    down = tmp_path / "blocks" / "block-002" / "model.model.layers.2.mlp.down_proj.weight.dat"
+    down = tmp_path / "blocks" / "block-003" / "model.model.layers.2.mlp.down_proj.weight.dat"
     assert down.stat().st_ino == (down.parents[2] / "unpacked" / down.name).stat().st_ino
     assert max(b.weight_bytes for b in blocks) < sum(b.weight_bytes for b in blocks) / 2
+
+
+def test_the_vocabulary_matrix_runs_in_chunks_of_the_shipped_rows_no_larger_than_16_mib(
+    exported: Exported, tmp_path: Path
+) -> None:
+    """The 54 MiB float16 embedding (tied: the head too) outweighs a 6.8 MiB layer: the lookup
+    and the head run in chunks of its rows, whose files hold the shipped bytes in order."""
+    graph = unpack(exported.out / "model.nnef.tgz", tmp_path / "unpacked")
+    blocks = cut_blocks(graph, tmp_path / "unpacked", tmp_path / "blocks", 576, "f16")
+    shipped = (tmp_path / "unpacked" / "model.model.embed_tokens.weight.dat").read_bytes()
+    for block in (blocks[0], blocks[-1]):
+        assert len(block.chunks) == 4, block
+        assert block.weight_bytes <= MIN_VOCAB_CHUNK_BYTES + 64 * 1024  # and the final norm
+        assert [(c["begin"], c["end"]) for c in block.chunks][-1][1] == 49152
+        rows = b""
+        for chunk in block.chunks:
+            (dat,) = (tmp_path / "blocks" / str(chunk["directory"])).glob("*.rows-*.dat")
+            data = dat.read_bytes()
+            count = int(chunk["end"]) - int(chunk["begin"])  # type: ignore[call-overload]
+            assert int.from_bytes(data[12:16], "little") == count
+            assert data[:128][:4] == shipped[:4] and data[16:128] == shipped[16:128]
+            rows += data[128:]
+            text = (dat.parent / "graph.nnef").read_text()
+            assert f"shape = [{count}, 576]" in text and "shape = [49152, 576]" not in text
+        assert rows == shipped[128:]
+    assert max(b.weight_bytes for b in blocks[1:-1]) < 8 << 20
 
 
 def test_block_by_block_check_agrees_with_the_whole_check_on_real_smollm2(
@@ -110,13 +143,16 @@ def test_block_by_block_check_agrees_with_the_whole_check_on_real_smollm2(
     # decode's, whose error adds up over the layers.
     assert layerwise.max_abs_err <= whole.max_abs_err + 1e-6
     blocks = layerwise.extra["blocks"]
-    assert [b["block"] for b in blocks] == ["layer 0", "layer 1", "layer 2", "layer 3", "head"]
-    for block in blocks:
+    names = ["embedding", "layer 0", "layer 1", "layer 2", "layer 3", "head"]
+    assert [b["block"] for b in blocks] == names
+    assert blocks[0]["chunks"] == blocks[-1]["chunks"] == 4
+    for block in blocks[1:]:  # the lookup is judged through layer 0, which it feeds
         assert 0 <= block["max_abs_err"] <= block["tolerance"], block
-        assert block["tract_peak_rss_bytes"] > 0
-    # tract's peak is a block's, not the model's.
-    layer_peaks = [b["tract_peak_rss_bytes"] for b in blocks[1:-1]]
-    assert max(layer_peaks) < max(b["tract_peak_rss_bytes"] for b in blocks)
+    assert all(b["tract_peak_rss_bytes"] > 0 for b in blocks)
+    # tract's peak is a block's, a 16 MiB chunk of the vocabulary at most, not the model's:
+    # 64 MiB + 3 x the chunk (tract widens a float16 matrix to float32 for its matmul; the
+    # whole 54 MiB head, one block before, peaked at 163 MiB)
+    assert max(b["tract_peak_rss_bytes"] for b in blocks) < 64 * 2**20 + 3 * 16 * 2**20, blocks
     assert layerwise.peak_rss_bytes == max(b["tract_peak_rss_bytes"] for b in blocks)
 
 
@@ -164,8 +200,9 @@ def test_a_budget_below_the_whole_archive_checks_real_smollm2_block_by_block(
     verify = done.result.summary["verify"]
     assert verify["mode"] == "layerwise", verify
     assert verify["tract_max_memory_bytes"] == budget
-    assert len(verify["blocks"]) == 9 and all(verify["argmax_agreed"])
-    assert all(b["max_abs_err"] <= b["tolerance"] for b in verify["blocks"]), verify["blocks"]
+    assert len(verify["blocks"]) == 10 and all(verify["argmax_agreed"])
+    assert verify["blocks"][0]["block"] == "embedding"
+    assert all(b["max_abs_err"] <= b["tolerance"] for b in verify["blocks"][1:]), verify["blocks"]
     assert verify["tract_peak_rss_bytes"] < budget
     assert np.isfinite(verify["max_abs_err"])
 
@@ -181,7 +218,7 @@ def test_a_tiny_llama_job_under_a_budget_for_one_block_is_checked_layer_by_layer
     done = _export(source, tmp_path, NNEFSpec(decode_steps=2), settings)
     verify = done.result.summary["verify"]
     assert verify["mode"] == "layerwise", verify
-    assert [b["block"] for b in verify["blocks"]] == ["layer 0", "layer 1", "head"]
+    assert [b["block"] for b in verify["blocks"]] == ["embedding", "layer 0", "layer 1", "head"]
     assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
 
 
