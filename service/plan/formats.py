@@ -64,11 +64,12 @@ MiB + files before, when wait4's 430-456 MiB, the job's RSS at fork, was taken f
 MTMD_VISION_WORKSPACE_BYTES = {
     "Qwen2VLForConditionalGeneration": 36 * MiB,
     "Qwen2_5_VLForConditionalGeneration": 36 * MiB,
+    "Qwen3VLForConditionalGeneration": 47 * MiB,
 }
 """What a family's image encoding holds beyond :data:`MTMD_BASE_BYTES`: Qwen2-VL and 2.5-VL
 measured 56 MiB over their files on the tiny models and 61 MiB with a 12-block 768-wide tower
-(8 text layers 1024 wide), nearly flat in the tower's width; the other families nothing
-measurable."""
+(8 text layers 1024 wide), nearly flat in the tower's width; Qwen3-VL 68.5 MiB over its files
+on the tiny model; the other families nothing measurable."""
 MTMD_CONTEXT = 1024
 """The context llama-mtmd-cli gets (``gguf.mtmd_check.run_mtmd``: ``-c 1024``)."""
 MTMD_UBATCH = 512

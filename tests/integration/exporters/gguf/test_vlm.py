@@ -31,6 +31,7 @@ from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
 from tests.fixtures.vlm import (
     cached_pixtral,
+    cached_qwen3vl,
     cached_smolvlm2,
     write_tiny_gemma3,
     write_tiny_idefics3,
@@ -268,6 +269,28 @@ def test_a_published_pixtrals_fixed_image_is_one_neither_mtmd_nor_transformers_r
     assert 8 <= (pixels // (patch * merge)) ** 2 <= 1024
 
 
+def test_a_qwen3_vl_gets_its_deepstack_projector_that_llama_cpp_runs_like_transformers(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-VL: the text model by upstream's Qwen3-VL class (interleaved M-RoPE, deepstack
+    layers), the projector with its deepstack mergers, and mtmd's 7x7 merged patches between
+    <|vision_start|> and <|vision_end|> agreeing with transformers."""
+    from gguf import GGUFReader
+
+    root = cached_qwen3vl()
+    summary = _export(root, tmp_path / "out", type="f16")
+    assert summary["hf_architecture"] == "Qwen3VLForConditionalGeneration"
+    mmproj = summary["mmproj"]
+    assert mmproj["converter"].endswith("Qwen3VLVisionModel"), mmproj["converter"]
+    fields = GGUFReader(tmp_path / "out" / "model-f16.gguf").fields
+    assert int(fields["qwen3vl.n_deepstack_layers"].contents()) == 2
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    ), mtmd
+    _assert_planned(root, summary, tmp_path)
+
+
 def test_a_k_quant_vlms_projector_is_checked_by_mtmd_with_the_f16_it_was_quantized_from(
     smolvlm: Path, tmp_path: Path
 ) -> None:
@@ -335,11 +358,11 @@ def test_the_graph_formats_refuse_a_vlm_at_submission_naming_what_they_take(
 def _vlm_configs() -> dict[str, dict[str, Any]]:
     """Real configs of the families GGUF does not take, from transformers' own classes (LLaVA's
     default is LLaVA 1.5's CLIP tower)."""
-    from transformers import Llama4Config, LlavaConfig, PaliGemmaConfig, Qwen3VLConfig
+    from transformers import Glm4vConfig, Llama4Config, LlavaConfig, PaliGemmaConfig
 
     configs = {}
     for cls, arch in ((LlavaConfig, "LlavaForConditionalGeneration"),
-                      (Qwen3VLConfig, "Qwen3VLForConditionalGeneration"),
+                      (Glm4vConfig, "Glm4vForConditionalGeneration"),
                       (Llama4Config, "Llama4ForConditionalGeneration"),
                       (PaliGemmaConfig, "PaliGemmaForConditionalGeneration")):  # fmt: skip
         config = cls().to_dict()
@@ -352,7 +375,7 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
     ("arch", "why"),
     [
         ("LlavaForConditionalGeneration", "(llava) for pixtral vision towers only"),
-        ("Qwen3VLForConditionalGeneration", "projector class for it (qwen3vl)"),
+        ("Glm4vForConditionalGeneration", "projector class for it (qwen3vl)"),
         ("Llama4ForConditionalGeneration", "projector class for it (llama4)"),
         ("PaliGemmaForConditionalGeneration", "writes no projector for it"),
     ],
@@ -360,7 +383,7 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
 def test_a_vlm_family_gguf_does_not_take_is_refused_at_submission_naming_what_it_takes(
     tmp_path: Path, arch: str, why: str
 ) -> None:
-    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), Qwen3-VL and
+    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), GLM-4.1V and
     Llama 4 (upstream writes a projector, which no job here checks) and PaliGemma (no
     projector class) are refused before any download, with the families GGUF takes."""
     config = _vlm_configs()[arch]
