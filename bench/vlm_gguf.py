@@ -16,25 +16,28 @@ its text model: the job's peak is B + G + blocks x C + T (the writer's row block
 projector streams through the same writer, so the tower adds no term); verified in an
 unquantized type, a VLM's job also holds the mtmd check's transformers reference, B + 64 MiB +
 1.7 x float32 weights of the whole VLM (whatever ``max_memory``), and runs llama-mtmd-cli
-(160 MiB + the text file it maps + the projector it loads).
+(``_mtmd_peak``: 20 MiB + the family's vision workspace + the text file it maps + the projector
+it loads + its KV cache and activations). ``mtmd peak/plan`` is the tool's own ``VmHWM``
+(``mmproj.mtmd.peak_rss_bytes``); ``child peak/plan`` is the job's
+``getrusage(RUSAGE_CHILDREN)``, which counts the job's pages at each fork, against the plan's
+largest child.
 
-Measured on 2 cores shared with other jobs (2026-11-25, load ~4), f16, MiB, measured/planned:
+Measured on 2 cores shared with other jobs (2026-11-27, load ~4), f16, MiB, measured/planned:
 
-    size   model       weights  peak/plan  verified peak/plan  child peak/plan  mtmd
-    small  text only       4.2   416/510             429/511          429/162      -
-    small  vlm             8.7   417/510             447/511          425/164     16
-    large  text only     201.3   439/520             650/806          650/260      -
-    large  vlm           719.0   445/524            1170/1686         625/519     16
+    size   model       weights  peak/plan  verified peak/plan  child peak/plan  mtmd peak/plan  mtmd
+    small  text only       4.2   419/510             430/511          430/66                 -     -
+    small  vlm             8.7   421/510             449/511          427/27             24/27    16
+    large  text only     201.3   441/520             644/681          644/164                -     -
+    large  vlm           719.0   448/524            1211/1686         630/392          385/392    16
 
-Unverified, the VLM's peak is its text model's at both sizes (+1 and +6 MiB; the large tower is
+Unverified, the VLM's peak is its text model's at both sizes (+2 and +7 MiB; the large tower is
 518 MiB, 2.6x the text model), within the writer's formula. Verified, the large VLM holds the
-mtmd reference: 1170 MiB measured, 1686 planned (the 1.7 factor is the text reference's; the
-whole VLM measured 1.07 x its float32 weights over the base here, so the plan is on the safe
-side). A child's measured figure includes the job's resident pages at the fork
-(``service/plan/formats.py``'s module doc), so it is compared with the larger of the two. The
-checkpoints are built in a child process (:data:`BUILD`): built here, their tensors were
-resident at every job's fork and every job's peak read 1833 MiB. About 11 min for the eight
-jobs at that load.
+mtmd reference: 1211 MiB measured, 1686 planned (the 1.7 factor is the text reference's; the
+whole VLM measured 1.1 x its float32 weights over the base here, so the plan is on the safe
+side). llama-mtmd-cli: 24/27 and 385/392 MiB (before, wait4's 425 and 625 MiB were the job's
+RSS at fork, against 164 and 519 planned). The checkpoints are built in a child process
+(:data:`BUILD`): built here, their tensors were resident at every job's fork and every job's
+peak read 1833 MiB. About 11 min for the eight jobs at that load.
 """
 
 from __future__ import annotations
@@ -73,7 +76,10 @@ print(json.dumps({"peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_ma
                   "planned": plan.job_peak_rss_bytes,
                   "child_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                   "child_planned": max((c.peak_rss_bytes for c in plan.children), default=0),
-                  "mtmd": mmproj.get("mtmd", {}).get("agreed_tokens")}))
+                  "mtmd": mmproj.get("mtmd", {}).get("agreed_tokens"),
+                  "mtmd_bytes": mmproj.get("mtmd", {}).get("peak_rss_bytes"),
+                  "mtmd_planned": sum(c.peak_rss_bytes for c in plan.children
+                                      if c.name == "llama-mtmd-cli")}))
 """
 
 SIZES = {
@@ -118,6 +124,8 @@ def peak(source: Path, work: Path, verify: bool) -> dict[str, object]:
         "child": int(result["child_kib"]) >> 10,
         "child_planned": int(result["child_planned"]) >> 20,
         "mtmd": result["mtmd"],
+        "mtmd_peak": int(result["mtmd_bytes"] or 0) >> 20,
+        "mtmd_planned": int(result["mtmd_planned"]) >> 20,
     }
 
 
@@ -147,7 +155,7 @@ def build(root: Path, dims: dict[str, int]) -> dict[str, int]:
 
 def main() -> None:
     print(f"{'size':<7}{'model':<11}{'weights':>8}{'peak/plan':>11}{'verified peak/plan':>20}"
-          f"{'child peak/plan':>17}{'mtmd':>6}   (MiB)")  # fmt: skip
+          f"{'child peak/plan':>17}{'mtmd peak/plan':>16}{'mtmd':>6}   (MiB)")  # fmt: skip
     for size, dims in SIZES.items():
         with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
             root = Path(tmp) / "models"
@@ -159,10 +167,12 @@ def main() -> None:
                 plain = peak(source, Path(tmp) / f"job-{name}-0", False)
                 checked = peak(source, Path(tmp) / f"job-{name}-1", True)
                 mtmd = checked["mtmd"] if checked["mtmd"] is not None else "-"
+                tool = (f"{checked['mtmd_peak']}/{checked['mtmd_planned']}"
+                        if checked["mtmd"] is not None else "-")  # fmt: skip
                 print(f"{size:<7}{name:<11}{nbytes / 2**20:>8.1f}"
                       f"{plain['peak']:>6}/{plain['planned']:<4}"
                       f"{checked['peak']:>15}/{checked['planned']:<4}"
-                      f"{checked['child']:>12}/{checked['child_planned']:<4}{mtmd:>6}",
+                      f"{checked['child']:>12}/{checked['child_planned']:<4}{tool:>16}{mtmd:>6}",
                       flush=True)  # fmt: skip
 
 
