@@ -53,6 +53,7 @@ from service.objectstore import (
     S3Location,
     abort_uploads,
     call,
+    presign_seconds,
     public_endpoint_of,
     store_for,
 )
@@ -226,7 +227,7 @@ class ArtifactStore:
         endpoint (a signature covers the host, so it is signed for the address clients use)."""
         store = store_for(location.bucket, self.settings, None,
                           endpoint=public_endpoint_of(self.settings))
-        seconds = self.settings.artifact_url_seconds
+        seconds = presign_seconds(self.settings, None, self.settings.artifact_url_seconds)
         return obstore.sign(store, "GET", location.key(name), timedelta(seconds=seconds))
 
     def _objects(self, store: S3Store, location: S3Location) -> list[ObjectMeta]:

@@ -262,6 +262,15 @@ def store_for(
                    credential_provider=provider)
 
 
+def presign_seconds(settings: Settings, tenant: str | None, wanted: int) -> int:
+    """How long a URL presigned now for ``tenant`` may be valid: ``wanted``, unless it is
+    signed with web identity's temporary keys that expire sooner (a URL dies with its keys)."""
+    own = settings.s3_credentials.get(tenant) if tenant is not None else None
+    if own is None and _uses_web_identity(settings):
+        return web_identity_for(settings).url_seconds(wanted)
+    return wanted
+
+
 def _uses_web_identity(settings: Settings) -> bool:
     """Web identity is the chain's choice: configured, and no key pair in the environment
     (which comes first, as in the AWS SDKs)."""

@@ -4,7 +4,8 @@ A pod whose service account is bound to a role gets a token file (``AWS_WEB_IDEN
 rotated by the kubelet) and a role (``AWS_ROLE_ARN``). :class:`WebIdentityCredentials` sends
 STS ``AssumeRoleWithWebIdentity`` (the query API: a form POST that carries the token and needs no
 signature) and keeps the answer, an access key, secret and session token, until
-:data:`REFRESH_MARGIN` before it expires; the token file is read again at each refresh.
+its margin before it expires (at least :data:`REFRESH_MARGIN`, and longer than a presigned
+URL lives); the token file is read again at each refresh.
 
 Why here and not object_store's own chain: object_store asks only AWS's STS (S3-compatible stores
 such as MinIO, Ceph RGW and SeaweedFS serve STS on their S3 endpoint), its requests bypass the
@@ -49,6 +50,13 @@ REFRESH_MARGIN = timedelta(minutes=10)
 """Keys are renewed this long before they expire: longer than the 5 minutes before expiry at
 which obstore's own cache asks again, so obstore never gets keys it would at once ask again for,
 and a request signed just before the refresh still has minutes to be sent."""
+
+OBSTORE_EARLY = timedelta(minutes=5)
+"""obstore's cache asks its ``credential_provider`` again this long before the expiry it was
+given (:meth:`WebIdentityCredentials.__call__` moves that expiry so it asks when we would)."""
+
+URL_SLACK = timedelta(minutes=1)
+"""Beyond a presigned URL's lifetime, what the keys that sign it must still have left."""
 
 STS_TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 _JWT = re.compile(r"[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*")
@@ -110,25 +118,49 @@ class WebIdentityCredentials:
         self._clock = clock or (lambda: datetime.now(UTC))
         self._lock = threading.Lock()
         self._cached: TemporaryCredentials | None = None
+        self._cached_margin = REFRESH_MARGIN
+        self.margin = max(
+            REFRESH_MARGIN, timedelta(seconds=settings.artifact_url_seconds) + URL_SLACK
+        )
+        """How long the keys handed out stay valid at least: a presigned URL (valid
+        ``artifact_url_seconds``) signed with them must not outlive them, so the margin is that
+        lifetime plus :data:`URL_SLACK` when it is longer than :data:`REFRESH_MARGIN`."""
+
+    def _margin_for(self, found: TemporaryCredentials, issued: datetime) -> timedelta:
+        """:attr:`margin`, at most half of what STS granted: a role whose sessions are shorter
+        than the URL lifetime would otherwise cost an STS request per call (its URLs are then
+        shortened by :meth:`url_seconds`)."""
+        return min(self.margin, (found.expires_at - issued) / 2)
 
     def current(self) -> TemporaryCredentials:
-        """Keys valid for at least :data:`REFRESH_MARGIN` more (asked of STS when the cached
-        ones are not)."""
+        """Keys valid for at least the margin more (asked of STS when the cached ones are not)."""
         with self._lock:
-            cached = self._cached
-            if cached is None or cached.expires_at - self._clock() <= REFRESH_MARGIN:
+            cached, now = self._cached, self._clock()
+            if cached is None or cached.expires_at - now <= self._cached_margin:
                 cached = self._cached = self._assume_role()
+                self._cached_margin = self._margin_for(cached, now)
             return cached
+
+    def url_seconds(self, wanted: int) -> int:
+        """The lifetime of a URL presigned now with :meth:`current`'s keys: ``wanted``, or less
+        when the keys expire sooner (a URL is refused once its keys have expired, whatever its
+        own expiry says)."""
+        left = self.current().expires_at - self._clock() - URL_SLACK
+        return max(1, min(wanted, int(left.total_seconds())))
 
     def __call__(self) -> S3Credential:
         """obstore's ``credential_provider`` callback (a typed error raised here reaches the
-        caller as obstore's UnauthenticatedError naming it: ``service.objectstore.classify``)."""
+        caller as obstore's UnauthenticatedError naming it: ``service.objectstore.classify``).
+
+        The expiry handed to obstore is moved earlier so that obstore, which asks again
+        :data:`OBSTORE_EARLY` before it, asks when the keys have the margin left: otherwise it
+        would sign presigned URLs with keys that have only minutes to live."""
         found = self.current()
         return {
             "access_key_id": found.access_key_id,
             "secret_access_key": found.secret_access_key,
             "token": found.session_token,
-            "expires_at": found.expires_at,
+            "expires_at": found.expires_at - self._cached_margin + OBSTORE_EARLY,
         }
 
     def _read_token(self) -> str:

@@ -11,7 +11,7 @@ a dead STS and one the egress policy refuses each fail typed, and no message hol
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +29,12 @@ from service.objectstore import (
     static_credentials,
     store_for,
 )
-from service.web_identity import REFRESH_MARGIN, WebIdentityCredentials
+from service.web_identity import (
+    OBSTORE_EARLY,
+    REFRESH_MARGIN,
+    URL_SLACK,
+    WebIdentityCredentials,
+)
 from tests.fixtures.oidc import (  # noqa: F401  (fixture)
     ROLE_ARN,
     SigningKey,
@@ -152,6 +157,52 @@ def test_a_rotated_token_file_is_read_at_the_next_refresh(
     (tmp_path / "token").write_text(issuer.token())
     second = provider.current()
     assert second.access_key_id != first.access_key_id
+
+
+def test_keys_outlive_every_url_presigned_with_them(
+    tmp_path: Path,
+    web_identity_store: WebIdentityStore,  # noqa: F811
+) -> None:
+    """A presigned URL dies with the keys that signed it: with URLs valid 20 min (keys of 1 h),
+    keys are renewed when 21 min are left, and obstore (which asks again 5 min before the expiry it is
+    handed) is handed an expiry that makes it ask at that same point."""
+    settings = _settings(
+        tmp_path, web_identity_store, web_identity_store.issuer.token(), artifact_url_seconds=1200
+    )
+    now = [datetime.now(UTC)]
+    provider = WebIdentityCredentials(settings, clock=lambda: now[0])
+    first = provider.current()
+    assert provider.margin == timedelta(seconds=1200) + URL_SLACK > REFRESH_MARGIN
+    handed = provider()
+    assert handed["expires_at"] - OBSTORE_EARLY == first.expires_at - provider.margin
+    now[0] = first.expires_at - provider.margin - timedelta(seconds=1)
+    assert provider.current() == first
+    assert provider.url_seconds(1200) == 1200
+    now[0] = first.expires_at - provider.margin
+    assert provider.current().access_key_id != first.access_key_id
+
+
+def test_a_url_longer_than_the_role_session_is_shortened_to_the_keys_life(
+    tmp_path: Path,
+    web_identity_store: WebIdentityStore,  # noqa: F811
+) -> None:
+    """URLs of 7 days from keys of SeaweedFS's 1 h sessions: each URL lasts as long as its keys
+    less a minute, and the keys are kept for half their life (not renewed at every call)."""
+    week = 7 * 86400
+    settings = _settings(
+        tmp_path, web_identity_store, web_identity_store.issuer.token(), artifact_url_seconds=week
+    )
+    now = [datetime.now(UTC)]
+    provider = WebIdentityCredentials(settings, clock=lambda: now[0])
+    keys = provider.current()
+    life = keys.expires_at - now[0]
+    assert timedelta(minutes=2) < life < timedelta(days=1)
+    assert provider.url_seconds(week) == int((life - URL_SLACK).total_seconds())
+    start = now[0]
+    now[0] = start + life / 2 - timedelta(seconds=1)
+    assert provider.current() == keys
+    now[0] = start + life / 2 + timedelta(seconds=1)
+    assert provider.current().access_key_id != keys.access_key_id
 
 
 def test_a_forged_token_or_an_unknown_role_is_access_denied_naming_the_role(
