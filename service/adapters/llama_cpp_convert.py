@@ -295,10 +295,12 @@ def picked_row(tensor: Any, data: Any) -> int | None:
     return args[1] if args[1] >= 0 else None
 
 
-def row_reader(reader: WeightReader, name: str, index: int, width: int) -> Callable[[], np.ndarray]:
-    """Float32 values of row ``index`` (``width`` elements) of the checkpoint tensor ``name``,
-    read without the rest of the tensor: ``read_into`` where the reader has it, else its chunks
-    up to the row (bounded by the chunk size, never the whole tensor)."""
+def row_reader(
+    reader: WeightReader, name: str, index: int, width: int, dtype: torch.dtype
+) -> Callable[[], np.ndarray]:
+    """Float32 values of row ``index`` (``width`` elements) of the stored tensor ``name`` (of
+    ``dtype``), read without the rest of the tensor: ``read_into`` where the reader has it,
+    else its chunks up to the row (bounded by the chunk size, never the whole tensor)."""
 
     def compute() -> np.ndarray:
         import numpy as np
@@ -307,7 +309,6 @@ def row_reader(reader: WeightReader, name: str, index: int, width: int) -> Calla
         start = index * width
         read_into = getattr(reader, "read_into", None)
         if read_into is not None:
-            dtype = next(i.dtype for i in reader.tensor_infos() if i.name == name)
             row = torch.empty(width, dtype=dtype)
             read_into(name, start, row)
         else:
@@ -673,7 +674,8 @@ def plan_conversion(
         if plain and _head_of(tuple(infos[origin].shape), shape):
             tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), origin, None))
         elif name in picked and len(shape) == 1 and tuple(infos[origin].shape)[1:] == shape:
-            compute = row_reader(reader, origin, picked[name], shape[0])
+            stored = reader.aliases().get(origin, origin)
+            compute = row_reader(reader, stored, picked[name], shape[0], infos[origin].dtype)
             tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), None, compute))
         elif name in stacked and all(
             tuple(infos[p].shape) == shape[1:] for p in stacked[name]

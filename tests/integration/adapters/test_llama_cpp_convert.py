@@ -127,7 +127,13 @@ def test_a_row_is_read_alone_with_or_without_read_into() -> None:
         def iter_chunks(self, name: str, max_bytes: int) -> Any:
             yield from full.reshape(-1).split(3)
 
-    assert conv.row_reader(Chunks(), "w", 7, 4)().tolist() == [28.0, 29.0, 30.0, 31.0]
+    assert conv.row_reader(Chunks(), "w", 7, 4, full.dtype)().tolist() == [28.0, 29.0, 30.0, 31.0]
+
+    class ReadsInto(Chunks):
+        def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+            out.copy_(full.reshape(-1)[start : start + out.numel()])
+
+    assert conv.row_reader(ReadsInto(), "w", 2, 4, full.dtype)().tolist() == [8.0, 9.0, 10.0, 11.0]
 
 
 def test_upstreams_pixtral_projector_class_still_filters_the_embedding_it_reads() -> None:
