@@ -56,7 +56,8 @@ class IndependentReference:
     version: str
     mode: str
     outputs: Any
-    """float32 torch tensor: the model's output on the fixed input ids."""
+    """float32 torch tensor: the model's output on the fixed input ids (None when the job
+    asked only for the fixed text's logits: ``with_outputs=False``)."""
     chunks: np.ndarray | None = None
     """The fixed text's tokens ``(n_chunk, n_ctx)``, None for a model without a tokenizer."""
     logits_dir: Path | None = None
@@ -106,12 +107,18 @@ def independent_reference(
     work: Path,
     adapter_dir: Path | None = None,
     merge_adapter: bool = True,
+    with_outputs: bool = True,
 ) -> IndependentReference:
     """transformers' outputs for ``input_ids`` and, for a causal LM, its logits on ``text``,
     within the budget; ``model_class`` the transformers class the job built (the one
     config.json names), loaded by its own ``from_pretrained``; with ``adapter_dir``, the PEFT
     LoRA adapter there merged into it by PEFT (``merge_adapter``), or run beside it by PEFT's
-    ``PeftModel`` (the reference of an adapter kept apart)."""
+    ``PeftModel`` (the reference of an adapter kept apart).
+
+    ``with_outputs=False`` skips the forward on ``input_ids`` for a job whose checks read only
+    the fixed text's logits (a GGUF's llama.cpp run, nothing compared with the job's own model):
+    layer by layer, that pass reads every weight from disk again for an output no one reads
+    (8 tokens: about a fifth of the reference's time on a 3.7 GB checkpoint)."""
     import transformers
     from transformers import AutoConfig
 
@@ -155,7 +162,7 @@ def independent_reference(
     window = scored(FIXED_TEXT_CTX)
     try:
         with torch.inference_mode():
-            outputs = _outputs(model, model_class, input_ids)
+            outputs = _outputs(model, model_class, input_ids) if with_outputs else None
             if chunks is not None:
                 _chunk_logits(model, chunks, logits_dir, window)
     finally:

@@ -508,8 +508,9 @@ class _ModelSession:
         if not (needs_reference or needs_store):
             if needs_independent:  # transformers' reading alone: nothing of ours is dispatched
                 ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
+                # only the fixed text's logits are read (no model of ours to compare with)
                 session.independent = _independent_reference(
-                    checkpoint, type(built.model), max_memory, ctx
+                    checkpoint, type(built.model), max_memory, ctx, with_outputs=False
                 )
             return session
         ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
@@ -599,11 +600,16 @@ both sides (summation order only), or transformers' layer-by-layer pass in the m
 
 
 def _independent_reference(
-    checkpoint: Checkpoint, model_class: Any, max_memory: str, ctx: JobContext
+    checkpoint: Checkpoint,
+    model_class: Any,
+    max_memory: str,
+    ctx: JobContext,
+    with_outputs: bool = True,
 ) -> IndependentReference:
     """transformers' reading of the source (:mod:`service.checkpoint.independent`): its outputs
-    on the fixed input and its logits on the fixed text, what every check compares against.
-    Its model is gone (and its pages returned) when this returns."""
+    on the fixed input (unless ``with_outputs`` is False) and its logits on the fixed text,
+    what every check compares against. Its model is gone (and its pages returned) when this
+    returns."""
     import gc
 
     from service.checkpoint.independent import independent_reference
@@ -617,6 +623,7 @@ def _independent_reference(
     reference = independent_reference(
         checkpoint.root, model_class, fixed_input_ids(vocab), FIXED_TEXT, parse_size(max_memory),
         ctx.work_dir / "reference", adapter_dir=checkpoint.adapter_root,
+        with_outputs=with_outputs,
     )  # fmt: skip
     gc.collect()
     malloc_trim()

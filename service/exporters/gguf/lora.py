@@ -184,7 +184,7 @@ def verify_lora(
     reference = independent_reference(
         checkpoint.root, model_class, fixed_input_ids(vocab), FIXED_TEXT,
         parse_size(inputs.max_memory or ctx.settings.offload_memory), work / "reference",
-        adapter_dir=checkpoint.unmerged_adapter, merge_adapter=False,
+        adapter_dir=checkpoint.unmerged_adapter, merge_adapter=False, with_outputs=False,
     )  # fmt: skip
     gc.collect()
     malloc_trim()

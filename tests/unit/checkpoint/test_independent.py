@@ -54,3 +54,30 @@ def test_one_batched_forward_gives_what_one_forward_per_chunk_gives(
             kept = slice(window.start - 1, window.stop)
             np.testing.assert_allclose(logits[kept], one[kept].numpy(), rtol=1e-5, atol=1e-6)
             assert not logits[: window.start - 1].any()  # rows outside the window are zero
+
+
+def test_without_outputs_no_forward_on_the_fixed_input_and_the_same_chunk_logits(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A job that reads only the fixed text's logits (a GGUF alone) skips the fixed input's
+    forward; the chunk logits are those of a reference with outputs."""
+    from transformers import LlamaForCausalLM
+
+    ids = torch.tensor([[5, 17, 42, 9, 250, 3, 77, 120]])
+    calls: list[int] = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: calls.append(1) if isinstance(module, LlamaForCausalLM) else None
+    )
+    try:
+        got = independent_reference(
+            tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, 1 << 16, tmp_path / "a",
+            with_outputs=False,
+        )  # fmt: skip
+    finally:
+        hook.remove()
+    assert got.outputs is None and len(calls) == 1  # the chunks' batched forward only
+    full = independent_reference(
+        tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, 1 << 16, tmp_path / "b"
+    )
+    for a, b in zip(got.chunk_logits(), full.chunk_logits(), strict=True):
+        np.testing.assert_array_equal(a, b)
