@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import run_child
-from service.llama_cpp import llama_cpp_tool
+from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.logits import (
     FIXED_TEXT,
     LogitBounds,
@@ -83,7 +83,7 @@ def _tool_output(
     argv: list[str], work: Path, what: str, check_abort: Callable[[], None]
 ) -> tuple[str, int]:
     log = work / f"{what}.log"
-    peak = run_child(argv, work, what, check_abort, log=log, timeout=3600.0)
+    peak = run_child(argv, work, what, check_abort, TOOL_ENV, log=log, timeout=3600.0)
     return log.read_text("utf-8", "replace"), peak
 
 

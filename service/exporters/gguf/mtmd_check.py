@@ -41,7 +41,7 @@ from typing import Any
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import run_child
-from service.llama_cpp import llama_cpp_tool
+from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 
 TOKENS = 16
 """Greedy tokens generated on each side."""
@@ -365,7 +365,7 @@ def run_mtmd(
     # run_child's peak is the largest of the shell's tree it saw; the session's record is the
     # tool's own whenever it ran (see CHAT_SESSION)
     shell = ["/bin/sh", "-c", CHAT_SESSION, "sh", str(log), str(image), PROMPT, *argv]
-    peak = run_child(shell, work, "llama-mtmd-cli", check_abort, timeout=1800.0)
+    peak = run_child(shell, work, "llama-mtmd-cli", check_abort, TOOL_ENV, timeout=1800.0)
     return reply(log.read_bytes()), max(peak, tool_peak(log))
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
 from service.exporters.common.child_process import run_child
 from service.exporters.gguf.spec import QUANTIZER_TYPES
-from service.llama_cpp import llama_cpp_tool
+from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.stage import JobContext, SideContext
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def compute_imatrix(
             "-c", str(ctx_size), "-b", str(ctx_size), "-t", str(_threads()),
             "--no-ppl"]  # fmt: skip
     run_child(
-        argv, work, "llama-imatrix", check_abort,
+        argv, work, "llama-imatrix", check_abort, TOOL_ENV,
         log=work / "imatrix.log", timeout=TOOL_TIMEOUT, error=ExportFailed,
     )  # fmt: skip
     if not out.is_file():
@@ -179,7 +179,7 @@ def quantize(
     progress = _LogProgress(work / "quantize.log", progress_units, advance)
     try:
         peak = run_child(
-            argv, work, "llama-quantize", check_abort,
+            argv, work, "llama-quantize", check_abort, TOOL_ENV,
             log=progress.log, on_poll=progress.poll, timeout=TOOL_TIMEOUT, error=ExportFailed,
         )  # fmt: skip
         if not dest.is_file():
@@ -214,7 +214,7 @@ def split_gguf(
 
     try:
         run_child(
-            argv, work, "llama-gguf-split", check_abort,
+            argv, work, "llama-gguf-split", check_abort, TOOL_ENV,
             log=work / "split.log", timeout=TOOL_TIMEOUT, error=ExportFailed,
         )  # fmt: skip
         files = written()
