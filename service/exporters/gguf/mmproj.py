@@ -73,6 +73,24 @@ VLM_TOWERS: dict[str, tuple[str, ...]] = {
 LLaVA 1.5/1.6 among them), so those are refused at submission, not at the converter."""
 
 
+NOT_TAKEN_WHY: dict[str, str] = {
+    "Llama4ForConditionalGeneration": (
+        "transformers' Llama 4 image processor needs torchvision, which the service does not "
+        "install, so the check would have no reference"
+    ),
+    "Lfm2VlForConditionalGeneration": (
+        "transformers' LFM2-VL image processor needs torchvision, which the service does not "
+        "install, so the check would have no reference"
+    ),
+    "Gemma3nForConditionalGeneration": (
+        "its MobileNetV5 vision tower is a timm model, which the service does not install, so "
+        "the check would have no reference"
+    ),
+}
+"""Why a family upstream writes a projector for is not taken, where it is known beyond "not
+checked here yet" (see also :func:`check_vlm`'s remote-code case)."""
+
+
 def check_vlm(config: dict[str, Any], bin_dir: Path | None = None) -> None:
     """Refuse a vision-language model outside :data:`VLM_FAMILIES` with
     :class:`UnsupportedExport` naming the ones taken and why this one is not."""
@@ -100,9 +118,22 @@ def check_vlm(config: dict[str, Any], bin_dir: Path | None = None) -> None:
             f"{' or '.join(towers or ())} vision towers only"
         )
     else:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT_TO_TEXT,
+        )
+
+        if arch in NOT_TAKEN_WHY:
+            reason = NOT_TAKEN_WHY[arch]
+        elif arch not in set(IMAGE_TEXT_TO_TEXT.values()):
+            reason = (
+                "transformers has no class for it (its checkpoints run remote code), so the "
+                "check would have no reference"
+            )
+        else:
+            reason = "its projector is not one this service checks yet"
         why = (
-            f"llama.cpp's converter has a projector class for it ({upstream[arch]}), but its "
-            "projector is not one this service checks with llama-mtmd-cli against transformers"
+            f"llama.cpp's converter has a projector class for it ({upstream[arch]}), but "
+            f"{reason} (the check runs llama-mtmd-cli against transformers)"
         )
     taken = ", ".join(f"{a} ({n})" for a, n in VLM_FAMILIES.items())
     raise UnsupportedExport(

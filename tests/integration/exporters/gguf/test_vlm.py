@@ -375,8 +375,8 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
     ("arch", "why"),
     [
         ("LlavaForConditionalGeneration", "(llava) for pixtral vision towers only"),
-        ("Glm4vForConditionalGeneration", "projector class for it (qwen3vl)"),
-        ("Llama4ForConditionalGeneration", "projector class for it (llama4)"),
+        ("Glm4vForConditionalGeneration", "(qwen3vl), but its projector is not one this service"),
+        ("Llama4ForConditionalGeneration", "(llama4), but transformers' Llama 4 image processor"),
         ("PaliGemmaForConditionalGeneration", "writes no projector for it"),
     ],
 )
@@ -399,3 +399,17 @@ def test_a_vlm_family_gguf_does_not_take_is_refused_at_submission_naming_what_it
     assert all(taken in message for taken in VLM_FAMILIES) and "safetensors" in message
     if arch == "LlavaForConditionalGeneration":
         assert "clip_vision_model vision tower" in message
+
+
+def test_a_remote_code_vlm_is_refused_as_one_the_check_has_no_reference_for(
+    tmp_path: Path,
+) -> None:
+    """Kimi-VL: upstream writes its projector, transformers has no class to run it."""
+    config = {"architectures": ["KimiVLForConditionalGeneration"], "model_type": "kimi_vl",
+              "vision_config": {"model_type": "moonvit"}, "text_config": {}}  # fmt: skip
+    spec = JobSpec.model_validate(
+        {"source": "hf://org/model", "exports": [{"format": "gguf", "type": "q8_0"}]}
+    )
+    with pytest.raises(UnsupportedExport, match=r"\(kimivl\), but transformers has no class"):
+        check_spec(spec, Settings(data_dir=tmp_path), config, config_known=True,
+                   source_checked=True)  # fmt: skip
