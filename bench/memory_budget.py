@@ -12,6 +12,7 @@ file pages included, without the job's pages wait4 would fold in) and the
 verification mode, plus the slowest answer of the API, polled every 0.25 s throughout.
 
     .venv/bin/python bench/memory_budget.py [--limit 2.5GiB] [--sizes 5,10] [--work var/bench]
+        [--exports "safetensors bf16,NNEF"]
 
 Needs root (it makes the cgroup: v2 where the machine has the memory controller there, else
 v1) and the llama.cpp tools (``make llama-cpp``). About 1 h on 2 cores for both sizes.
@@ -116,7 +117,13 @@ def main() -> None:
     parser.add_argument("--limit", default="2.5GiB")
     parser.add_argument("--sizes", default="5,10", help="checkpoint sizes in GB")
     parser.add_argument("--work", type=Path, default=Path("var/bench/memory-budget"))
+    parser.add_argument("--exports", default=",".join(EXPORTS),
+                        help="which of the exports, comma-separated (default: all)")
     args = parser.parse_args()
+    chosen = [e.strip() for e in args.exports.split(",")]
+    unknown = set(chosen) - set(EXPORTS)
+    if unknown:
+        parser.error(f"unknown exports {sorted(unknown)}: choose among {list(EXPORTS)}")
     limit = parse_size(args.limit)
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -127,7 +134,7 @@ def main() -> None:
             args.work / f"data-{source.name}", [source.parent], env={"MODELPREP_WORKERS": "1"},
             cgroup=cgroup.path,
         ) as service, Poller(service) as poller:  # fmt: skip
-            jobs = [(label, [spec]) for label, spec in EXPORTS.items()]
+            jobs = [(label, [spec]) for label, spec in EXPORTS.items() if label in chosen]
             accepted: list[dict[str, Any]] = []
             for label, exports in [*jobs, ("accepted ones, one job", accepted)]:
                 if not exports:

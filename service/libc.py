@@ -7,6 +7,7 @@ the C library or the call is missing (not Linux, not glibc) the wrapper does not
 * ``madvise(MADV_DONTNEED)``: drop pages of a read-only file mapping from RSS (torch pickles).
 * ``sync_file_range(WRITE)``: start writeback of a written range now (the safetensors writer).
 * ``malloc_trim``: give freed heap pages back (:mod:`service.heap`).
+* ``mallopt(M_MMAP_THRESHOLD)``: a fixed mmap threshold for a job's allocations (:mod:`service.heap`).
 * ``prctl(PR_SET_PDEATHSIG)``: a job process dies with its parent (:mod:`service.jobs.runner`).
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 _MADV_DONTNEED = 4
 _SYNC_FILE_RANGE_WRITE = 2
 _PR_SET_PDEATHSIG = 1
+_M_MMAP_THRESHOLD = -3
 
 
 def _load() -> ctypes.CDLL | None:
@@ -28,9 +30,13 @@ def _load() -> ctypes.CDLL | None:
         return None
     for name, argtypes, restype in (
         ("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int),
-        ("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
-         ctypes.c_int),
+        (
+            "sync_file_range",
+            [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
+            ctypes.c_int,
+        ),
         ("malloc_trim", [ctypes.c_size_t], ctypes.c_int),
+        ("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int),
         ("prctl", [ctypes.c_int, ctypes.c_ulong], ctypes.c_int),
     ):
         function = getattr(libc, name, None)
@@ -66,6 +72,13 @@ def malloc_trim() -> bool:
         return False
     function(0)
     return True
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """``mallopt(M_MMAP_THRESHOLD, nbytes)``: allocations of ``nbytes`` or more are mapped
+    apart and unmapped when freed; setting it also stops glibc raising it by itself."""
+    function = _function("mallopt")
+    return function is not None and int(function(_M_MMAP_THRESHOLD, nbytes)) == 1
 
 
 def set_parent_death_signal(signal: int) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from service.adapters.multiprocessing import release_forkserver
 from service.config import Settings
 from service.errors import JobCancelled, MemoryBudgetExceeded, ServiceError
+from service.heap import pin_mmap_threshold
 from service.jobs.layout import JobLayout
 from service.jobs.model import JobError, JobStatus, Progress
 from service.jobs.store import JobStore
@@ -157,6 +158,7 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
     # event streams wait (bench/api_latency.py). Inherited by whatever the job starts.
     os.nice(settings.job_nice)
     _die_with_parent()
+    pin_mmap_threshold()  # activations mapped apart, not left in the heap (service.heap)
     from service.logs import configure_logging
 
     configure_logging(settings, job_id=job_id)
@@ -181,8 +183,9 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
         spec = JobSpec.model_validate({**job.spec, **secrets})
         from service.jobs.reuse import StoreReuse
 
-        artifacts = run_pipeline(spec, ctx, layout, StoreReuse(store, layout, settings),
-                                 tenant=job.tenant)
+        artifacts = run_pipeline(
+            spec, ctx, layout, StoreReuse(store, layout, settings), tenant=job.tenant
+        )
         ctx.metrics["wall_seconds"] = round(time.monotonic() - started, 3)
         ctx.metrics["peak_rss_bytes"] = ctx.peak_rss_bytes()
         ctx.close_phase()
@@ -190,8 +193,12 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
         # its work files still there.
         layout.clean()
         store.finish(
-            job_id, JobStatus.SUCCEEDED, artifacts=artifacts, metrics=ctx.metrics,
-            details=ctx.details, phases=ctx.phases,
+            job_id,
+            JobStatus.SUCCEEDED,
+            artifacts=artifacts,
+            metrics=ctx.metrics,
+            details=ctx.details,
+            phases=ctx.phases,
             progress=Progress(ctx.done, ctx.total, ctx.unit),
             tenant_max_artifact_bytes=settings.tenant_max_artifact_bytes,
         )
@@ -235,6 +242,10 @@ def _finish_failed(
     ctx.metrics["peak_rss_bytes"] = ctx.peak_rss_bytes()
     ctx.close_phase()
     store.finish(
-        ctx.job_id, status, error=error, metrics=ctx.metrics, details=ctx.details,
+        ctx.job_id,
+        status,
+        error=error,
+        metrics=ctx.metrics,
+        details=ctx.details,
         phases=ctx.phases,
     )
