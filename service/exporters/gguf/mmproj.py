@@ -56,6 +56,7 @@ VLM_FAMILIES: dict[str, str] = {
     "Qwen3VLForConditionalGeneration": "Qwen3-VL",
     "LlavaForConditionalGeneration": "Pixtral: LLaVA with a Pixtral tower",
     "Mistral3ForConditionalGeneration": "Mistral Small 3.1 / 3.2",
+    "JanusForConditionalGeneration": "Janus-Pro",
 }
 """The vision-language models a GGUF export takes (by the architecture upstream's ``--mmproj``
 dispatches on): those whose projector the job checks with llama-mtmd-cli against transformers

@@ -159,6 +159,11 @@ LAYOUTS: dict[str, Layout] = {
     # the rows of (merged) patches, the [IMG_BREAK] embedding after each but the last, then
     # [IMG_END]; the image at the tower's image_size, a multiple of the (merged) patch, so
     # neither side resizes it; transformers also takes the image's size (2-D RoPE positions)
+    # mtmd.cpp PROJECTOR_TYPE_JANUS_PRO: the embeddings alone, no marker around them
+    "JanusForConditionalGeneration": Layout(
+        (IMAGE,), "<image_placeholder>",
+        lambda config: int((config.get("vision_config") or {}).get("num_image_tokens", 576)),
+    ),
     "LlavaForConditionalGeneration": PIXTRAL_LAYOUT,
     "Mistral3ForConditionalGeneration": PIXTRAL_LAYOUT,
 }
@@ -400,7 +405,8 @@ def compare(printed: bytes, reference: Greedy) -> dict[str, Any]:
     agreed = 0
     prefix = b""
     for piece in reference.pieces:
-        prefix += piece
+        # llama.cpp prints through C strings: a NUL byte (the <0x00> byte token) prints nothing
+        prefix += piece.replace(b"\x00", b"")
         if not text.startswith(prefix):
             break
         agreed += 1

@@ -30,6 +30,7 @@ from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
 from tests.fixtures.vlm import (
+    cached_janus,
     cached_pixtral,
     cached_qwen3vl,
     cached_smolvlm2,
@@ -289,6 +290,37 @@ def test_a_qwen3_vl_gets_its_deepstack_projector_that_llama_cpp_runs_like_transf
         mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
     ), mtmd
     _assert_planned(root, summary, tmp_path)
+
+
+def test_a_janus_pro_gets_its_projector_that_llama_cpp_runs_like_transformers(
+    tmp_path: Path,
+) -> None:
+    """Janus-Pro: the Llama text model without the generation heads and VQ-VAE, the SigLIP
+    tower and aligner as the projector, and mtmd's bare image embeddings (no markers) agreeing
+    with transformers' JanusForConditionalGeneration on the same ids."""
+    root = cached_janus()
+    summary = _export(root, tmp_path / "out", type="f16")
+    mmproj = summary["mmproj"]
+    assert mmproj["converter"].endswith("JanusProVisionModel") and summary["hf_architecture"] == (
+        "JanusForConditionalGeneration"
+    )
+    assert mmproj["tower"]["vision_blocks"] == 3
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    ), mtmd
+    _assert_planned(root, summary, tmp_path)
+
+
+def test_a_nul_byte_token_which_llama_cpp_cannot_print_still_agrees() -> None:
+    """llama.cpp prints through C strings: the <0x00> byte token prints nothing, so it is
+    compared as nothing (Janus-Pro's tiny model greedily emits one)."""
+    from service.exporters.gguf.mtmd_check import Greedy, compare
+
+    reference = Greedy(ids=[5, 3, 7, 9], margins=[1.0] * 4, pieces=[b"a", b"\x00", b"b", b"c"])
+    assert compare(b"\nabc\n", reference)["agreed_tokens"] == 4
+    with pytest.raises(VerificationFailed, match="diverges"):
+        compare(b"\nabd\n", reference)
 
 
 def test_a_k_quant_vlms_projector_is_checked_by_mtmd_with_the_f16_it_was_quantized_from(
