@@ -97,6 +97,9 @@ TRACT_LAYERWISE_FACTOR = 2.0
 chunk of the embedding's or the head's rows): 64 MiB + 2 x the largest block's weights (SmolLM2 float16: a layer of 6.8 MiB peaks at 61 MiB, the head's 54 MiB at
 163 MiB; tract packs a matrix for its matmul beside the loaded one)."""
 
+NNEF_DURING_TRACT_BYTES = 64 * MiB
+"""The NNEF job beyond its base while tract checks the archive (see ``plan_nnef``)."""
+
 NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
 """torch-to-nnef's trace of the meta copy, per layer (MiniLM 570 MiB for 6 layers,
 SmolLM2 1043 MiB for 30, with twice the largest float32 tensor)."""
@@ -602,9 +605,11 @@ def plan_nnef(spec: Any, headers: CheckpointHeaders, tract_limit: int | None = N
         tract = f"tract: 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
     return ExportPlan(
         # the trace is gone and the heap trimmed before tract runs (service.heap): the job
-        # holds its base and the streaming buffers (MiniLM: 455 MiB measured, 488 planned)
+        # holds its base and little else, whatever the largest tensor (its resident memory
+        # sampled while tract ran: MiniLM 455 MiB; a float32 Llama of hidden 4096 and a
+        # 49152-token vocabulary, 0.75 GiB tensors, 470 MiB, where base + 2 x largest said 1936)
         format="nnef", job_peak_rss_bytes=job,
-        job_rss_during_children_bytes=JOB_BASE_BYTES + 2 * largest,
+        job_rss_during_children_bytes=JOB_BASE_BYTES + NNEF_DURING_TRACT_BYTES,
         children=children, verification=(mode or "whole") if verify else "none",
         artifact_bytes=archive,
         notes=(
