@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from service.exporters.common.offloaded_model import OffloadedModel
     from service.exporters.common.parity import ParityReport
     from service.exporters.common.reference import GreedyReference
-    from service.exporters.nnef.verify import IOSpec
+    from service.exporters.nnef.verify import IOSpec, TextCheck
     from service.plan import VerificationMode
     from service.stage import JobContext
 
@@ -202,7 +202,7 @@ def export_nnef(
     from service.adapters import torch_to_nnef as t2n
     from service.exporters.common import offloaded_model as off
     from service.exporters.nnef.tract_cli import write_launcher
-    from service.exporters.nnef.verify import ensure_tract_fits
+    from service.exporters.nnef.verify import TextCheck, ensure_tract_fits
     from service.offload.build import build_on_meta
 
     checkpoint = inputs.checkpoint
@@ -241,13 +241,17 @@ def export_nnef(
                     built.weight_bytes, ctx.settings.tract_max_memory, _block_bytes(built)
                 )
             if built.kind == "causal_lm":
-                io, report = _export_causal_lm(
-                    spec, built, launcher, work / "stage", out_dir, ctx, mode
-                )
                 independent = inputs.independent
+                text = None
+                if independent is not None and independent.chunks is not None:
+                    text = TextCheck(
+                        str(built.dtype).removeprefix("torch."), spec.compression, independent
+                    )
+                io, report = _export_causal_lm(
+                    spec, built, launcher, work / "stage", out_dir, ctx, mode, text
+                )
                 if (
-                    report is not None
-                    and independent is not None and independent.chunks is not None
+                    report is not None and text is not None and "logits" not in report.extra
                 ):  # fmt: skip
                     # block by block where the decode check was (the blocks it cut), else whole
                     blocks = work / "stage" / VERIFY_DIR / "blocks" if mode == "layerwise" else None
@@ -308,7 +312,11 @@ def _export_causal_lm(
     out_dir: Path,
     ctx: JobContext,
     mode: VerificationMode = "whole",
+    text: TextCheck | None = None,
 ) -> tuple[IOSpec, ParityReport | None]:
+    """Export through torch-to-nnef's LLM exporter, then (``spec.verify``) replay PyTorch's
+    greedy decode in tract; the whole archive's check also judges the fixed text (``text``)
+    in the same tract child, the layer-by-layer one leaves it to :func:`_with_logits`."""
     from torch_to_nnef.compress import DEFAULT_COMPRESSION_REGISTRY
     from torch_to_nnef.exceptions import T2NError
     from torch_to_nnef_llm.config import ExportDirStruct
@@ -377,8 +385,15 @@ def _export_causal_lm(
     reference = expected
 
     def run(archive: Path, atol: float, rtol: float, work: Path) -> ParityReport:
-        check = verify_causal_lm_layerwise if mode == "layerwise" else verify_causal_lm
-        report = check(archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort)
+        if mode == "layerwise":
+            report = verify_causal_lm_layerwise(
+                archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort
+            )
+        else:
+            report = verify_causal_lm(
+                archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort,
+                text=text,
+            )  # fmt: skip
         report.extra["tract_max_memory_bytes"] = memory_limit(ctx.settings.tract_max_memory)
         return report
 

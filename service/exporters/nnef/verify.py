@@ -118,6 +118,17 @@ def run_tract(
     return run_npz_child(argv, request, work, "tract", check_abort, env={"RUST_LOG": "error"})
 
 
+@dataclass(frozen=True)
+class TextCheck:
+    """What :func:`check_logits` judges tract's logits on the fixed text with, when
+    :func:`verify_causal_lm` runs that check in the same tract child as the decode."""
+
+    dtype: str
+    compression: str | None
+    reference: Any
+    """The job's independent reference (``IndependentReference``, with ``chunks``)."""
+
+
 def verify_causal_lm(
     archive: Path,
     io: IOSpec,
@@ -127,13 +138,21 @@ def verify_causal_lm(
     *,
     work: Path,
     check_abort: Callable[[], None] | None = None,
+    text: TextCheck | None = None,
 ) -> ParityReport:
     """Replay ``expected``'s greedy decode in tract, feeding back tract's own KV cache.
 
     tract is fed PyTorch's tokens (teacher forcing), so one diverging argmax on near-equal logits
     does not derail the comparison; the report says whether tract's argmax agreed at each step.
+
+    With ``text``, the same child also gives the fixed text's logits, judged after the decode
+    as :func:`check_logits` judges them (figures in the report's ``extra["logits"]``): tract
+    loads the archive once for both checks, and that load (every weight read, unpacked and
+    repacked for tract's kernels) is the largest part of either.
     """
     request = decode_request(io, expected)
+    if text is not None:
+        request.update(window_request(text.reference.chunks))
     run = run_tract(archive, "decode", request, work, check_abort)
     found = list(run.outputs["logits"])
     agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
@@ -152,9 +171,12 @@ def verify_causal_lm(
             f"tract logits differ from PyTorch by {comparison.max_abs_error:.3g} (tolerance "
             f"{comparison.tolerance:.3g}) over {len(found)} decode steps; {where()}"
         )
+    extra: dict[str, Any] = {"mode": "whole"}
+    if text is not None:
+        extra["logits"] = judge_logits(run.outputs["chunk_logits"], text, "whole")
     return ParityReport.of(
         "tract", comparison, len(found), expected.tokens, agreed,
-        peak_rss_bytes=run.peak_rss_bytes, extra={"mode": "whole"},
+        peak_rss_bytes=run.peak_rss_bytes, extra=extra,
     )  # fmt: skip
 
 
@@ -284,11 +306,18 @@ def check_logits(
         run = run_tract(archive, "logits", request, work, check_abort)
     else:
         run = run_tract(blocks, "layerwise-logits", request, work, check_abort)
-    found = run.outputs["logits"]
-    figures = compare_logits(reference.chunk_logits(), placed_rows(found, chunks), chunks)
-    bounds = runtime_bounds(dtype, compression)
-    report = {"reference": reference.summary()["implementation"], **figures.as_dict(),
-              "mode": "whole" if blocks is None else "layerwise", "bounds": asdict(bounds)}  # fmt: skip
+    mode = "whole" if blocks is None else "layerwise"
+    return judge_logits(run.outputs["logits"], TextCheck(dtype, compression, reference), mode)
+
+
+def judge_logits(found: np.ndarray, text: TextCheck, mode: str) -> dict[str, Any]:
+    """:func:`check_logits`' figures and bounds on tract's logits of the scored window
+    (``found``, ``(n_chunk, window, vocab)``), wherever tract ran them."""
+    chunks = text.reference.chunks
+    figures = compare_logits(text.reference.chunk_logits(), placed_rows(found, chunks), chunks)
+    bounds = runtime_bounds(text.dtype, text.compression)
+    report = {"reference": text.reference.summary()["implementation"], **figures.as_dict(),
+              "mode": mode, "bounds": asdict(bounds)}  # fmt: skip
     failed = bounds.violations(figures)
     if failed:
         raise VerificationFailed(

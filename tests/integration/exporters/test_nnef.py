@@ -223,6 +223,57 @@ def test_tampered_archive_fails_verification(
         verify_causal_lm(bad, io_spec, expected, atol=1e-3, rtol=1e-3, work=tmp_path / "v")
 
 
+def test_one_tract_child_gives_the_decode_and_the_fixed_text_checks(
+    llama_export: Exported,
+    tiny_checkpoint: TinyCheckpointFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tract loads the archive once for both checks of a whole archive (the load is most of
+    either): the fixed text's figures judged from that child are those of its own child."""
+    import transformers
+
+    from service.checkpoint.independent import independent_reference
+    from service.exporters.common.reference import fixed_input_ids
+    from service.exporters.nnef import verify as ver
+    from service.logits import FIXED_TEXT
+
+    ckpt = tiny_checkpoint("llama", "safetensors")
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    independent = independent_reference(
+        ckpt, transformers.LlamaForCausalLM, fixed_input_ids(vocab), FIXED_TEXT, 1 << 34,
+        tmp_path / "reference",
+    )  # fmt: skip
+    assert independent.chunks is not None
+    expected = _reference(ckpt, tmp_path / "off")
+    io_spec, archive = _io(llama_export.out), llama_export.out / "model.nnef.tgz"
+    commands: list[str] = []
+    run_tract = ver.run_tract
+
+    def counted(archive: Path, command: str, *args: Any, **kwargs: Any) -> Any:
+        commands.append(command)
+        return run_tract(archive, command, *args, **kwargs)
+
+    monkeypatch.setattr(ver, "run_tract", counted)
+    text = ver.TextCheck("float32", None, independent)
+    report = ver.verify_causal_lm(
+        archive, io_spec, expected, 1e-3, 1e-3, work=tmp_path / "both", text=text
+    )
+    assert commands == ["decode"]
+    alone = ver.check_logits(archive, io_spec, "float32", None, independent, work=tmp_path / "l")
+    assert commands == ["decode", "logits"]
+    both = report.extra["logits"]
+    assert both["mode"] == alone["mode"] == "whole"
+    assert both["positions"] == alone["positions"] > 0
+    assert both["kl_mean"] == pytest.approx(alone["kl_mean"], abs=1e-9)
+    assert both["top1"] == alone["top1"]
+    # the decode is still judged first: a negated weight fails it, not the text's bounds
+    bad = tmp_path / "tampered.nnef.tgz"
+    _tamper(archive, bad)
+    with pytest.raises(VerificationFailed, match="tract logits differ"):
+        ver.verify_causal_lm(bad, io_spec, expected, 1e-3, 1e-3, work=tmp_path / "v", text=text)
+
+
 def test_a_weight_broken_in_one_layer_fails_naming_that_layer(
     llama_export: Exported, tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
