@@ -42,6 +42,25 @@ def test_reload_goes_through_reload_unmanaged_and_update_values_rewrites(tmp_pat
     )
 
 
+def test_counting_elements_reads_no_weight_where_the_parent_reads_it_all(
+    tmp_path: Path,
+) -> None:
+    weights = _Weights({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
+    tensor = t2n.CheckpointTensor.create(weights, "w", "layer.w", (2, 3), torch.float16, tmp_path)
+    plain = torch.Tensor.numel(tensor)  # what OffloadedTensor.numel() is, unpatched
+    assert weights.reads == ["w"], (
+        "assumption changed: OffloadedTensor.__torch_function__ reloads the payload for "
+        "numel() (if it no longer does, CheckpointTensor.numel/element_size can go)"
+    )
+    weights.reads.clear()
+    assert (tensor.numel(), tensor.element_size()) == (plain, 2)
+    param = torch.nn.Parameter(tensor, requires_grad=False)
+    assert param.numel() * param.element_size() == 12
+    assert weights.reads == [], "counting elements read the weight back"
+    tensor.update_values(torch.ones(4, 2, dtype=torch.float32), strict_shape=False)
+    assert (tensor.numel(), tensor.element_size()) == (8, 4)
+
+
 def test_the_nnef_writer_has_the_hooks_the_adapter_swaps() -> None:
     from torch_to_nnef.nnef_io import writer
 

@@ -180,3 +180,27 @@ def test_checkpoint_tensor_rereads_the_checkpoint_casts_lazily_and_keeps_rewrite
             assert tensor.source is None
             assert torch.count_nonzero(tensor.reload()) == 0  # now from its own .pt payload
         assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_sizing_the_offloaded_model_reads_no_weight(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    """The tract budget's block sizes and torch-to-nnef's dtype vote count elements of every
+    weight: from the shells, not by reading each weight back (once a full pass per call)."""
+    from torch_to_nnef_llm.exporter import LLMExporter
+
+    from service.exporters.common.offloaded_model import offloaded_model
+    from service.exporters.nnef.exporter import _block_bytes, _PromptTokenizer
+    from service.offload.build import build_on_meta
+
+    reads: list[int] = []
+    with open_checkpoint(tiny_checkpoint("llama", "safetensors")) as ckpt:
+        built = offloaded_model(
+            build_on_meta(ckpt, Settings()).model, ckpt, offload_dir=tmp_path, hook=reads.append
+        )
+        block = _block_bytes(built)
+        vocab = int(built.config.vocab_size)
+        exporter = LLMExporter(built.module, _PromptTokenizer([1, 2], "llama", vocab))
+        assert exporter.inputs_dtype == torch.float32
+        assert reads == []
+        assert block is not None and 0 < block < built.weight_bytes
