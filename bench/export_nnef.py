@@ -61,9 +61,18 @@ reading every weight back 5.6 s); verify 29.0 s (tract loads the archive twice, 
 decode 0.5 s; fixed text 11.3 s). After: one tract load, no sizing reads (see
 ``docs/exports.md``, NNEF, for what 0.5x would take).
 
-At 1.76 GB (6 layers), load 6.4-6.7, one round only (stopped by the deadline): t2n-cli
-153.8 s; modelprep-verify-before 121.9 s (0.79x, verify phase 49.8 s); modelprep-verify 118.5 s
-(0.77x, verify phase 36.3 s); peaks: job 0.81 GiB, tract child 2.18 GiB, CLI 2.87 GiB.
+The same run at 1.76 GB (6 layers), 3 rounds, load 3.9-6.7:
+
+===============================  ========  ========  ===================================
+mode                             min       median    ratio to the CLI, per round
+===============================  ========  ========  ===================================
+t2n-cli (tract check on, 1 run)  114.6 s   129.6 s   1
+modelprep-verify-before          78.1 s    96.7 s    0.79, 0.68, 0.75 (median 0.75)
+modelprep-verify (after)         50.5 s    79.3 s    0.77, 0.44, 0.61 (median 0.61)
+===============================  ========  ========  ===================================
+
+Verify phase before 49.8 / 28.7 / 35.0 s, after 36.3 / 15.2 / 24.8 s; peaks: job 0.81 GiB,
+tract child 2.27 GiB, CLI 2.75-2.87 GiB.
 
 Earlier figures (2026-11-22, 5.05 GB, load 1-4): modelprep verify off 84-101 s, verify on
 138-154 s, ``dump_llm(device_map="t2n_offload_disk", no_verify=True)`` 166.5 s (its check off;
