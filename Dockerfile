@@ -7,8 +7,16 @@
 # `make install` and CI use too). Two stages: the build stage owns pip's leftovers (build/,
 # egg-info, wheels); the image gets only the virtual environment. A third stage builds llama.cpp's
 # tools and keeps its converter classes (the GGUF exporter runs and imports them), with the script
-# `make install` runs; its layer depends only on that script and the pinned version, so the
-# minutes of compiling are cached until the pin moves.
+# `make install` runs; its layer depends only on that script and the pinned version (read in a
+# stage of its own, so that a change elsewhere in service/llama_cpp.py keeps the cache), so the
+# minutes of compiling are cached until the pin moves. The dependency list is read the same way.
+FROM python:3.11-slim AS pins
+COPY service/llama_cpp.py pyproject.toml /
+RUN sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' /llama_cpp.py > /llama-cpp-version \
+    && test -s /llama-cpp-version \
+    && python -c 'import tomllib; print(*tomllib.load(open("/pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
+        > /requirements.txt
+
 FROM python:3.11-slim AS llama-cpp
 
 ARG PIP_CA_PEM=""
@@ -21,10 +29,11 @@ RUN apt-get update -q \
          { cat /etc/ssl/certs/ca-certificates.crt; printf '%s\n' "$PIP_CA_PEM"; } > /opt/pip-ca.pem; \
        fi
 COPY scripts/build_llama_cpp.sh /src/scripts/
-COPY service/llama_cpp.py /src/service/
+COPY --from=pins /llama-cpp-version /src/
 # the script fetches the sdist with `python3 -m pip`: the venv's, as the base may have no pip
 RUN env PATH=/opt/pip/bin:$PATH MODELPREP_CACHE_HOME=/opt/cache \
-        ${PIP_CA_PEM:+PIP_CERT=/opt/pip-ca.pem} /src/scripts/build_llama_cpp.sh \
+        ${PIP_CA_PEM:+PIP_CERT=/opt/pip-ca.pem} \
+        /src/scripts/build_llama_cpp.sh "$(cat /src/llama-cpp-version)" \
     && mv /opt/cache/llama.cpp/[0-9]* /opt/llama.cpp
 
 FROM python:3.11-slim AS build
@@ -47,14 +56,13 @@ WORKDIR /src
 COPY constraints.txt ./
 RUN pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS $TORCH_PIP_ARGS \
         -c constraints.txt torch
-# The dependencies alone, read from pyproject.toml: this layer depends on pyproject.toml and
-# constraints.txt only, so a change to service/ reinstalls nothing but the service itself.
-COPY pyproject.toml ./
-RUN python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
-        > /tmp/requirements.txt \
-    && pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS -c constraints.txt \
+# The dependencies alone: their list is read from pyproject.toml in the pins stage and copied
+# here, so this layer depends on that list and constraints.txt only. A change to service/, or to
+# pyproject's tool settings (lint, test, import contracts), reinstalls nothing but the service.
+COPY --from=pins /requirements.txt /tmp/requirements.txt
+RUN pip install ${PIP_CA_PEM:+--cert /opt/pip-ca.pem} $PIP_ARGS -c constraints.txt \
         -r /tmp/requirements.txt
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY service ./service
 # No build isolation: the build backend is the pinned setuptools already installed with torch.
 # Then the one `gguf`: the gguf-py of the llama.cpp built above (scripts/install_gguf_py.sh).
