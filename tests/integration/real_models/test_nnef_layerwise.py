@@ -149,10 +149,12 @@ def test_block_by_block_check_agrees_with_the_whole_check_on_real_smollm2(
     for block in blocks[1:]:  # the lookup is judged through layer 0, which it feeds
         assert 0 <= block["max_abs_err"] <= block["tolerance"], block
     assert all(b["tract_peak_rss_bytes"] > 0 for b in blocks)
-    # tract's peak is a block's, a 16 MiB chunk of the vocabulary at most, not the model's:
-    # 64 MiB + 3 x the chunk (tract widens a float16 matrix to float32 for its matmul; the
-    # whole 54 MiB head, one block before, peaked at 163 MiB)
-    assert max(b["tract_peak_rss_bytes"] for b in blocks) < 64 * 2**20 + 3 * 16 * 2**20, blocks
+    # tract's peak is a block's, a 16 MiB chunk of the vocabulary at most, not the model's. The
+    # whole 54 MiB head, one block before chunking, peaked at 163 MiB (tract widens a float16
+    # matrix to float32 for its matmul); the chunked head measured 95-102 MiB alone and 125 MiB
+    # inside a full run at load 8 (the allocator's share moves with load), so the bound sits
+    # between the two: 64 MiB + 5 x the chunk = 144 MiB.
+    assert max(b["tract_peak_rss_bytes"] for b in blocks) < 64 * 2**20 + 5 * 16 * 2**20, blocks
     assert layerwise.peak_rss_bytes == max(b["tract_peak_rss_bytes"] for b in blocks)
 
 
