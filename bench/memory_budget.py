@@ -5,14 +5,15 @@ tokenizer, random weights written a chunk at a time by ``bench/synth_checkpoint.
 sizes, each exported by a real ``modelprep serve`` living in a memory cgroup of ONE fixed limit
 (default 2.5 GiB, at most a quarter of the larger checkpoint): safetensors bf16, GGUF q8_0, GGUF
 Q4_K_M, ONNX and NNEF, each as its own job with verify on, then every export accepted alone in
-one job. For each job: outcome, wall, the job's peak (its process's RSS with and without the
+one job (``--one-job only`` runs that job alone, with every chosen export in it; ``skip`` leaves
+it out). For each job: outcome, wall, the job's peak (its process's RSS with and without the
 children it waited for; its memory cgroup's charge, children and page cache included), each
 child's own peak (llama.cpp's quantizer and logits check, onnxruntime, tract: its RSS, mapped
 file pages included, without the job's pages wait4 would fold in) and the
 verification mode, plus the slowest answer of the API, polled every 0.25 s throughout.
 
     .venv/bin/python bench/memory_budget.py [--limit 2.5GiB] [--sizes 5,10] [--work var/bench]
-        [--exports "safetensors bf16,NNEF"]
+        [--exports "safetensors bf16,NNEF"] [--one-job after|only|skip]
 
 Needs root (it makes the cgroup: v2 where the machine has the memory controller there, else
 v1) and the llama.cpp tools (``make llama-cpp``). About 1 h on 2 cores for both sizes.
@@ -119,6 +120,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("var/bench/memory-budget"))
     parser.add_argument("--exports", default=",".join(EXPORTS),
                         help="which of the exports, comma-separated (default: all)")
+    parser.add_argument("--one-job", choices=("after", "only", "skip"), default="after",
+                        help="the job with every export in it: after the separate jobs (with the "
+                        "ones accepted alone), only (every chosen export, no separate jobs), skip")
     args = parser.parse_args()
     chosen = [e.strip() for e in args.exports.split(",")]
     unknown = set(chosen) - set(EXPORTS)
@@ -136,11 +140,14 @@ def main() -> None:
         ) as service, Poller(service) as poller:  # fmt: skip
             jobs = [(label, [spec]) for label, spec in EXPORTS.items() if label in chosen]
             accepted: list[dict[str, Any]] = []
-            for label, exports in [*jobs, ("accepted ones, one job", accepted)]:
+            if args.one_job == "only":
+                jobs, accepted = [], [spec for _, [spec] in jobs]
+            together = [] if args.one_job == "skip" else [("one job", accepted)]
+            for label, exports in [*jobs, *together]:
                 if not exports:
                     continue
                 row = run_job(service, poller, source, exports)
-                if len(exports) == 1 and not row["outcome"].startswith("refused"):
+                if jobs and len(exports) == 1 and not row["outcome"].startswith("refused"):
                     accepted += exports  # the one-job row: every export accepted alone
                 row.update(label=label, checkpoint_gb=round(weights / 1e9, 2))
                 _, slowest = poller.slowest()
