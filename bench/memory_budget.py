@@ -59,6 +59,7 @@ def checkpoint(work: Path, gigabytes: float) -> Path:
     out = work / f"llama-{layers}l"
     if not (out / "config.json").exists():
         write_checkpoint(out, layers, HIDDEN, INTER, VOCAB)
+    if not (out / "tokenizer.json").exists():  # apart: a first run may stop between the two
         tok = work / "tokenizer"
         if not tok.exists():
             smollm2_tokenizer(tok)
