@@ -36,6 +36,11 @@ names each assumption):
 * ``conversion/mistral3.py``'s ``Mistral3Model`` delegating everything to ``self.impl``, an
   instance of its nested ``Ministral3Model`` (``Mistral4Model`` for ``model_type`` mistral4),
   which :func:`delegate_class` plans with instead;
+* ``conversion/qwen3vl.py``'s ``Qwen3VLMoeTextModel.modify_tensors`` transposing packed experts
+  (``mlp.experts.gate_up_proj`` / ``down_proj``) it takes in the Hub's ``[E, in, out]``
+  orientation, and handing any other tensor to the Qwen2-MoE class under it, which takes packed
+  experts in transformers' own ``[E, out, in]``: :func:`upstream_modify` sends experts stored in
+  transformers' orientation past the first (:data:`TRANSPOSED_EXPERTS_CLASSES`);
 * ``conversion/base.py`` leaving ``sys.path`` alone when ``NO_LOCAL_GGUF`` is set;
 * ``convert_lora_to_gguf.py`` importable as a module (its script body runs under ``__main__``),
   its ``LoraTorchTensor(A, B)`` following the base class's tensor transforms, and its
@@ -350,6 +355,49 @@ def delegate_class(model_class: Any, config: dict[str, Any]) -> Any:
     return model_class.Ministral3Model
 
 
+TRANSPOSED_EXPERTS_CLASSES = ("Qwen3VLMoeTextModel",)
+"""Upstream classes whose ``modify_tensors`` transposes packed experts, taking them in the
+orientation of the Hub's checkpoints (see :func:`upstream_modify`)."""
+
+
+def upstream_modify(
+    model_class: Any, model: Any, data: Any, name: str, bid: int | None
+) -> Iterable[Any]:
+    """What upstream's ``model_class.modify_tensors`` makes of one tensor, except that packed
+    experts stored in transformers' own orientation skip a class that would transpose them.
+
+    Why: ``Qwen3VLMoeTextModel`` takes ``mlp.experts.gate_up_proj`` as the Hub's Qwen3-VL-MoE
+    checkpoints store it, ``[E, hidden, 2*ff]`` (``down_proj`` ``[E, ff, hidden]``), and
+    transposes both. transformers 5 loads those through a ``Transpose(1, 2, check_dims=True)``
+    into parameters of ``[E, 2*ff, hidden]`` / ``[E, hidden, ff]`` and saves them unchanged (the
+    reverse operation sees the parameter's own shape and leaves it), so a checkpoint that
+    transformers 5 wrote came out transposed twice (``ffn_down_exps`` of the wrong shape, which
+    llama.cpp refuses to load). Tensors of the parameters' shape are what the Qwen2-MoE class
+    under it converts (``Qwen2MoeModel.modify_tensors``: split ``gate_up_proj`` on its rows,
+    ``down_proj`` as it is), so they go there, by the rule transformers itself applies (a
+    tensor of the parameter's shape is not transposed): both read the same weights whatever
+    the widths, a square ``hidden == 2*ff`` included."""
+    klass = next((k for k in model_class.__mro__ if k.__name__ in TRANSPOSED_EXPERTS_CLASSES), None)
+    if klass is not None and _in_transformers_orientation(model, name, tuple(data.shape)):
+        return list(super(klass, model).modify_tensors(data, name, bid))
+    return list(model_class.modify_tensors(model, data, name, bid))
+
+
+def _in_transformers_orientation(model: Any, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether ``name`` is a packed-experts tensor of transformers' parameter shape
+    (``gate_up_proj`` ``[E, 2*ff, hidden]``, ``down_proj`` ``[E, hidden, ff]``)."""
+    hparams = model.hparams
+    hidden, ff = hparams.get("hidden_size"), hparams.get("moe_intermediate_size")
+    if len(shape) != 3 or not isinstance(hidden, int) or not isinstance(ff, int):
+        return False
+    base = name.removesuffix(".weight")
+    if base.endswith("mlp.experts.gate_up_proj"):
+        return shape[1:] == (2 * ff, hidden)
+    if base.endswith("mlp.experts.down_proj"):
+        return shape[1:] == (hidden, ff)
+    return False
+
+
 def stacked_rows(tensor: Any, leaves: dict[int, str]) -> tuple[str, ...] | None:
     """The checkpoint tensors, in order, when ``tensor`` is upstream's lazy
     ``torch.stack([...], dim=0)`` of tensors it was given unchanged (``leaves``: id of each lazy
@@ -584,7 +632,7 @@ def plan_conversion(
 
     def modify_tensors(self: Any, data: Any, name: str, bid: int | None) -> Iterable[Any]:
         seen.add(name)
-        outputs = list(model_class.modify_tensors(self, data, name, bid))
+        outputs = list(upstream_modify(model_class, self, data, name, bid))
         for new_name, tensor in outputs:
             copied = tensor is data or leading_rows(tensor, data) is not None
             produced[new_name] = (renamed.get(name, name), copied and name in renamed, tensor)

@@ -65,11 +65,19 @@ MTMD_VISION_WORKSPACE_BYTES = {
     "Qwen2VLForConditionalGeneration": 36 * MiB,
     "Qwen2_5_VLForConditionalGeneration": 36 * MiB,
     "Qwen3VLForConditionalGeneration": 47 * MiB,
+    "Qwen3VLMoeForConditionalGeneration": 47 * MiB,
 }
 """What a family's image encoding holds beyond :data:`MTMD_BASE_BYTES`: Qwen2-VL and 2.5-VL
 measured 56 MiB over their files on the tiny models and 61 MiB with a 12-block 768-wide tower
 (8 text layers 1024 wide), nearly flat in the tower's width; Qwen3-VL 68.5 MiB over its files
-on the tiny model; the other families nothing measurable."""
+on the tiny model; Qwen3-VL-MoE, the same tower and projector, 95.7 MiB in all with
+SmolLM2's vocabulary (:data:`MTMD_VOCAB_TOKEN_BYTES`); the other families nothing
+measurable."""
+MTMD_VOCAB_TOKEN_BYTES = 300
+"""What llama-mtmd-cli holds per token of the text model's vocabulary (its token tables and
+BPE merges, the output layer's buffers): the tiny Qwen3-VL measured 66.7 MiB over its files
+with 400 tokens and 80.8 MiB with SmolLM2's 49156, same run (14.1 MiB more: 304 bytes a
+token)."""
 MTMD_CONTEXT = 1024
 """The context llama-mtmd-cli gets (``gguf.mtmd_check.run_mtmd``: ``-c 1024``)."""
 MTMD_UBATCH = 512
@@ -453,8 +461,8 @@ def _plan_vlm(
 
 
 def _mtmd_peak(config: dict[str, Any], mapped: int, projector: int) -> int:
-    """llama-mtmd-cli's peak RSS: :data:`MTMD_BASE_BYTES`, the family's vision workspace, the
-    mapped text file, the projector, the f16 KV cache of :data:`MTMD_CONTEXT` positions
+    """llama-mtmd-cli's peak RSS: :data:`MTMD_BASE_BYTES`, the family's vision workspace, what
+    its vocabulary holds (:data:`MTMD_VOCAB_TOKEN_BYTES` a token), the mapped text file, the projector, the f16 KV cache of :data:`MTMD_CONTEXT` positions
     (cleared at start, so resident) and the text model's activations (8 bytes per element of
     a micro-batch of hidden and FFN rows). Measured within 7% on the tiny Gemma 3, SmolVLM,
     Qwen2-VL, Qwen2.5-VL, Pixtral and Mistral 3 and on a Gemma 3 and a Qwen2-VL of ~250 MB
@@ -472,7 +480,10 @@ def _mtmd_peak(config: dict[str, Any], mapped: int, projector: int) -> int:
     activations = 8 * MTMD_UBATCH * (hidden + num("intermediate_size", 4 * hidden))
     arch = str((config.get("architectures") or [""])[0])
     workspace = MTMD_VISION_WORKSPACE_BYTES.get(arch, 0)
-    return MTMD_BASE_BYTES + workspace + mapped + projector + kv * head_dim * 2 + activations
+    vocab = MTMD_VOCAB_TOKEN_BYTES * num("vocab_size", 0)
+    return (
+        MTMD_BASE_BYTES + workspace + vocab + mapped + projector + kv * head_dim * 2 + activations
+    )
 
 
 # --- ONNX -------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ VLM_FAMILIES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "Qwen2-VL",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL",
     "Qwen3VLForConditionalGeneration": "Qwen3-VL",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE",
     "LlavaForConditionalGeneration": "Pixtral: LLaVA with a Pixtral tower",
     "Mistral3ForConditionalGeneration": "Mistral Small 3.1 / 3.2",
     "JanusForConditionalGeneration": "Janus-Pro",

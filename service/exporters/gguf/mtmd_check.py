@@ -155,6 +155,9 @@ LAYOUTS: dict[str, Layout] = {
     "Qwen3VLForConditionalGeneration": Layout(
         QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
     ),
+    "Qwen3VLMoeForConditionalGeneration": Layout(
+        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
+    ),
     # mtmd.cpp PROJECTOR_TYPE_PIXTRAL (Pixtral under LLaVA, Mistral 3 with its patch merger):
     # the rows of (merged) patches, the [IMG_BREAK] embedding after each but the last, then
     # [IMG_END]; the image at the tower's image_size, a multiple of the (merged) patch, so

@@ -307,3 +307,48 @@ def test_the_lora_converter_is_the_lora_model_the_adapter_mirrors() -> None:
     assert '".lora_a", ".lora_b"' in prepare, (
         "assumption broken: prepare_tensors stores .lora_a/.lora_b at the file type"
     )
+
+
+def test_qwen3_vl_moes_class_transposes_experts_and_its_base_takes_transformers_own() -> None:
+    """Why upstream_modify steps past Qwen3VLMoeTextModel for experts in transformers' own
+    orientation: that class transposes the Hub's [E, in, out]; the Qwen2-MoE class under it
+    splits gate_up_proj on its rows ([E, 2*ff, hidden]) and copies down_proj."""
+    module = conv.load_converter()
+    cls = module.get_model_class("Qwen3VLMoeForConditionalGeneration")
+    assert [k.__name__ for k in cls.__mro__ if k.__name__ in conv.TRANSPOSED_EXPERTS_CLASSES] == [
+        "Qwen3VLMoeTextModel"
+    ], "assumption broken: Qwen3-VL-MoE's text class is (or derives from) Qwen3VLMoeTextModel"
+    own = inspect.getsource(cls.modify_tensors)
+    assert "data_torch.permute(0, 2, 1)" in own and "data_torch[..., :split_dim]" in own, (
+        "assumption broken: Qwen3VLMoeTextModel transposes packed experts as [E, in, out]"
+    )
+    qwen2moe = importlib.import_module("conversion.qwen").Qwen2MoeModel
+    base = inspect.getsource(qwen2moe.modify_tensors)
+    assert "data_torch[..., :n_ff, :]" in base, (
+        "assumption broken: Qwen2MoeModel splits a packed gate_up_proj [E, 2*ff, hidden] on rows"
+    )
+
+
+def test_qwen3_vl_moe_experts_saved_by_transformers_5_plan_as_llama_cpp_loads_them() -> None:
+    """transformers 5 writes the packed experts as its parameters ([E, 2*ff, hidden],
+    [E, hidden, ff]); planned through upstream_modify they come out in the shapes llama.cpp's
+    ffn_*_exps take, down_proj a plain copy streamed from the checkpoint."""
+    from service.checkpoint import open_checkpoint
+    from tests.fixtures.vlm import cached_qwen3vl_moe
+
+    root = cached_qwen3vl_moe()
+    with open_checkpoint(root) as ckpt:
+        assert ckpt.config is not None
+        text = ckpt.config["text_config"]
+        name = "model.language_model.layers.0.mlp.experts."
+        shapes = {i.name: tuple(i.shape) for i in ckpt.reader.tensor_infos()}
+        experts, hidden, ff = text["num_local_experts"], text["hidden_size"], text[
+            "moe_intermediate_size"]  # fmt: skip
+        assert shapes[name + "gate_up_proj"] == (experts, 2 * ff, hidden)
+        assert shapes[name + "down_proj"] == (experts, hidden, ff)
+        plan = conv.plan_conversion(root, ckpt.config, ckpt.reader, "f16", vocab=False)
+    tensors = {t.name: t for t in plan.tensors}
+    assert tensors["blk.0.ffn_gate_exps.weight"].shape == (experts, ff, hidden)
+    assert tensors["blk.0.ffn_up_exps.weight"].shape == (experts, ff, hidden)
+    down = tensors["blk.0.ffn_down_exps.weight"]
+    assert down.shape == (experts, hidden, ff) and down.source == name + "down_proj"

@@ -33,6 +33,7 @@ from tests.fixtures.vlm import (
     cached_janus,
     cached_pixtral,
     cached_qwen3vl,
+    cached_qwen3vl_moe,
     cached_smolvlm2,
     write_tiny_gemma3,
     write_tiny_idefics3,
@@ -285,6 +286,37 @@ def test_a_qwen3_vl_gets_its_deepstack_projector_that_llama_cpp_runs_like_transf
     assert mmproj["converter"].endswith("Qwen3VLVisionModel"), mmproj["converter"]
     fields = GGUFReader(tmp_path / "out" / "model-f16.gguf").fields
     assert int(fields["qwen3vl.n_deepstack_layers"].contents()) == 2
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    ), mtmd
+    _assert_planned(root, summary, tmp_path)
+
+
+def test_a_qwen3_vl_moe_gets_its_experts_and_projector_that_llama_cpp_runs_like_transformers(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-VL-MoE: the text model by upstream's Qwen3-VL-MoE class with the packed experts
+    transformers 5 writes in its own [E, out, in] orientation (upstream's class would transpose
+    them as the Hub's [E, in, out]), the deepstack projector, and mtmd agreeing with
+    transformers on the image."""
+    from gguf import GGUFReader
+
+    root = cached_qwen3vl_moe()
+    summary = _export(root, tmp_path / "out", type="f16")
+    assert summary["hf_architecture"] == "Qwen3VLMoeForConditionalGeneration"
+    mmproj = summary["mmproj"]
+    assert mmproj["converter"].endswith("Qwen3VLVisionModel"), mmproj["converter"]
+    reader = GGUFReader(tmp_path / "out" / "model-f16.gguf")
+    assert int(reader.fields["qwen3vlmoe.n_deepstack_layers"].contents()) == 2
+    config = json.loads((root / "config.json").read_text())["text_config"]
+    experts, hidden, ff = (
+        config[k] for k in ("num_local_experts", "hidden_size", "moe_intermediate_size")
+    )
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}  # ggml order
+    assert shapes["blk.0.ffn_gate_exps.weight"] == (hidden, ff, experts)
+    assert shapes["blk.0.ffn_up_exps.weight"] == (hidden, ff, experts)
+    assert shapes["blk.0.ffn_down_exps.weight"] == (ff, hidden, experts)
     mtmd = mmproj["mtmd"]
     assert (
         mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
