@@ -46,8 +46,12 @@ EXPORTS: dict[str, dict[str, Any]] = {
     "ONNX": {"format": "onnx"},
     "NNEF": {"format": "nnef"},
 }
-CHILD_PEAKS = ("quantizer_peak_rss_bytes", "llama_cpp_peak_rss_bytes", "ort_peak_rss_bytes",
+CHILD_PEAKS = ("quantizer_peak_rss_bytes", "quantizer_peak_anon_bytes", "llama_cpp_peak_rss_bytes",
+               "llama_cpp_peak_anon_bytes", "ort_peak_rss_bytes", "ort_peak_anon_bytes",
                "tract_peak_rss_bytes")
+"""Each child's peak RSS (``VmHWM``: its file mappings' resident pages included, which llama.cpp
+and onnxruntime's memory-mapped weights fill and the cgroup reclaims under pressure) and, where
+recorded, its peak anonymous memory (``RssAnon`` sampled: what it holds that cannot be reclaimed)."""
 
 
 def checkpoint(work: Path, gigabytes: float) -> Path:
@@ -162,7 +166,8 @@ def main() -> None:
           "| job cgroup peak | children peak | verification | slowest API poll |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        children = ", ".join(f"{k.split('_')[0]} {gib(v)}" for k, v in r.get("children", {}).items())
+        children = ", ".join(f"{k.removesuffix('_bytes').replace('_peak', '')} {gib(v)}"
+                             for k, v in r.get("children", {}).items())
         print(f"| {r['checkpoint_gb']} GB | {r['label']} | {r['outcome']} | {r.get('wall_s', '-')} s "
               f"| {gib(r.get('job_peak_rss'))} GiB | {gib(r.get('process_peak'))} GiB "
               f"| {gib(r.get('cgroup_peak'))} GiB "
