@@ -66,12 +66,14 @@ MTMD_VISION_WORKSPACE_BYTES = {
     "Qwen2_5_VLForConditionalGeneration": 36 * MiB,
     "Qwen3VLForConditionalGeneration": 47 * MiB,
     "Qwen3VLMoeForConditionalGeneration": 47 * MiB,
+    "Glm4vForConditionalGeneration": 37 * MiB,
 }
 """What a family's image encoding holds beyond :data:`MTMD_BASE_BYTES`: Qwen2-VL and 2.5-VL
 measured 56 MiB over their files on the tiny models and 61 MiB with a 12-block 768-wide tower
 (8 text layers 1024 wide), nearly flat in the tower's width; Qwen3-VL 68.5 MiB over its files
 on the tiny model; Qwen3-VL-MoE, the same tower and projector, 95.7 MiB in all with
-SmolLM2's vocabulary (:data:`MTMD_VOCAB_TOKEN_BYTES`); the other families nothing
+SmolLM2's vocabulary (:data:`MTMD_VOCAB_TOKEN_BYTES`); GLM-4.1V 84.6 MiB in all on the tiny
+model with SmolLM2's vocabulary, 37 MiB over the rest of the plan; the other families nothing
 measurable."""
 MTMD_VOCAB_TOKEN_BYTES = 300
 """What llama-mtmd-cli holds per token of the text model's vocabulary (its token tables and

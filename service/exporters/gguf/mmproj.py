@@ -58,6 +58,7 @@ VLM_FAMILIES: dict[str, str] = {
     "LlavaForConditionalGeneration": "Pixtral: LLaVA with a Pixtral tower",
     "Mistral3ForConditionalGeneration": "Mistral Small 3.1 / 3.2",
     "JanusForConditionalGeneration": "Janus-Pro",
+    "Glm4vForConditionalGeneration": "GLM-4.1V",
 }
 """The vision-language models a GGUF export takes (by the architecture upstream's ``--mmproj``
 dispatches on): those whose projector the job checks with llama-mtmd-cli against transformers

@@ -158,6 +158,13 @@ LAYOUTS: dict[str, Layout] = {
     "Qwen3VLMoeForConditionalGeneration": Layout(
         QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
     ),
+    # mtmd.cpp PROJECTOR_TYPE_GLM4V: <|begin_of_image|> (merged patches) <|end_of_image|>,
+    # the image at the tower's image_size, a multiple of the 28-pixel merged patch; M-RoPE
+    # positions as Qwen2-VL's, from mm_token_type_ids
+    "Glm4vForConditionalGeneration": Layout(
+        ("<|begin_of_image|>", IMAGE, "<|end_of_image|>"), "<|image|>", _qwen2vl_per_frame,
+        type_ids="mm_token_type_ids",
+    ),
     # mtmd.cpp PROJECTOR_TYPE_PIXTRAL (Pixtral under LLaVA, Mistral 3 with its patch merger):
     # the rows of (merged) patches, the [IMG_BREAK] embedding after each but the last, then
     # [IMG_END]; the image at the tower's image_size, a multiple of the (merged) patch, so

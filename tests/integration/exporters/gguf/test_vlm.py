@@ -30,6 +30,7 @@ from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
 from tests.fixtures.vlm import (
+    cached_glm4v,
     cached_janus,
     cached_pixtral,
     cached_qwen3vl,
@@ -324,6 +325,33 @@ def test_a_qwen3_vl_moe_gets_its_experts_and_projector_that_llama_cpp_runs_like_
     _assert_planned(root, summary, tmp_path)
 
 
+def test_a_glm_4_1v_gets_its_text_model_and_projector_that_llama_cpp_runs_like_transformers(
+    tmp_path: Path,
+) -> None:
+    """GLM-4.1V: the text model by upstream's GLM-4 class (M-RoPE over half of each head, its
+    byte-level BPE vocabulary), the projector by its GLM-4V class (the convolution that merges
+    2x2 patches, the SwiGLU merger), and mtmd's 4x4 merged patches between
+    <|begin_of_image|> and <|end_of_image|> agreeing with transformers."""
+    from gguf import GGUFReader
+
+    root = cached_glm4v()
+    summary = _export(root, tmp_path / "out", type="f16")
+    assert summary["hf_architecture"] == "Glm4vForConditionalGeneration"
+    mmproj = summary["mmproj"]
+    assert mmproj["converter"].endswith("Glm4VVisionModel"), mmproj["converter"]
+    assert mmproj["tower"]["vision_blocks"] == 3 and mmproj["verification"]["read_back"]
+    text = GGUFReader(tmp_path / "out" / "model-f16.gguf").fields
+    assert bytes(text["general.architecture"].parts[-1]).decode() == "glm4"
+    assert bytes(text["tokenizer.ggml.pre"].parts[-1]).decode() == "smollm"
+    projector = GGUFReader(tmp_path / "out" / mmproj["file"]).fields
+    assert bytes(projector["clip.projector_type"].parts[-1]).decode() == "glm4v"
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    ), mtmd
+    _assert_planned(root, summary, tmp_path)
+
+
 def test_a_janus_pro_gets_its_projector_that_llama_cpp_runs_like_transformers(
     tmp_path: Path,
 ) -> None:
@@ -422,11 +450,11 @@ def test_the_graph_formats_refuse_a_vlm_at_submission_naming_what_they_take(
 def _vlm_configs() -> dict[str, dict[str, Any]]:
     """Real configs of the families GGUF does not take, from transformers' own classes (LLaVA's
     default is LLaVA 1.5's CLIP tower)."""
-    from transformers import Glm4vConfig, Llama4Config, LlavaConfig, PaliGemmaConfig
+    from transformers import Glm4vMoeConfig, Llama4Config, LlavaConfig, PaliGemmaConfig
 
     configs = {}
     for cls, arch in ((LlavaConfig, "LlavaForConditionalGeneration"),
-                      (Glm4vConfig, "Glm4vForConditionalGeneration"),
+                      (Glm4vMoeConfig, "Glm4vMoeForConditionalGeneration"),
                       (Llama4Config, "Llama4ForConditionalGeneration"),
                       (PaliGemmaConfig, "PaliGemmaForConditionalGeneration")):  # fmt: skip
         config = cls().to_dict()
@@ -439,7 +467,7 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
     ("arch", "why"),
     [
         ("LlavaForConditionalGeneration", "(llava) for pixtral vision towers only"),
-        ("Glm4vForConditionalGeneration", "(qwen3vl), but its projector is not one this service"),
+        ("Glm4vMoeForConditionalGeneration", "(qwen3vl), but its projector is not one this service"),
         ("Llama4ForConditionalGeneration", "(llama4), but transformers' Llama 4 image processor"),
         ("PaliGemmaForConditionalGeneration", "writes no projector for it"),
     ],
@@ -447,7 +475,7 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
 def test_a_vlm_family_gguf_does_not_take_is_refused_at_submission_naming_what_it_takes(
     tmp_path: Path, arch: str, why: str
 ) -> None:
-    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), GLM-4.1V and
+    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), GLM-4.5V and
     Llama 4 (upstream writes a projector, which no job here checks) and PaliGemma (no
     projector class) are refused before any download, with the families GGUF takes."""
     config = _vlm_configs()[arch]
