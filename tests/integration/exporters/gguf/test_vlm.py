@@ -449,15 +449,24 @@ def test_the_graph_formats_refuse_a_vlm_at_submission_naming_what_they_take(
 
 def _vlm_configs() -> dict[str, dict[str, Any]]:
     """Real configs of the families GGUF does not take, from transformers' own classes (LLaVA's
-    default is LLaVA 1.5's CLIP tower)."""
-    from transformers import Glm4vMoeConfig, Llama4Config, LlavaConfig, PaliGemmaConfig
+    default is LLaVA 1.5's CLIP tower; Gemma 4's gets its default vision tower)."""
+    from transformers import (
+        Gemma4Config,
+        Glm4vMoeConfig,
+        Llama4Config,
+        LlavaConfig,
+        PaliGemmaConfig,
+    )
 
     configs = {}
     for cls, arch in ((LlavaConfig, "LlavaForConditionalGeneration"),
                       (Glm4vMoeConfig, "Glm4vMoeForConditionalGeneration"),
                       (Llama4Config, "Llama4ForConditionalGeneration"),
+                      (Gemma4Config, "Gemma4ForConditionalGeneration"),
                       (PaliGemmaConfig, "PaliGemmaForConditionalGeneration")):  # fmt: skip
-        config = cls().to_dict()
+        # Gemma 4's default config has no vision tower (the published ones have)
+        extra = {"vision_config": {}} if cls is Gemma4Config else {}
+        config = cls(**extra).to_dict()
         config["architectures"] = [arch]
         configs[arch] = config
     return configs
@@ -467,16 +476,17 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
     ("arch", "why"),
     [
         ("LlavaForConditionalGeneration", "(llava) for pixtral vision towers only"),
-        ("Glm4vMoeForConditionalGeneration", "(qwen3vl), but its projector is not one this service"),
+        ("Glm4vMoeForConditionalGeneration", "(qwen3vl), but its projector is not one this"),
         ("Llama4ForConditionalGeneration", "(llama4), but transformers' Llama 4 image processor"),
+        ("Gemma4ForConditionalGeneration", "(gemma), but on a tiny Gemma 4"),
         ("PaliGemmaForConditionalGeneration", "writes no projector for it"),
     ],
 )
 def test_a_vlm_family_gguf_does_not_take_is_refused_at_submission_naming_what_it_takes(
     tmp_path: Path, arch: str, why: str
 ) -> None:
-    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), GLM-4.5V and
-    Llama 4 (upstream writes a projector, which no job here checks) and PaliGemma (no
+    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), GLM-4.5V,
+    Llama 4 and Gemma 4 (upstream writes a projector, which no job here checks) and PaliGemma (no
     projector class) are refused before any download, with the families GGUF takes."""
     config = _vlm_configs()[arch]
     settings = Settings(data_dir=tmp_path)
