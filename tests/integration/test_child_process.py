@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.exporters.common.child_process import run_child
+from service.exporters.common.child_process import run_child, run_child_peaks
 from service.memory import current_rss
 
 MiB = 1 << 20
@@ -95,3 +95,37 @@ def test_a_native_tool_of_a_few_mib_reports_a_few_mib(
 ) -> None:
     peak = run_child(["sleep", "0.3"], tmp_path, "sleep")
     assert 0 < peak < 8 * MiB, f"sleep measured at {peak / MiB:.0f} MiB"
+
+
+MAPPER = """
+import mmap, sys, time
+with open(sys.argv[1], "rb") as f:
+    view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    total = sum(view[i] for i in range(0, len(view), 4096))  # every page resident
+held = b"y" * (int(sys.argv[2]) << 20)
+time.sleep(0.3)
+"""
+
+
+def test_a_child_that_maps_a_file_reports_the_files_pages_in_rss_not_in_anon(
+    tmp_path: Path,
+) -> None:
+    """As llama.cpp's tools do with the GGUF they check: the mapped file's resident pages count
+    in the child's RSS (they grow with the file; the kernel reclaims them under a limit), not in
+    its anonymous peak, which is what it holds (32 MiB here) and must stay flat."""
+    mapped = tmp_path / "weights.bin"
+    with open(mapped, "wb") as out:
+        out.write(os.urandom(256 * MiB))
+    peaks = run_child_peaks([sys.executable, "-S", "-c", MAPPER, str(mapped), "32"], tmp_path,
+                            "python")  # fmt: skip
+    assert peaks.rss > 256 * MiB, f"rss {peaks.rss / MiB:.0f} MiB"
+    assert peaks.anon is not None
+    assert 32 * MiB < peaks.anon < 64 * MiB, f"anon {peaks.anon / MiB:.0f} MiB"
+
+
+def test_a_tool_a_shell_runs_reports_its_anonymous_peak(tmp_path: Path) -> None:
+    """The anonymous peak is the tree's: the shell's and the tool's (96 MiB held) at once."""
+    argv, _ = _python_child(tmp_path, 96)
+    peaks = run_child_peaks(["/bin/sh", "-c", '"$@" & wait $!', "sh", *argv], tmp_path, "sh")
+    assert peaks.anon is not None
+    assert 96 * MiB < peaks.anon < 128 * MiB, f"anon {peaks.anon / MiB:.0f} MiB"

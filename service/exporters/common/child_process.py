@@ -14,6 +14,13 @@ the ``VmHWM`` of the child and its descendants every :data:`SAMPLE_SECONDS` whil
 its last interval). ``ru_maxrss`` above the inherited bound is the child's own peak exactly;
 otherwise the figure is the last sample, exact unless the child grew in its last few
 milliseconds (a child that ended before the first sample keeps ``ru_maxrss``, an upper bound).
+
+RSS counts the resident pages of the files a child maps. llama.cpp's tools map the GGUF file
+they check, so their RSS grows with the file although those pages are page cache the kernel
+reclaims under a memory limit (a job's cgroup does). The same samples also read ``RssAnon``,
+whose largest value (:attr:`ChildPeaks.anon`) is what the child holds and cannot give back: the
+figure that must not grow with the model. Linux keeps no high-water mark of it, so it is sampled
+(a rise and fall within one interval is missed).
 """
 
 from __future__ import annotations
@@ -65,6 +72,30 @@ def descendants(root: int) -> set[int]:
     return found
 
 
+def _status_peaks(proc: Path) -> tuple[int, int]:
+    """``VmHWM`` and ``RssAnon`` of ``proc`` in bytes (0 for a process that has ended)."""
+    hwm = anon = 0
+    try:
+        for line in (proc / "status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+            elif line.startswith("RssAnon:"):
+                anon = int(line.split()[1]) * 1024
+                break  # after VmHWM in the file
+    except (OSError, IndexError, ValueError):
+        pass
+    return hwm, anon
+
+
+@dataclass(frozen=True)
+class ChildPeaks:
+    rss: int
+    """The child's own peak RSS in bytes (module doc), mapped file pages included."""
+    anon: int | None
+    """The largest anonymous memory sampled in the child's tree at once, in bytes; None for a
+    child that ended before the first sample."""
+
+
 def own_peak(reported: int, inherited: int, sampled: int) -> int:
     """The child's own peak RSS from ``wait4``'s ``reported`` figure, the ``inherited`` bound
     (this process's ``VmHWM`` after the child's ``exec``) and the largest ``VmHWM`` sampled in
@@ -89,6 +120,27 @@ def run_child(
 ) -> int:
     """Run ``argv`` to completion; returns the child's own peak RSS in bytes (module doc).
 
+    :func:`run_child_peaks` runs it the same way and returns its anonymous peak too."""
+    return run_child_peaks(
+        argv, work, what, check_abort, env,
+        log=log, on_poll=on_poll, timeout=timeout, error=error,
+    ).rss  # fmt: skip
+
+
+def run_child_peaks(
+    argv: Sequence[str],
+    work: Path,
+    what: str,
+    check_abort: Callable[[], None] | None = None,
+    env: dict[str, str] | None = None,
+    *,
+    log: Path | None = None,
+    on_poll: Callable[[], None] | None = None,
+    timeout: float | None = None,
+    error: type[ServiceError] = VerificationFailed,
+) -> ChildPeaks:
+    """Run ``argv`` to completion; returns the child's own peak RSS and anonymous peak.
+
     ``check_abort`` and ``on_poll`` are called while it runs (a cancel kills it); with ``log``
     its stdout and stderr both go to that file, where ``on_poll`` can read its progress (else
     stdout is discarded and stderr kept in a temporary file). Past ``timeout`` seconds it is
@@ -103,12 +155,15 @@ def run_child(
             env={**os.environ, **(env or {})},
         )  # fmt: skip
         inherited = peak_rss() or 0  # vfork: the child's pre-exec image was this process's
-        sampled, tree = 0, {proc.pid}
+        sampled, anon, samples, tree = 0, 0, 0, {proc.pid}
         next_poll = next_tree = 0.0
         try:
             while True:
+                tree_anon = 0
                 for member in tree:
-                    sampled = max(sampled, peak_rss(Path(f"/proc/{member}")) or 0)
+                    hwm, member_anon = _status_peaks(Path(f"/proc/{member}"))
+                    sampled, tree_anon = max(sampled, hwm), tree_anon + member_anon
+                anon, samples = max(anon, tree_anon), samples + 1
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     break
@@ -136,7 +191,8 @@ def run_child(
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         hint = " (out of memory?)" if code == -signal.SIGKILL else ""
         raise error(f"{what} {how}{hint}: {tail[-500:]}")
-    return own_peak(int(usage.ru_maxrss) * 1024, inherited, sampled)
+    return ChildPeaks(own_peak(int(usage.ru_maxrss) * 1024, inherited, sampled),
+                      anon if samples and (anon or sampled) else None)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -413,6 +413,7 @@ class GGUFExporter(Exporter):
             "imatrix": imatrix is not None,
             **({"imatrix_source": fetched[1]} if fetched else {}),
             "quantizer_peak_rss_bytes": run.peak_rss,
+            "quantizer_peak_anon_bytes": run.peak_anon,
             **({"llama_cpp": checks} if checks else {}),
         }
 

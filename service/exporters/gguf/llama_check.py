@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import VerificationFailed
-from service.exporters.common.child_process import run_child
+from service.exporters.common.child_process import ChildPeaks, run_child_peaks
 from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.logits import (
     FIXED_TEXT,
@@ -81,10 +81,10 @@ CI run): eight runs of a check that takes seconds are cheap next to a job failed
 
 def _tool_output(
     argv: list[str], work: Path, what: str, check_abort: Callable[[], None]
-) -> tuple[str, int]:
+) -> tuple[str, ChildPeaks]:
     log = work / f"{what}.log"
-    peak = run_child(argv, work, what, check_abort, TOOL_ENV, log=log, timeout=3600.0)
-    return log.read_text("utf-8", "replace"), peak
+    peaks = run_child_peaks(argv, work, what, check_abort, TOOL_ENV, log=log, timeout=3600.0)
+    return log.read_text("utf-8", "replace"), peaks
 
 
 def llama_tokenize(
@@ -234,9 +234,9 @@ def check_logits(
             "-c", str(n_ctx), "-b", str(n_ctx)]  # fmt: skip
     if lora is not None:
         argv += ["--lora", str(lora)]
-    out, peak = "", 0
+    out, peaks = "", ChildPeaks(0, None)
     for _ in range(_ATTEMPTS):
-        out, peak = _tool_output(argv, work, "llama-kl-divergence", check_abort)
+        out, peaks = _tool_output(argv, work, "llama-kl-divergence", check_abort)
         figures = parse_llama_kl(out, positions)
         if figures is not None:
             break
@@ -251,8 +251,9 @@ def check_logits(
         "reference_perplexity": ppl_base,
         "bounds": None if bounds is None else dataclasses.asdict(bounds),
         # the tool's own peak RSS (run_child): llama.cpp maps the file, so its pages count
-        # here as page cache the kernel can drop, not memory the tool holds
-        "llama_cpp_peak_rss_bytes": peak,
+        # there as page cache the kernel can drop; the anonymous peak is what the tool holds
+        "llama_cpp_peak_rss_bytes": peaks.rss,
+        "llama_cpp_peak_anon_bytes": peaks.anon,
     }
     if bounds is None:
         return report

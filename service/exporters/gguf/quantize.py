@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
-from service.exporters.common.child_process import run_child
+from service.exporters.common.child_process import run_child, run_child_peaks
 from service.exporters.gguf.spec import QUANTIZER_TYPES
 from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.stage import JobContext, SideContext
@@ -43,7 +43,9 @@ class QuantizeRun:
     digest: str
     """sha256 of the quantized file."""
     peak_rss: int
-    """Peak RSS of the llama-quantize child, in bytes."""
+    """Peak RSS of the llama-quantize child, in bytes (the pages of the file it reads included)."""
+    peak_anon: int | None
+    """Its sampled anonymous peak, in bytes (``ChildPeaks.anon``)."""
 
 
 class _LogProgress:
@@ -178,14 +180,14 @@ def quantize(
     argv += [str(source), str(dest), QUANTIZER_TYPES[type_name.lower()], str(_threads())]
     progress = _LogProgress(work / "quantize.log", progress_units, advance)
     try:
-        peak = run_child(
+        peaks = run_child_peaks(
             argv, work, "llama-quantize", check_abort, TOOL_ENV,
             log=progress.log, on_poll=progress.poll, timeout=TOOL_TIMEOUT, error=ExportFailed,
         )  # fmt: skip
         if not dest.is_file():
             raise ExportFailed(f"llama-quantize exited without writing {dest.name}")
         progress.finish()
-        return QuantizeRun(digest=sha256_file(dest), peak_rss=peak)
+        return QuantizeRun(digest=sha256_file(dest), peak_rss=peaks.rss, peak_anon=peaks.anon)
     except BaseException:
         dest.unlink(missing_ok=True)
         raise

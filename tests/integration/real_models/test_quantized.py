@@ -236,12 +236,13 @@ def test_each_fp8_artifact_runs_in_its_consumer_like_the_float_model(
 
 @pytest.mark.parametrize("dirname", ["gguf", "gguf-2"])
 def test_the_gguf_logits_check_reports_llama_cpps_peak_memory(fp8_job: Job, dirname: str) -> None:
-    """Each child's peak is in the manifest: llama-perplexity's too, which maps the whole file.
-    (No upper bound here: wait4's peak of a child starts at its parent's resident size when it
-    forked, and this parent is the test process, holding every job the session ran.)"""
+    """Each child's peak is in the manifest: llama-perplexity's too, which maps the whole file,
+    so that its RSS holds the file's pages; its anonymous peak, beside it, does not."""
     logits = fp8_job.export(dirname)["verify"]["logits"]
     gguf_bytes = next((fp8_job.artifacts / dirname).glob("*.gguf")).stat().st_size
     assert 0 < gguf_bytes < logits["llama_cpp_peak_rss_bytes"], logits
+    anon = logits["llama_cpp_peak_anon_bytes"]
+    assert anon is not None and 0 < anon < logits["llama_cpp_peak_rss_bytes"] - gguf_bytes // 2, logits
 
 
 @pytest.mark.parametrize("dirname", ["nnef", "onnx"])

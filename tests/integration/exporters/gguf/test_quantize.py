@@ -64,6 +64,10 @@ def test_q4_k_m_is_llama_quantize_output_on_our_f16_byte_for_byte(
     assert result.summary["quantizer"] == "llama-quantize"
     assert ctx.done == ctx.total, "progress reaches its total"
     assert ctx.metrics["quantizer_peak_rss_bytes"] > 0
+    # llama-quantize maps the f16 file it reads, whose pages its RSS counts and its anonymous
+    # peak (a tensor's input and output at a time) does not
+    anon = result.summary["quantizer_peak_anon_bytes"]
+    assert anon is not None and 0 < anon < result.summary["quantizer_peak_rss_bytes"], anon
     assert not (ctx.work_dir / "gguf" / "model-f16.gguf").exists(), "the f16 stage is removed"
     assert sorted(p.name for p in (tmp_path / "q").iterdir()) == [path.name]
 
