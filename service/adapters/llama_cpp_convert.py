@@ -33,6 +33,9 @@ names each assumption):
   Pixtral projector: without it the file does not load); :func:`plan_conversion` hands that
   one tensor to the class, which writes only the row (:func:`break_row_filtered` is the test's
   probe: when it turns False upstream has fixed it);
+* ``MmprojModel.filter_tensors`` not dropping ``lm_head.*`` (Gemma 4's projector class then fails
+  to map it), so a projector class is handed the stored tensors only, never the reader's alias
+  of a tied embedding;
 * ``conversion/mistral3.py``'s ``Mistral3Model`` delegating everything to ``self.impl``, an
   instance of its nested ``Ministral3Model`` (``Mistral4Model`` for ``model_type`` mistral4),
   which :func:`delegate_class` plans with instead;
@@ -590,7 +593,11 @@ def plan_conversion(
     model_class = delegate_class(model_class, config)
 
     infos = {info.name: info for info in reader.tensor_infos()}
-    for alias, canonical in reader.aliases().items():
+    # The reader's aliases name a tied text embedding's other half (``lm_head.weight``), which a
+    # text class may need; a projector class is handed the stored tensors only, as upstream
+    # reads them from the files: MmprojModel.filter_tensors drops ``language_model.*`` but not
+    # ``lm_head.*``, and Gemma 4's projector class (tied embeddings) failed to map the alias.
+    for alias, canonical in ({} if mmproj else reader.aliases()).items():
         if alias not in infos and canonical in infos:
             infos[alias] = infos[canonical]
     renamed: dict[str, str] = {}

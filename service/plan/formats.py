@@ -67,14 +67,16 @@ MTMD_VISION_WORKSPACE_BYTES = {
     "Qwen3VLForConditionalGeneration": 47 * MiB,
     "Qwen3VLMoeForConditionalGeneration": 47 * MiB,
     "Glm4vForConditionalGeneration": 37 * MiB,
+    "Gemma4ForConditionalGeneration": 15 * MiB,
 }
 """What a family's image encoding holds beyond :data:`MTMD_BASE_BYTES`: Qwen2-VL and 2.5-VL
 measured 56 MiB over their files on the tiny models and 61 MiB with a 12-block 768-wide tower
 (8 text layers 1024 wide), nearly flat in the tower's width; Qwen3-VL 68.5 MiB over its files
 on the tiny model; Qwen3-VL-MoE, the same tower and projector, 95.7 MiB in all with
 SmolLM2's vocabulary (:data:`MTMD_VOCAB_TOKEN_BYTES`); GLM-4.1V 84.6 MiB in all on the tiny
-model with SmolLM2's vocabulary, 37 MiB over the rest of the plan; the other families nothing
-measurable."""
+model with SmolLM2's vocabulary, 37 MiB over the rest of the plan; Gemma 4 37.8 MiB in all
+on the tiny model (a 2-head tower over the 33 x 33 patches of its fixed image), 15 MiB over the
+rest; the other families nothing measurable."""
 MTMD_VOCAB_TOKEN_BYTES = 300
 """What llama-mtmd-cli holds per token of the text model's vocabulary (its token tables and
 BPE merges, the output layer's buffers): the tiny Qwen3-VL measured 66.7 MiB over its files

@@ -59,6 +59,7 @@ VLM_FAMILIES: dict[str, str] = {
     "Mistral3ForConditionalGeneration": "Mistral Small 3.1 / 3.2",
     "JanusForConditionalGeneration": "Janus-Pro",
     "Glm4vForConditionalGeneration": "GLM-4.1V",
+    "Gemma4ForConditionalGeneration": "Gemma 4",
 }
 """The vision-language models a GGUF export takes (by the architecture upstream's ``--mmproj``
 dispatches on): those whose projector the job checks with llama-mtmd-cli against transformers
@@ -88,13 +89,6 @@ NOT_TAKEN_WHY: dict[str, str] = {
     "Gemma3nForConditionalGeneration": (
         "its MobileNetV5 vision tower is a timm model, which the service does not install, so "
         "the check would have no reference"
-    ),
-    "Gemma4ForConditionalGeneration": (
-        "on a tiny Gemma 4 of transformers' class (tied embeddings, as published), with the "
-        "image_position_ids given to transformers and a 528-pixel image both sides take as "
-        "11 x 11 pooled soft tokens, llama-mtmd-cli's greedy output differs from transformers' "
-        "at the first token (transformers' lead 0.12), not diagnosed yet; upstream's Gemma 4 "
-        "projector class also cannot map an untied checkpoint's lm_head.weight"
     ),
 }
 """Why a family upstream writes a projector for is not taken, where it is known beyond "not

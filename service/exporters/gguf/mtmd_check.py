@@ -33,6 +33,7 @@ rather than passed.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +101,17 @@ def _qwen2vl_per_frame(config: dict[str, Any]) -> int:
     vision = config.get("vision_config") or {}
     side = image_size(config) // int(vision.get("patch_size", 14))
     return side * side // int(vision.get("spatial_merge_size", 2)) ** 2
+
+
+GEMMA4_SOFT_TOKENS = 140
+"""The soft-token budget Gemma 4's image processor is given: it resizes every image to fill
+its budget (a square one to ``isqrt(140)`` = 11 pooled patches a side), so the fixed image is
+drawn at that size, which mtmd (70 to 1120 tokens) keeps as it is."""
+
+
+def _gemma4_side(config: dict[str, Any]) -> int:
+    """Pooled patches a side of Gemma 4's fixed image."""
+    return math.isqrt(GEMMA4_SOFT_TOKENS)
 
 
 def _pixtral_side(config: dict[str, Any]) -> int:
@@ -176,6 +188,14 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "LlavaForConditionalGeneration": PIXTRAL_LAYOUT,
     "Mistral3ForConditionalGeneration": PIXTRAL_LAYOUT,
+    # mtmd.cpp PROJECTOR_TYPE_GEMMA4V: <|image> (pooled patches) <image|>, attended
+    # bidirectionally (mtmd_decode_use_non_causal: every width but E2B's and E4B's, whose
+    # configs say use_bidirectional_attention "vision" as transformers reads it from
+    # mm_token_type_ids); transformers also takes the patches' positions (image_position_ids)
+    "Gemma4ForConditionalGeneration": Layout(
+        ("<|image>", IMAGE, "<image|>"), "<|image|>", lambda config: _gemma4_side(config) ** 2,
+        (("max_soft_tokens", GEMMA4_SOFT_TOKENS),), type_ids="mm_token_type_ids",
+    ),
 }
 """The sequence layout of every family in ``mmproj.VLM_FAMILIES``."""
 
@@ -191,6 +211,9 @@ def image_size(config: dict[str, Any]) -> int:
     more embeddings than mtmd takes of one image (1024: it would shrink it and transformers
     would not), so there :data:`PIXTRAL_SIDE` (merged) patches at most."""
     vision = config.get("vision_config") or {}
+    if vision.get("model_type") == "gemma4_vision":  # no image_size: see GEMMA4_SOFT_TOKENS
+        pooled = int(vision.get("patch_size", 16)) * int(vision.get("pooling_kernel_size", 3))
+        return _gemma4_side(config) * pooled
     side = int(vision.get("image_size", 224))
     if vision.get("model_type") == "pixtral":
         merged = int(vision.get("patch_size", 16)) * int(config.get("spatial_merge_size", 1))
@@ -265,8 +288,10 @@ def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: in
         )
     pixels = processed["pixel_values"]
     # Qwen2-VL's patches come flat with their grid (t, h, w), which M-RoPE positions need;
-    # Pixtral's image comes with its size, from which its 2-D RoPE positions are taken
-    grid = {k: processed[k] for k in ("image_grid_thw", "image_sizes") if k in processed}
+    # Pixtral's image comes with its size, from which its 2-D RoPE positions are taken, Gemma
+    # 4's with its patches' positions
+    grid = {k: processed[k] for k in ("image_grid_thw", "image_sizes", "image_position_ids")
+            if k in processed}  # fmt: skip
     if pixels.ndim == 5:  # frames per image (Idefics3): mtmd's frames, each the same tile
         pixels = pixels[:, :1].repeat(1, layout.frames, 1, 1, 1)
     placeholder = lookup_token(tokenizer, layout.placeholder)

@@ -352,3 +352,14 @@ def test_qwen3_vl_moe_experts_saved_by_transformers_5_plan_as_llama_cpp_loads_th
     assert tensors["blk.0.ffn_up_exps.weight"].shape == (experts, ff, hidden)
     down = tensors["blk.0.ffn_down_exps.weight"]
     assert down.shape == (experts, hidden, ff) and down.source == name + "down_proj"
+
+
+def test_gemma_4s_projector_class_does_not_drop_a_tied_heads_name() -> None:
+    """Why plan_conversion hands a projector class no alias: Gemma 4's keeps ``lm_head.weight``
+    (MmprojModel.filter_tensors drops language_model.* only) and then cannot map it; the alias
+    of a tied embedding would be that name."""
+    cls = conv.load_converter().get_model_class("Gemma4ForConditionalGeneration", mmproj=True)
+    assert cls.filter_tensors(("lm_head.weight", lambda: None)) is not None, (
+        "upstream's projector classes now drop lm_head.*: the mmproj guard on aliases in "
+        "plan_conversion is no longer needed for them"
+    )

@@ -30,6 +30,7 @@ from service.jobs.pipeline import check_spec, run_pipeline
 from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
 from tests.fixtures.vlm import (
+    cached_gemma4,
     cached_glm4v,
     cached_janus,
     cached_pixtral,
@@ -352,6 +353,31 @@ def test_a_glm_4_1v_gets_its_text_model_and_projector_that_llama_cpp_runs_like_t
     _assert_planned(root, summary, tmp_path)
 
 
+def test_a_gemma_4_gets_its_text_model_and_projector_that_llama_cpp_runs_like_transformers(
+    tmp_path: Path,
+) -> None:
+    """Gemma 4 (tied embeddings, per-layer inputs, proportional RoPE on the full layer): the
+    projector by upstream's Gemma 4 class, handed the stored tensors only (not the reader's
+    lm_head alias of the tied embedding, which it cannot map), and mtmd's 11 x 11 pooled soft
+    tokens between <|image> and <image|>, attended bidirectionally, agreeing with
+    transformers."""
+    from gguf import GGUFReader
+
+    root = cached_gemma4()
+    summary = _export(root, tmp_path / "out", type="f16")
+    assert summary["hf_architecture"] == "Gemma4ForConditionalGeneration"
+    mmproj = summary["mmproj"]
+    assert mmproj["converter"].endswith("Gemma4VisionAudioModel"), mmproj["converter"]
+    assert mmproj["tower"]["vision_blocks"] == 2 and mmproj["verification"]["read_back"]
+    projector = GGUFReader(tmp_path / "out" / mmproj["file"]).fields
+    assert bytes(projector["clip.vision.projector_type"].parts[-1]).decode() == "gemma4v"
+    mtmd = mmproj["mtmd"]
+    assert (
+        mtmd["result"] == "agree" and mtmd["agreed_tokens"] == mtmd["comparable_tokens"] == TOKENS
+    ), mtmd
+    _assert_planned(root, summary, tmp_path)
+
+
 def test_a_janus_pro_gets_its_projector_that_llama_cpp_runs_like_transformers(
     tmp_path: Path,
 ) -> None:
@@ -449,24 +475,15 @@ def test_the_graph_formats_refuse_a_vlm_at_submission_naming_what_they_take(
 
 def _vlm_configs() -> dict[str, dict[str, Any]]:
     """Real configs of the families GGUF does not take, from transformers' own classes (LLaVA's
-    default is LLaVA 1.5's CLIP tower; Gemma 4's gets its default vision tower)."""
-    from transformers import (
-        Gemma4Config,
-        Glm4vMoeConfig,
-        Llama4Config,
-        LlavaConfig,
-        PaliGemmaConfig,
-    )
+    default is LLaVA 1.5's CLIP tower)."""
+    from transformers import Glm4vMoeConfig, Llama4Config, LlavaConfig, PaliGemmaConfig
 
     configs = {}
     for cls, arch in ((LlavaConfig, "LlavaForConditionalGeneration"),
                       (Glm4vMoeConfig, "Glm4vMoeForConditionalGeneration"),
                       (Llama4Config, "Llama4ForConditionalGeneration"),
-                      (Gemma4Config, "Gemma4ForConditionalGeneration"),
                       (PaliGemmaConfig, "PaliGemmaForConditionalGeneration")):  # fmt: skip
-        # Gemma 4's default config has no vision tower (the published ones have)
-        extra = {"vision_config": {}} if cls is Gemma4Config else {}
-        config = cls(**extra).to_dict()
+        config = cls().to_dict()
         config["architectures"] = [arch]
         configs[arch] = config
     return configs
@@ -478,15 +495,14 @@ def _vlm_configs() -> dict[str, dict[str, Any]]:
         ("LlavaForConditionalGeneration", "(llava) for pixtral vision towers only"),
         ("Glm4vMoeForConditionalGeneration", "(qwen3vl), but its projector is not one this"),
         ("Llama4ForConditionalGeneration", "(llama4), but transformers' Llama 4 image processor"),
-        ("Gemma4ForConditionalGeneration", "(gemma), but on a tiny Gemma 4"),
         ("PaliGemmaForConditionalGeneration", "writes no projector for it"),
     ],
 )
 def test_a_vlm_family_gguf_does_not_take_is_refused_at_submission_naming_what_it_takes(
     tmp_path: Path, arch: str, why: str
 ) -> None:
-    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), GLM-4.5V,
-    Llama 4 and Gemma 4 (upstream writes a projector, which no job here checks) and PaliGemma (no
+    """LLaVA with a CLIP tower (upstream's class converts Pixtral towers only), GLM-4.5V and
+    Llama 4 (upstream writes a projector, which no job here checks) and PaliGemma (no
     projector class) are refused before any download, with the families GGUF takes."""
     config = _vlm_configs()[arch]
     settings = Settings(data_dir=tmp_path)
