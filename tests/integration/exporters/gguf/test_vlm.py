@@ -2,8 +2,10 @@
 llama-mtmd-cli agrees with transformers on the fixed image, safetensors keeps every sub-model and
 the processor files, and the formats and families that cannot take it refuse it at submission.
 
-The checkpoints are a tiny random Gemma 3, SmolVLM (Idefics3), Qwen2-VL and Qwen2.5-VL
-(``tests.fixtures.vlm``: no registry ships a small VLM's weights), the real consumer is
+The checkpoints are tiny random models of each family taken (``mmproj.VLM_FAMILIES``: Gemma 3
+and 4, SmolVLM/Idefics3, SmolVLM2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, GLM-4.1V, Pixtral
+under LLaVA, Mistral 3, Janus-Pro; ``tests.fixtures.vlm``: no registry ships a small VLM's
+weights), the real consumer is
 llama.cpp's own ``llama-mtmd-cli`` and the reference is transformers' class of each.
 """
 
