@@ -32,8 +32,20 @@ TOOLS = (
 )
 
 
-TOOL_ENV: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
-"""Environment of every llama.cpp tool the service runs: its OpenMP threads sleep at a barrier
+TOOL_ENV: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "LLAMA_ARG_REPACK": "0"}
+"""Environment of every llama.cpp tool the service runs.
+
+``LLAMA_ARG_REPACK=0`` (``--no-repack`` of every tool that takes llama.cpp's common arguments):
+on x86 with AVX2 the CPU backend copies each Q4_0/Q4_K/IQ4_NL weight into an interleaved layout
+in anonymous memory at load, so the check of a K-quant file held a second copy of most of it,
+and that copy grows with the model: the Q4_K_M check's llama-perplexity held 1.11 GiB of
+anonymous memory at 10.52 GB in bench/memory_budget.py, where q8_0's (not repacked) held 0.10.
+Measured on a hidden-4096 Q4_K_M of 2 layers (500 MB): a 184 MiB ``CPU_REPACK`` buffer and
+960 MB peak RSS with it, none and 800 MB without; on the fixed text's few chunks the repacking
+costs about what it saves (4.6 s and 4.4 s). Without it the tools read the mapped file, which
+the kernel can reclaim, and hold only their KV cache and compute buffers.
+
+``OMP_WAIT_POLICY=PASSIVE``: its OpenMP threads sleep at a barrier
 instead of spinning. The tools are built with OpenMP and synchronise their threads at every
 operation of the graph; on a machine busy with other work (a 2-core host shared by jobs and
 tests), a thread spinning at the barrier takes the core its partner needs to get there.
