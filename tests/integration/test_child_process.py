@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.exporters.common.child_process import run_child, run_child_peaks
+from service.exporters.common.child_process import run_child
 from service.memory import current_rss
 
 MiB = 1 << 20
@@ -63,7 +63,7 @@ def test_a_small_child_of_a_big_process_reports_its_own_peak_not_the_parents(
 ) -> None:
     argv, truth = _python_child(tmp_path, 64)
     assert _inflated(argv) > 1 << 30, "wait4 no longer inherits the parent's peak: simplify"
-    peak = run_child(argv, tmp_path, "python")
+    peak = run_child(argv, tmp_path, "python").rss
     own = int(truth.read_text())
     assert 64 * MiB < own < 128 * MiB
     assert abs(peak - own) <= TOLERANCE, f"measured {peak / MiB:.0f} MiB, own {own / MiB:.0f} MiB"
@@ -73,7 +73,7 @@ def test_a_child_bigger_than_its_parent_is_read_exactly_from_wait4(
     holding_a_gib: np.ndarray, tmp_path: Path
 ) -> None:
     argv, truth = _python_child(tmp_path, 1536)
-    peak = run_child(argv, tmp_path, "python")
+    peak = run_child(argv, tmp_path, "python").rss
     own = int(truth.read_text())
     assert own > 1536 * MiB
     assert abs(peak - own) <= TOLERANCE, f"measured {peak / MiB:.0f} MiB, own {own / MiB:.0f} MiB"
@@ -85,7 +85,7 @@ def test_a_tool_a_shell_runs_reports_the_tools_peak(
     """As llama-mtmd-cli runs: a shell starts the tool in the background and waits for it."""
     argv, truth = _python_child(tmp_path, 96)
     script = '"$@" & wait $!'
-    peak = run_child(["/bin/sh", "-c", script, "sh", *argv], tmp_path, "sh")
+    peak = run_child(["/bin/sh", "-c", script, "sh", *argv], tmp_path, "sh").rss
     own = int(truth.read_text())
     assert abs(peak - own) <= TOLERANCE, f"measured {peak / MiB:.0f} MiB, own {own / MiB:.0f} MiB"
 
@@ -93,7 +93,7 @@ def test_a_tool_a_shell_runs_reports_the_tools_peak(
 def test_a_native_tool_of_a_few_mib_reports_a_few_mib(
     holding_a_gib: np.ndarray, tmp_path: Path
 ) -> None:
-    peak = run_child(["sleep", "0.3"], tmp_path, "sleep")
+    peak = run_child(["sleep", "0.3"], tmp_path, "sleep").rss
     assert 0 < peak < 8 * MiB, f"sleep measured at {peak / MiB:.0f} MiB"
 
 
@@ -116,7 +116,7 @@ def test_a_child_that_maps_a_file_reports_the_files_pages_in_rss_not_in_anon(
     mapped = tmp_path / "weights.bin"
     with open(mapped, "wb") as out:
         out.write(os.urandom(256 * MiB))
-    peaks = run_child_peaks([sys.executable, "-S", "-c", MAPPER, str(mapped), "32"], tmp_path,
+    peaks = run_child([sys.executable, "-S", "-c", MAPPER, str(mapped), "32"], tmp_path,
                             "python")  # fmt: skip
     assert peaks.rss > 256 * MiB, f"rss {peaks.rss / MiB:.0f} MiB"
     assert peaks.anon is not None
@@ -126,6 +126,6 @@ def test_a_child_that_maps_a_file_reports_the_files_pages_in_rss_not_in_anon(
 def test_a_tool_a_shell_runs_reports_its_anonymous_peak(tmp_path: Path) -> None:
     """The anonymous peak is the tree's: the shell's and the tool's (96 MiB held) at once."""
     argv, _ = _python_child(tmp_path, 96)
-    peaks = run_child_peaks(["/bin/sh", "-c", '"$@" & wait $!', "sh", *argv], tmp_path, "sh")
+    peaks = run_child(["/bin/sh", "-c", '"$@" & wait $!', "sh", *argv], tmp_path, "sh")
     assert peaks.anon is not None
     assert 96 * MiB < peaks.anon < 128 * MiB, f"anon {peaks.anon / MiB:.0f} MiB"

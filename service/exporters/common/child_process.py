@@ -117,29 +117,9 @@ def run_child(
     on_poll: Callable[[], None] | None = None,
     timeout: float | None = None,
     error: type[ServiceError] = VerificationFailed,
-) -> int:
-    """Run ``argv`` to completion; returns the child's own peak RSS in bytes (module doc).
-
-    :func:`run_child_peaks` runs it the same way and returns its anonymous peak too."""
-    return run_child_peaks(
-        argv, work, what, check_abort, env,
-        log=log, on_poll=on_poll, timeout=timeout, error=error,
-    ).rss  # fmt: skip
-
-
-def run_child_peaks(
-    argv: Sequence[str],
-    work: Path,
-    what: str,
-    check_abort: Callable[[], None] | None = None,
-    env: dict[str, str] | None = None,
-    *,
-    log: Path | None = None,
-    on_poll: Callable[[], None] | None = None,
-    timeout: float | None = None,
-    error: type[ServiceError] = VerificationFailed,
 ) -> ChildPeaks:
-    """Run ``argv`` to completion; returns the child's own peak RSS and anonymous peak.
+    """Run ``argv`` to completion; returns the child's own peak RSS and its anonymous peak
+    (module doc).
 
     ``check_abort`` and ``on_poll`` are called while it runs (a cancel kills it); with ``log``
     its stdout and stderr both go to that file, where ``on_poll`` can read its progress (else
@@ -217,7 +197,7 @@ def run_npz_child(
     work.mkdir(parents=True, exist_ok=True)
     request_path, outputs_path = work / "request.npz", work / "outputs.npz"
     np.savez(request_path, **request)  # type: ignore[arg-type]
-    peak = run_child(argv(request_path, outputs_path), work, what, check_abort, env=env)
+    peak = run_child(argv(request_path, outputs_path), work, what, check_abort, env=env).rss
     with np.load(outputs_path) as bundle:
         outputs = {k: bundle[k] for k in bundle.files}
     if "peak_rss_bytes" in outputs:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import VerificationFailed
-from service.exporters.common.child_process import ChildPeaks, run_child_peaks
+from service.exporters.common.child_process import ChildPeaks, run_child
 from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.logits import (
     FIXED_TEXT,
@@ -83,7 +83,7 @@ def _tool_output(
     argv: list[str], work: Path, what: str, check_abort: Callable[[], None]
 ) -> tuple[str, ChildPeaks]:
     log = work / f"{what}.log"
-    peaks = run_child_peaks(argv, work, what, check_abort, TOOL_ENV, log=log, timeout=3600.0)
+    peaks = run_child(argv, work, what, check_abort, TOOL_ENV, log=log, timeout=3600.0)
     return log.read_text("utf-8", "replace"), peaks
 
 

@@ -405,7 +405,7 @@ def run_mtmd(
     # run_child's peak is the largest of the shell's tree it saw; the session's record is the
     # tool's own whenever it ran (see CHAT_SESSION)
     shell = ["/bin/sh", "-c", CHAT_SESSION, "sh", str(log), str(image), PROMPT, *argv]
-    peak = run_child(shell, work, "llama-mtmd-cli", check_abort, TOOL_ENV, timeout=1800.0)
+    peak = run_child(shell, work, "llama-mtmd-cli", check_abort, TOOL_ENV, timeout=1800.0).rss
     return reply(log.read_bytes()), max(peak, tool_peak(log))
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
-from service.exporters.common.child_process import run_child, run_child_peaks
+from service.exporters.common.child_process import run_child
 from service.exporters.gguf.spec import QUANTIZER_TYPES
 from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.stage import JobContext, SideContext
@@ -180,7 +180,7 @@ def quantize(
     argv += [str(source), str(dest), QUANTIZER_TYPES[type_name.lower()], str(_threads())]
     progress = _LogProgress(work / "quantize.log", progress_units, advance)
     try:
-        peaks = run_child_peaks(
+        peaks = run_child(
             argv, work, "llama-quantize", check_abort, TOOL_ENV,
             log=progress.log, on_poll=progress.poll, timeout=TOOL_TIMEOUT, error=ExportFailed,
         )  # fmt: skip
