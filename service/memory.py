@@ -415,15 +415,23 @@ def current_rss(proc_self: Path = Path("/proc/self")) -> int | None:
         return None
 
 
+def status_bytes(proc: Path, *fields: str) -> dict[str, int]:
+    """The ``kB`` fields of ``proc``'s ``status`` (``VmHWM``, ``RssAnon``...) in bytes; those
+    it lacks, or all of them for a process that has ended, are missing."""
+    found: dict[str, int] = {}
+    try:
+        for line in (proc / "status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in fields:
+                found[key] = int(value.split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return found
+
+
 def peak_rss(proc_self: Path = Path("/proc/self")) -> int | None:
     """This process's peak resident bytes since it started or since :func:`reset_peak_rss`."""
-    try:
-        for line in (proc_self / "status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return status_bytes(proc_self, "VmHWM").get("VmHWM")
 
 
 def reset_peak_rss(proc_self: Path = Path("/proc/self")) -> bool:

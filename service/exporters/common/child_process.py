@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from service.errors import ServiceError, VerificationFailed, VerificationTooLarge
-from service.memory import peak_rss
+from service.memory import peak_rss, status_bytes
 from service.units import parse_size
 
 SAMPLE_SECONDS = 0.005
@@ -70,21 +70,6 @@ def descendants(root: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
-
-
-def _status_peaks(proc: Path) -> tuple[int, int]:
-    """``VmHWM`` and ``RssAnon`` of ``proc`` in bytes (0 for a process that has ended)."""
-    hwm = anon = 0
-    try:
-        for line in (proc / "status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) * 1024
-            elif line.startswith("RssAnon:"):
-                anon = int(line.split()[1]) * 1024
-                break  # after VmHWM in the file
-    except (OSError, IndexError, ValueError):
-        pass
-    return hwm, anon
 
 
 @dataclass(frozen=True)
@@ -135,15 +120,16 @@ def run_child(
             env={**os.environ, **(env or {})},
         )  # fmt: skip
         inherited = peak_rss() or 0  # vfork: the child's pre-exec image was this process's
-        sampled, anon, samples, tree = 0, 0, 0, {proc.pid}
+        sampled, anon, tree = 0, 0, {proc.pid}
         next_poll = next_tree = 0.0
         try:
             while True:
                 tree_anon = 0
                 for member in tree:
-                    hwm, member_anon = _status_peaks(Path(f"/proc/{member}"))
-                    sampled, tree_anon = max(sampled, hwm), tree_anon + member_anon
-                anon, samples = max(anon, tree_anon), samples + 1
+                    now_of = status_bytes(Path(f"/proc/{member}"), "VmHWM", "RssAnon")
+                    sampled = max(sampled, now_of.get("VmHWM", 0))
+                    tree_anon += now_of.get("RssAnon", 0)
+                anon = max(anon, tree_anon)
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     break
@@ -171,8 +157,7 @@ def run_child(
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         hint = " (out of memory?)" if code == -signal.SIGKILL else ""
         raise error(f"{what} {how}{hint}: {tail[-500:]}")
-    return ChildPeaks(own_peak(int(usage.ru_maxrss) * 1024, inherited, sampled),
-                      anon if samples and (anon or sampled) else None)  # fmt: skip
+    return ChildPeaks(own_peak(int(usage.ru_maxrss) * 1024, inherited, sampled), anon or None)
 
 
 @dataclass(frozen=True)

@@ -397,7 +397,7 @@ class GGUFExporter(Exporter):
             f16, dest, spec.type, f16.parent, ctx.check_abort, ctx.advance, units,
             imatrix=imatrix, bin_dir=bin_dir,
         )  # fmt: skip
-        ctx.add_metric("quantizer_peak_rss_bytes", run.peak_rss)
+        ctx.add_metric("quantizer_peak_rss_bytes", run.peaks.rss)
         if check:
             try:
                 checks["tokenizer"] = self._llama_tokenize(dest, root, ctx)
@@ -412,8 +412,8 @@ class GGUFExporter(Exporter):
             "verification_of": "the f16 file llama-quantize read",
             "imatrix": imatrix is not None,
             **({"imatrix_source": fetched[1]} if fetched else {}),
-            "quantizer_peak_rss_bytes": run.peak_rss,
-            "quantizer_peak_anon_bytes": run.peak_anon,
+            "quantizer_peak_rss_bytes": run.peaks.rss,
+            "quantizer_peak_anon_bytes": run.peaks.anon,
             **({"llama_cpp": checks} if checks else {}),
         }
 

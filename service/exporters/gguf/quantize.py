@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
-from service.exporters.common.child_process import run_child
+from service.exporters.common.child_process import ChildPeaks, run_child
 from service.exporters.gguf.spec import QUANTIZER_TYPES
 from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.stage import JobContext, SideContext
@@ -42,10 +42,9 @@ _PROGRESS = re.compile(rb"\[\s*(\d+)/\s*(\d+)\]")
 class QuantizeRun:
     digest: str
     """sha256 of the quantized file."""
-    peak_rss: int
-    """Peak RSS of the llama-quantize child, in bytes (the pages of the file it reads included)."""
-    peak_anon: int | None
-    """Its sampled anonymous peak, in bytes (``ChildPeaks.anon``)."""
+    peaks: ChildPeaks
+    """The llama-quantize child's peak RSS (the pages of the file it reads included) and its
+    anonymous peak."""
 
 
 class _LogProgress:
@@ -187,7 +186,7 @@ def quantize(
         if not dest.is_file():
             raise ExportFailed(f"llama-quantize exited without writing {dest.name}")
         progress.finish()
-        return QuantizeRun(digest=sha256_file(dest), peak_rss=peaks.rss, peak_anon=peaks.anon)
+        return QuantizeRun(digest=sha256_file(dest), peaks=peaks)
     except BaseException:
         dest.unlink(missing_ok=True)
         raise
