@@ -14,14 +14,19 @@ Two commands of its own serve :mod:`service.exporters.nnef.verify`, which runs t
 process (tract holds the whole archive in RAM; the job process must not)::
 
     tract MODEL.nnef.tgz decode --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
-          [--layer-outputs WORK_DIR]
+          [--layer-outputs WORK_DIR] [--work WORK_DIR]
     tract MODEL.nnef.tgz logits --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
+          [--work WORK_DIR]
 
-``logits`` (:func:`run_chunks`) gives the logits of the fixed text's scored positions, chunk by
-chunk, for the check against transformers' (``service.logits``); a ``decode`` request that also
-holds ``logits``' keys (``chunks``, ``first``, ``last``) gives both (``chunk_logits`` beside
-``logits``) from one load of the archive, which for a float32 model costs about as much as
-all the runs together (reading, unpacking and packing every weight); ``layerwise-logits``
+``logits`` gives the logits of the fixed text's scored positions, chunk by chunk, for the check
+against transformers' (``service.logits``); a ``decode`` request that also holds ``logits``' keys
+(``chunks``, ``first``, ``last``) gives both (``chunk_logits`` beside ``logits``) from one load
+of the archive, which for a float32 model costs about as much as all the runs together
+(reading, unpacking and packing every weight). The shipped graph gives the last position's
+logits only; with ``--work`` the archive is unpacked there and loaded with the head's statements
+copied onto every position (:func:`head_over_every_position`), so each chunk is one prefill
+(:func:`run_prefill_chunks`) rather than one run a position (:func:`run_chunks`, a pass over
+every weight each); ``scored_by`` in OUT.npz says which ran. ``layerwise-logits
 (:func:`run_layerwise_chunks`) gives the same from the blocks below, each fed the block before
 it.
 
@@ -57,6 +62,7 @@ import argparse
 import functools
 import os
 import re
+import shutil
 import stat
 import sys
 from collections.abc import Callable, Sequence
@@ -127,12 +133,7 @@ def run_decode(
     tract's own caches fed back; the last position's logits at every step, and the last
     position of each of the graph's ``extra_outputs`` trailing outputs (the layer outputs
     :func:`expose_layer_outputs` added) as ``[steps, extra, width]``."""
-    caches = []
-    dtypes = [str(d) for d in request["cache_dtypes"]]
-    for i, (shape, dtype) in enumerate(zip(request["cache_shapes"], dtypes, strict=True), 1):
-        caches.append(
-            np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype))
-        )
+    caches = _empty_caches(runnable, request)
     step_ids = np.ascontiguousarray(request["prompt"], dtype=np.int64)
     found = []
     layers = []
@@ -165,6 +166,116 @@ def run_chunks(runnable: Any, request: dict[str, np.ndarray]) -> np.ndarray:
         }
         logits, _ = run_decode(runnable, steps)
         found.append(logits.astype(np.float32))
+    return np.stack(found)
+
+
+# --- the fixed text in one prefill per chunk ----------------------------------------------------
+
+_LAST_POSITION = re.compile(
+    r"^\s+(\w+) = dyn_slice_begin\((\w+), axis = 1, begin = -1, stride = 1\);$", re.MULTILINE
+)
+_ASSIGNMENT = re.compile(r"^(\s+)(\w+) = (.*);$", re.MULTILINE)
+ALL_POSITIONS_SUFFIX = "__every_position"
+
+
+def head_over_every_position(graph: str) -> str | None:
+    """``graph`` with one more, trailing output: the logits of every position.
+
+    torch-to-nnef's LLM graph computes the head on the last position only (a
+    ``dyn_slice_begin(x, axis = 1, begin = -1)`` of the final norm's output, then the head's
+    statements). The added output is those same head statements, copied verbatim with the slice
+    replaced by its input, so a prompt's one run gives the logits of each of its positions: the
+    fixed text's check (:func:`run_chunks`) then costs one prefill per chunk instead of one run
+    per scored position, each a pass over every weight. The shipped outputs are untouched.
+    None when the graph has no such slice (the caller then runs one position a step)."""
+    header = _GRAPH_HEADER.search(graph)
+    sliced = _LAST_POSITION.search(graph)
+    if header is None or sliced is None or len(_LAST_POSITION.findall(graph)) != 1:
+        return None
+    outputs = [o.strip() for o in header.group(3).split(",")]
+    renamed = {sliced.group(1): sliced.group(2)}  # the slice's consumers read its input instead
+    copies = []
+    for match in _ASSIGNMENT.finditer(graph, sliced.end()):
+        indent, name, expression = match.groups()
+        used = set(re.findall(r"\b\w+\b", expression)) & renamed.keys()
+        if not used:
+            continue
+        for old in used:
+            expression = re.sub(rf"\b{old}\b", renamed[old], expression)
+        renamed[name] = name + ALL_POSITIONS_SUFFIX
+        copies.append(f"{indent}{renamed[name]} = {expression};")
+    added = renamed.get(outputs[0])
+    if added is None or added == sliced.group(2):
+        return None
+    end = graph.rindex("}")
+    body = graph[:end].rstrip("\n") + "\n" + "\n".join(copies) + "\n" + graph[end:]
+    line = f"graph {header.group(1)}({header.group(2)}) -> ({', '.join([*outputs, added])})"
+    return body[: header.start()] + line + body[header.end() :]
+
+
+def load_with_every_position(archive: Path, work: Path) -> Any | None:
+    """tract's runnable of ``archive`` with :func:`head_over_every_position`'s output, the
+    archive unpacked into ``work`` (the graph is text, the ``.dat`` files the shipped bytes);
+    None when the graph has no last-position slice."""
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        member = tar.getmember("graph.nnef")
+        handle = tar.extractfile(member)
+        graph = handle.read().decode() if handle is not None else ""
+    edited = head_over_every_position(graph)
+    if edited is None:
+        return None
+    unpacked = work / "every-position.nnef"
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    (unpacked / "graph.nnef").write_text(edited)
+    try:
+        return load_runnable(unpacked)
+    finally:  # tract holds every weight once loaded: the copy's disk is free at once
+        shutil.rmtree(unpacked, ignore_errors=True)
+
+
+def _every_position(archive: Path, work: Path | None) -> Any | None:
+    """:func:`load_with_every_position` into ``work`` (None: not asked, or no slice to copy)."""
+    if work is None:
+        return None
+    work.mkdir(parents=True, exist_ok=True)
+    return load_with_every_position(archive, work)
+
+
+def _scored_by(every: Any | None) -> np.ndarray:
+    """How the fixed text's logits were run, for the report: ``prefill`` (one run a chunk) or
+    ``steps`` (one run a position, the graph having no slice to copy)."""
+    return np.asarray("prefill" if every is not None else "steps")
+
+
+def _empty_caches(runnable: Any, request: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The archive's KV cache inputs with no past, in the dtypes tract expects."""
+    dtypes = [str(d) for d in request["cache_dtypes"]]
+    return [
+        np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype))
+        for i, (shape, dtype) in enumerate(zip(request["cache_shapes"], dtypes, strict=True), 1)
+    ]
+
+
+def run_prefill_chunks(runnable: Any, request: dict[str, np.ndarray]) -> np.ndarray:
+    """:func:`run_chunks`' logits from two runs per chunk of a runnable loaded by
+    :func:`load_with_every_position`: the chunk up to ``first`` with empty caches, then the
+    scored positions ``[first, last)`` at once with the caches it returned, the trailing
+    output's rows. Position p's logits see the chunk up to p, as the one-token steps do, and
+    they go through the KV cache (a past of ``first`` positions, as a served prompt's second
+    part does): the cache path is checked over the window, not only over the short decode."""
+    first, last = int(request["first"]), int(request["last"])
+    found = []
+    for chunk in np.asarray(request["chunks"], dtype=np.int64):
+        caches = _empty_caches(runnable, request)
+        head = [
+            t.to_numpy() for t in runnable.run([np.ascontiguousarray(chunk[None, :first]), *caches])
+        ]
+        window = np.ascontiguousarray(chunk[None, first:last])
+        every = runnable.run([window, *head[1:-1]])[-1].to_numpy()
+        found.append(every.reshape(-1, every.shape[-1]).astype(np.float32))
     return np.stack(found)
 
 
@@ -201,6 +312,7 @@ def _block_steps(
     shapes: list[list[int]],
     dtypes: list[str],
     rows: tuple[int, int] | None = None,
+    window: bool = False,
 ) -> dict[str, list[np.ndarray]]:
     """One block over a teacher-forced decode (``prompt``, then each of ``tokens`` but the last
     a step, as :func:`run_decode`), feeding back its own KV caches and ``hidden[layer]``
@@ -208,7 +320,9 @@ def _block_steps(
     every position, ``logits`` of the last position), one entry a step. ``rows``: the block is
     a chunk of the vocabulary matrix's rows ``[a, b)`` (``layerwise``'s module doc): the ids it
     is fed are less ``a`` (clipped into the chunk), and a hidden output's positions whose id
-    lies outside are zeroed."""
+    lies outside are zeroed. A step of ``tokens`` may be several ids (a prompt's next part);
+    ``window``: the runnable may carry :func:`head_over_every_position`'s trailing output, whose
+    rows of the last step are then the ``logits``."""
     caches: dict[int, np.ndarray] = {}
     for position, spec in enumerate(block["inputs"]):
         if spec["kind"] == "cache":
@@ -235,6 +349,9 @@ def _block_steps(
                 value = hidden[int(spec["index"])][done : done + count][None]
                 feed.append(np.ascontiguousarray(value.astype(spec["dtype"])))
         outputs = [t.to_numpy() for t in runnable.run(feed)]
+        if window and len(outputs) == len(block["outputs"]) + 1:
+            every = outputs.pop()  # the last step's rows are the scored window's
+            found["logits"] = [every.reshape(-1, every.shape[-1]).astype(np.float32)]
         done += count
         for index, cache in caches.items():  # past length grows for the shape-only ones
             shape = list(cache.shape)
@@ -248,9 +365,9 @@ def _block_steps(
                 if outside is not None:
                     value[outside] = 0.0
                 found.setdefault(f"hidden_{spec['index']}", []).append(value)
-            else:
+            elif not window:
                 found.setdefault("logits", []).append(_last_position(value))
-        step_ids = np.asarray([[int(token)]], dtype=np.int64)
+        step_ids = np.asarray(token, dtype=np.int64).reshape(1, -1)
     return found
 
 
@@ -264,6 +381,7 @@ def _piece_runs(
     block: dict[str, Any],
     runs: Sequence[Run],
     peaks: list[int],
+    load: Callable[[Path], Any] = load_runnable,
 ) -> list[Steps]:
     """Each of ``runs`` (:func:`_block_steps` of one input) on one block, loaded once
     (``VmHWM`` reset first), or on each of its chunks in turn when it runs in chunks of a
@@ -275,15 +393,16 @@ def _piece_runs(
     peak = 0
     for part in parts:
         _reset_hwm()
-        runnable = load_runnable(work / part["directory"])
+        runnable = load(work / part["directory"])
         rows = (int(part["begin"]), int(part["end"])) if "begin" in part else None
         for into, run in zip(merged, runs, strict=True):
             for key, steps in run(runnable=runnable, rows=rows).items():
                 if key not in into:
                     into[key] = steps
-                elif key == "logits":
+                elif key == "logits":  # the chunks' columns side by side
                     into[key] = [
-                        np.concatenate([a, b]) for a, b in zip(into[key], steps, strict=True)
+                        np.concatenate([a, b], axis=-1)
+                        for a, b in zip(into[key], steps, strict=True)
                     ]
                 else:
                     into[key] = [a + b for a, b in zip(into[key], steps, strict=True)]
@@ -324,7 +443,13 @@ def run_layerwise_chunks(work: Path, request: dict[str, np.ndarray]) -> dict[str
     """:func:`run_chunks`'s logits from the blocks of ``work/blocks.json``, one block loaded at
     a time: each block runs every chunk's decode fed the previous block's outputs (tract's own,
     never PyTorch's), so the head's logits are the archive's end to end while tract holds one
-    block's weights."""
+    block's weights.
+
+    Where the head's block slices the last position (:func:`head_over_every_position`), each
+    block runs each chunk in two runs instead, up to the window then the window at once through
+    the block's KV cache, the head's statements copied onto every position (the copy in a
+    sibling directory of hard links): two runs of a block a chunk, not one a scored position.
+    ``scored_by`` says which ran."""
     import json
 
     blocks = json.loads((work / "blocks.json").read_text())
@@ -335,25 +460,70 @@ def run_layerwise_chunks(work: Path, request: dict[str, np.ndarray]) -> dict[str
     carried: list[dict[int, np.ndarray]] = [{} for _ in chunks]
     logits: list[np.ndarray] = [np.empty(0, dtype=np.float32)] * len(chunks)
     peaks: list[int] = []
+    prefill = _heads_over_every_position(work, blocks)
     for block in blocks:
+        load = functools.partial(_load_every_position, prefill)
         runs: list[Run] = [
             functools.partial(
-                _block_steps, block=block, prompt=chunk[None, : first + 1],
-                tokens=chunk[first + 1 : last + 1], hidden=fed, shapes=shapes, dtypes=dtypes,
+                _block_steps, block=block, hidden=fed, shapes=shapes, dtypes=dtypes,
+                window=bool(prefill), **_window_steps(chunk, first, last, bool(prefill)),
             )
             for chunk, fed in zip(chunks, carried, strict=True)
         ]  # fmt: skip
-        for c, found in enumerate(_piece_runs(work, block, runs, peaks)):
+        for c, found in enumerate(_piece_runs(work, block, runs, peaks, load)):
             for key, parts in found.items():
                 if key == "logits":
-                    logits[c] = np.stack(parts).astype(np.float32)
+                    rows = [p.reshape(-1, p.shape[-1]) for p in parts]
+                    logits[c] = np.concatenate(rows).astype(np.float32)
                 else:
                     carried[c] = {int(key.removeprefix("hidden_")): np.concatenate(parts)}
     return {
+        "scored_by": np.asarray("prefill" if prefill else "steps"),
         "logits": np.stack(logits),
         "block_peak_rss_bytes": np.asarray(peaks, dtype=np.int64),
         "peak_rss_bytes": np.asarray(max(peaks, default=0), dtype=np.int64),
     }
+
+
+def _window_steps(chunk: np.ndarray, first: int, last: int, prefill: bool) -> dict[str, Any]:
+    """The steps giving a chunk's scored positions ``[first, last)``: the prompt up to
+    ``first``, then the window at once (``prefill``; the trailing step is never fed), else up
+    to ``first`` inclusive and one position a step (as :func:`run_chunks`)."""
+    if prefill:
+        return {"prompt": chunk[None, :first], "tokens": [chunk[first:last], chunk[last:last]]}
+    return {"prompt": chunk[None, : first + 1], "tokens": chunk[first + 1 : last + 1]}
+
+
+def _heads_over_every_position(work: Path, blocks: Sequence[dict[str, Any]]) -> dict[Path, Path]:
+    """For each directory of a block giving logits (the head, or each of its vocabulary
+    chunks), a sibling directory with the same ``.dat`` files (hard links) and
+    :func:`head_over_every_position`'s graph; empty when any such graph has no slice to copy
+    (every block then runs one position a step)."""
+    directories = [
+        work / part["directory"]
+        for block in blocks
+        if any(spec["kind"] == "logits" for spec in block["outputs"])
+        for part in block.get("chunks") or [{"directory": block["directory"]}]
+    ]
+    edited = {d: head_over_every_position((d / "graph.nnef").read_text()) for d in directories}
+    if not directories or any(graph is None for graph in edited.values()):
+        return {}
+    copies = {}
+    for directory, graph in edited.items():
+        copy = directory.with_name(directory.name + ALL_POSITIONS_SUFFIX)
+        shutil.rmtree(copy, ignore_errors=True)
+        copy.mkdir()
+        for entry in directory.iterdir():
+            if entry.name != "graph.nnef":
+                os.link(entry, copy / entry.name)
+        (copy / "graph.nnef").write_text(graph or "")
+        copies[directory] = copy
+    return copies
+
+
+def _load_every_position(copies: dict[Path, Path], directory: Path) -> Any:
+    """The block at ``directory``, or its copy with the head over every position."""
+    return load_runnable(copies.get(directory, directory))
 
 
 # --- layer outputs, to say where a mismatch starts ----------------------------------------------
@@ -460,6 +630,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--layer-outputs", type=Path, help="decode: also save each layer's output (work dir)"
     )
+    parser.add_argument(
+        "--work", type=Path, help="logits, decode: unpack the archive here for one prefill a chunk"
+    )
     return parser.parse_intermixed_args(list(argv))
 
 
@@ -486,7 +659,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         with np.load(args.input_from_bundle) as bundle:
             request = {k: bundle[k] for k in bundle.files}
-        np.savez(args.save_outputs_npz, logits=run_chunks(load_runnable(Path(args.model)), request))
+        every = _every_position(Path(args.model), args.work)
+        if every is not None:
+            logits = run_prefill_chunks(every, request)
+        else:
+            logits = run_chunks(load_runnable(Path(args.model)), request)
+        np.savez(args.save_outputs_npz, logits=logits, scored_by=_scored_by(every))
         return 0
     with np.load(args.input_from_bundle) as bundle:
         inputs = {k: bundle[k] for k in bundle.files}
@@ -509,11 +687,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 saved["layers"] = layers
             np.savez(args.save_outputs_npz, **saved)
         else:
-            runnable = load_runnable(Path(args.model))
-            logits, _ = run_decode(runnable, inputs)
-            both: dict[str, Any] = {"logits": logits}
-            if "chunks" in inputs:  # the fixed text's check too, on the archive loaded once
-                both["chunk_logits"] = run_chunks(runnable, inputs)
+            # the fixed text's check too, on the archive loaded once
+            every = _every_position(Path(args.model), args.work) if "chunks" in inputs else None
+            if every is not None:
+                logits, _ = run_decode(every, inputs, extra_outputs=1)
+                both: dict[str, Any] = {"logits": logits}
+                both["chunk_logits"] = run_prefill_chunks(every, inputs)
+            else:
+                runnable = load_runnable(Path(args.model))
+                logits, _ = run_decode(runnable, inputs)
+                both = {"logits": logits}
+                if "chunks" in inputs:
+                    both["chunk_logits"] = run_chunks(runnable, inputs)
+            if "chunks" in inputs:
+                both["scored_by"] = _scored_by(every)
             np.savez(args.save_outputs_npz, **both)
         return 0
     runnable = load_runnable(Path(args.model))

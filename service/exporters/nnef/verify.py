@@ -153,7 +153,8 @@ def verify_causal_lm(
     request = decode_request(io, expected)
     if text is not None:
         request.update(window_request(text.reference.chunks))
-    run = run_tract(archive, "decode", request, work, check_abort)
+    unpack = ("--work", str(work / "unpacked")) if text is not None else ()
+    run = run_tract(archive, "decode", request, work, check_abort, extra_args=unpack)
     found = list(run.outputs["logits"])
     agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
 
@@ -174,6 +175,7 @@ def verify_causal_lm(
     extra: dict[str, Any] = {"mode": "whole"}
     if text is not None:
         extra["logits"] = judge_logits(run.outputs["chunk_logits"], text, "whole")
+        extra["logits"]["scored_by"] = str(run.outputs["scored_by"])
     return ParityReport.of(
         "tract", comparison, len(found), expected.tokens, agreed,
         peak_rss_bytes=run.peak_rss_bytes, extra=extra,
@@ -303,11 +305,14 @@ def check_logits(
     chunks = reference.chunks
     request = {**window_request(chunks), **_empty_caches(io)}
     if blocks is None:
-        run = run_tract(archive, "logits", request, work, check_abort)
+        unpacked = ("--work", str(work / "unpacked"))
+        run = run_tract(archive, "logits", request, work, check_abort, extra_args=unpacked)
     else:
         run = run_tract(blocks, "layerwise-logits", request, work, check_abort)
     mode = "whole" if blocks is None else "layerwise"
-    return judge_logits(run.outputs["logits"], TextCheck(dtype, compression, reference), mode)
+    report = judge_logits(run.outputs["logits"], TextCheck(dtype, compression, reference), mode)
+    report["scored_by"] = str(run.outputs["scored_by"]) if "scored_by" in run.outputs else "steps"
+    return report
 
 
 def judge_logits(found: np.ndarray, text: TextCheck, mode: str) -> dict[str, Any]:

@@ -249,9 +249,38 @@ def test_block_by_block_logits_on_the_fixed_text_match_the_whole_archives(
     blocks = check_logits(archive, io_spec, "float16", None, independent,
                           work=tmp_path / "layerwise", blocks=tmp_path / "blocks")  # fmt: skip
     assert (whole["mode"], blocks["mode"]) == ("whole", "layerwise")
+    assert whole["scored_by"] == blocks["scored_by"] == "prefill"
     assert blocks["positions"] == whole["positions"] == 126
     assert blocks["bounds"] == whole["bounds"] == asdict(runtime_bounds("float16"))
     # the same graph and weights in the same float16: only where tract cuts its fused kernels
     # (a boundary is stored as float16) may differ
     assert abs(blocks["kl_mean"] - whole["kl_mean"]) < 1e-3, (whole, blocks)
     assert abs(blocks["top1"] - whole["top1"]) <= 2 / 126, (whole, blocks)
+
+
+def test_block_by_block_prefill_gives_the_logits_of_one_position_a_step(
+    exported: Exported, tmp_path: Path
+) -> None:
+    """Each block run once a chunk (the head's statements copied onto every position) gives
+    the logits the shipped archive gives run one position a step, tract's caches fed back."""
+    from service.exporters.nnef import tract_cli
+    from service.logits import log_softmax, window_request
+
+    archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
+    cut_blocks(unpack(archive, tmp_path / "unpacked"), tmp_path / "unpacked", tmp_path / "blocks",
+               576, "f16")  # fmt: skip
+    vocab = int(io_spec.outputs[0].shape[-1])
+    chunks = np.random.default_rng(1).integers(0, vocab, size=(2, 32))
+    request: dict[str, np.ndarray] = {**window_request(chunks)}
+    request["cache_shapes"] = np.asarray(
+        [[0 if d == "P" else int(d) for d in t.shape] for t in io_spec.inputs[1:]], dtype=np.int64
+    )
+    request["cache_dtypes"] = np.asarray([t.dtype for t in io_spec.inputs[1:]])
+    steps = tract_cli.run_chunks(tract_cli.load_runnable(archive), request)
+    blocks = tract_cli.run_layerwise_chunks(tmp_path / "blocks", request)
+    assert str(blocks["scored_by"]) == "prefill"
+    assert blocks["logits"].shape == steps.shape == (2, 15, vocab)
+    a, b = log_softmax(steps.reshape(-1, vocab)), log_softmax(blocks["logits"].reshape(-1, vocab))
+    kl = float((np.exp(a) * (a - b)).sum(axis=-1).mean())
+    assert kl < 1e-3, kl
+    assert float((a.argmax(-1) == b.argmax(-1)).mean()) >= 28 / 30
