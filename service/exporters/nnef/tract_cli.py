@@ -14,21 +14,18 @@ Two commands of its own serve :mod:`service.exporters.nnef.verify`, which runs t
 process (tract holds the whole archive in RAM; the job process must not)::
 
     tract MODEL.nnef.tgz decode --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
-          [--layer-outputs WORK_DIR] [--work WORK_DIR]
+          [--layer-outputs WORK_DIR]
     tract MODEL.nnef.tgz logits --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
-          [--work WORK_DIR]
 
-``logits`` gives the logits of the fixed text's scored positions, chunk by chunk, for the check
-against transformers' (``service.logits``); a ``decode`` request that also holds ``logits``' keys
-(``chunks``, ``first``, ``last``) gives both (``chunk_logits`` beside ``logits``) from one load
-of the archive, which for a float32 model costs about as much as all the runs together
-(reading, unpacking and packing every weight). The shipped graph gives the last position's
-logits only; with ``--work`` the archive is unpacked there and loaded with the head's statements
-copied onto every position (:func:`head_over_every_position`), so each chunk is one prefill
-(:func:`run_prefill_chunks`) rather than one run a position (:func:`run_chunks`, a pass over
-every weight each); ``scored_by`` in OUT.npz says which ran. ``layerwise-logits
+``logits`` (:func:`run_chunks`) gives the logits of the fixed text's scored positions, chunk by
+chunk, for the check against transformers' (``service.logits``); a ``decode`` request that also
+holds ``logits``' keys (``chunks``, ``first``, ``last``) gives both (``chunk_logits`` beside
+``logits``) from one load of the archive, which for a float32 model costs about as much as
+all the runs together (reading, unpacking and packing every weight); ``layerwise-logits``
 (:func:`run_layerwise_chunks`) gives the same from the blocks below, each fed the block before
-it.
+it, each block running a chunk's scored positions at once (two runs a chunk, the head's
+statements copied onto every position by :func:`head_over_every_position`) rather than one run
+a position; ``scored_by`` in OUT.npz says which ran.
 
 ``REQUEST.npz`` holds ``prompt`` [1,S], ``tokens`` [n] and ``cache_shapes`` [k,4] (past axis 0,
 dtypes ``cache_dtypes``); it replays a greedy decode feeding back tract's own KV cache and saves
@@ -169,7 +166,7 @@ def run_chunks(runnable: Any, request: dict[str, np.ndarray]) -> np.ndarray:
     return np.stack(found)
 
 
-# --- the fixed text in one prefill per chunk ----------------------------------------------------
+# --- the fixed text's window at once, block by block ----------------------------------------------------
 
 _LAST_POSITION = re.compile(
     r"^\s+(\w+) = dyn_slice_begin\((\w+), axis = 1, begin = -1, stride = 1\);$", re.MULTILINE
@@ -185,9 +182,14 @@ def head_over_every_position(graph: str) -> str | None:
     ``dyn_slice_begin(x, axis = 1, begin = -1)`` of the final norm's output, then the head's
     statements). The added output is those same head statements, copied verbatim with the slice
     replaced by its input, so a prompt's one run gives the logits of each of its positions: the
-    fixed text's check (:func:`run_chunks`) then costs one prefill per chunk instead of one run
-    per scored position, each a pass over every weight. The shipped outputs are untouched.
-    None when the graph has no such slice (the caller then runs one position a step)."""
+    block-by-block fixed-text check (:func:`run_layerwise_chunks`) then runs each block twice a
+    chunk instead of once per scored position. The shipped outputs are untouched. None when the
+    graph has no such slice (the caller then runs one position a step).
+
+    Not used on the whole archive: there it would need the archive unpacked to edit its graph
+    (tract loads a ``.tgz`` as it is), which on a quiet host cost what the runs saved (1.76 GB
+    float32: unpack + load 10.1 s against a load of 5.7 s, the text's runs 6.8 s against 13.5 s)
+    and raised tract's peak by 0.15-0.2 GiB, past its plan (``bench/export_nnef.py``)."""
     header = _GRAPH_HEADER.search(graph)
     sliced = _LAST_POSITION.search(graph)
     if header is None or sliced is None or len(_LAST_POSITION.findall(graph)) != 1:
@@ -213,43 +215,6 @@ def head_over_every_position(graph: str) -> str | None:
     return body[: header.start()] + line + body[header.end() :]
 
 
-def load_with_every_position(archive: Path, work: Path) -> Any | None:
-    """tract's runnable of ``archive`` with :func:`head_over_every_position`'s output, the
-    archive unpacked into ``work`` (the graph is text, the ``.dat`` files the shipped bytes);
-    None when the graph has no last-position slice."""
-    import tarfile
-
-    with tarfile.open(archive) as tar:
-        member = tar.getmember("graph.nnef")
-        handle = tar.extractfile(member)
-        graph = handle.read().decode() if handle is not None else ""
-    edited = head_over_every_position(graph)
-    if edited is None:
-        return None
-    unpacked = work / "every-position.nnef"
-    with tarfile.open(archive) as tar:
-        tar.extractall(unpacked, filter="data")
-    (unpacked / "graph.nnef").write_text(edited)
-    try:
-        return load_runnable(unpacked)
-    finally:  # tract holds every weight once loaded: the copy's disk is free at once
-        shutil.rmtree(unpacked, ignore_errors=True)
-
-
-def _every_position(archive: Path, work: Path | None) -> Any | None:
-    """:func:`load_with_every_position` into ``work`` (None: not asked, or no slice to copy)."""
-    if work is None:
-        return None
-    work.mkdir(parents=True, exist_ok=True)
-    return load_with_every_position(archive, work)
-
-
-def _scored_by(every: Any | None) -> np.ndarray:
-    """How the fixed text's logits were run, for the report: ``prefill`` (one run a chunk) or
-    ``steps`` (one run a position, the graph having no slice to copy)."""
-    return np.asarray("prefill" if every is not None else "steps")
-
-
 def _empty_caches(runnable: Any, request: dict[str, np.ndarray]) -> list[np.ndarray]:
     """The archive's KV cache inputs with no past, in the dtypes tract expects."""
     dtypes = [str(d) for d in request["cache_dtypes"]]
@@ -257,26 +222,6 @@ def _empty_caches(runnable: Any, request: dict[str, np.ndarray]) -> list[np.ndar
         np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype))
         for i, (shape, dtype) in enumerate(zip(request["cache_shapes"], dtypes, strict=True), 1)
     ]
-
-
-def run_prefill_chunks(runnable: Any, request: dict[str, np.ndarray]) -> np.ndarray:
-    """:func:`run_chunks`' logits from two runs per chunk of a runnable loaded by
-    :func:`load_with_every_position`: the chunk up to ``first`` with empty caches, then the
-    scored positions ``[first, last)`` at once with the caches it returned, the trailing
-    output's rows. Position p's logits see the chunk up to p, as the one-token steps do, and
-    they go through the KV cache (a past of ``first`` positions, as a served prompt's second
-    part does): the cache path is checked over the window, not only over the short decode."""
-    first, last = int(request["first"]), int(request["last"])
-    found = []
-    for chunk in np.asarray(request["chunks"], dtype=np.int64):
-        caches = _empty_caches(runnable, request)
-        head = [
-            t.to_numpy() for t in runnable.run([np.ascontiguousarray(chunk[None, :first]), *caches])
-        ]
-        window = np.ascontiguousarray(chunk[None, first:last])
-        every = runnable.run([window, *head[1:-1]])[-1].to_numpy()
-        found.append(every.reshape(-1, every.shape[-1]).astype(np.float32))
-    return np.stack(found)
 
 
 def _last_position(x: np.ndarray) -> np.ndarray:
@@ -630,9 +575,6 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--layer-outputs", type=Path, help="decode: also save each layer's output (work dir)"
     )
-    parser.add_argument(
-        "--work", type=Path, help="logits, decode: unpack the archive here for one prefill a chunk"
-    )
     return parser.parse_intermixed_args(list(argv))
 
 
@@ -659,12 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         with np.load(args.input_from_bundle) as bundle:
             request = {k: bundle[k] for k in bundle.files}
-        every = _every_position(Path(args.model), args.work)
-        if every is not None:
-            logits = run_prefill_chunks(every, request)
-        else:
-            logits = run_chunks(load_runnable(Path(args.model)), request)
-        np.savez(args.save_outputs_npz, logits=logits, scored_by=_scored_by(every))
+        logits = run_chunks(load_runnable(Path(args.model)), request)
+        np.savez(args.save_outputs_npz, logits=logits)
         return 0
     with np.load(args.input_from_bundle) as bundle:
         inputs = {k: bundle[k] for k in bundle.files}
@@ -687,20 +625,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 saved["layers"] = layers
             np.savez(args.save_outputs_npz, **saved)
         else:
-            # the fixed text's check too, on the archive loaded once
-            every = _every_position(Path(args.model), args.work) if "chunks" in inputs else None
-            if every is not None:
-                logits, _ = run_decode(every, inputs, extra_outputs=1)
-                both: dict[str, Any] = {"logits": logits}
-                both["chunk_logits"] = run_prefill_chunks(every, inputs)
-            else:
-                runnable = load_runnable(Path(args.model))
-                logits, _ = run_decode(runnable, inputs)
-                both = {"logits": logits}
-                if "chunks" in inputs:
-                    both["chunk_logits"] = run_chunks(runnable, inputs)
-            if "chunks" in inputs:
-                both["scored_by"] = _scored_by(every)
+            runnable = load_runnable(Path(args.model))
+            logits, _ = run_decode(runnable, inputs)
+            both: dict[str, Any] = {"logits": logits}
+            if "chunks" in inputs:  # the fixed text's check too, on the archive loaded once
+                both["chunk_logits"] = run_chunks(runnable, inputs)
             np.savez(args.save_outputs_npz, **both)
         return 0
     runnable = load_runnable(Path(args.model))

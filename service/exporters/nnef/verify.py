@@ -153,8 +153,7 @@ def verify_causal_lm(
     request = decode_request(io, expected)
     if text is not None:
         request.update(window_request(text.reference.chunks))
-    unpack = ("--work", str(work / "unpacked")) if text is not None else ()
-    run = run_tract(archive, "decode", request, work, check_abort, extra_args=unpack)
+    run = run_tract(archive, "decode", request, work, check_abort)
     found = list(run.outputs["logits"])
     agreed = [int(np.argmax(f)) == t for f, t in zip(found, expected.tokens, strict=True)]
 
@@ -175,7 +174,7 @@ def verify_causal_lm(
     extra: dict[str, Any] = {"mode": "whole"}
     if text is not None:
         extra["logits"] = judge_logits(run.outputs["chunk_logits"], text, "whole")
-        extra["logits"]["scored_by"] = str(run.outputs["scored_by"])
+        extra["logits"]["scored_by"] = "steps"
     return ParityReport.of(
         "tract", comparison, len(found), expected.tokens, agreed,
         peak_rss_bytes=run.peak_rss_bytes, extra=extra,
@@ -305,8 +304,7 @@ def check_logits(
     chunks = reference.chunks
     request = {**window_request(chunks), **_empty_caches(io)}
     if blocks is None:
-        unpacked = ("--work", str(work / "unpacked"))
-        run = run_tract(archive, "logits", request, work, check_abort, extra_args=unpacked)
+        run = run_tract(archive, "logits", request, work, check_abort)
     else:
         run = run_tract(blocks, "layerwise-logits", request, work, check_abort)
     mode = "whole" if blocks is None else "layerwise"

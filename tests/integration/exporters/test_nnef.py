@@ -263,7 +263,7 @@ def test_one_tract_child_gives_the_decode_and_the_fixed_text_checks(
     alone = ver.check_logits(archive, io_spec, "float32", None, independent, work=tmp_path / "l")
     assert commands == ["decode", "logits"]
     both = report.extra["logits"]
-    assert both["scored_by"] == alone["scored_by"] == "prefill"
+    assert both["scored_by"] == alone["scored_by"] == "steps"
     assert both["mode"] == alone["mode"] == "whole"
     assert both["positions"] == alone["positions"] > 0
     assert both["kl_mean"] == pytest.approx(alone["kl_mean"], abs=1e-9)
@@ -273,39 +273,6 @@ def test_one_tract_child_gives_the_decode_and_the_fixed_text_checks(
     _tamper(archive, bad)
     with pytest.raises(VerificationFailed, match="tract logits differ"):
         ver.verify_causal_lm(bad, io_spec, expected, 1e-3, 1e-3, work=tmp_path / "v", text=text)
-
-
-def test_one_prefill_a_chunk_gives_the_logits_of_one_run_a_position(
-    llama_export: Exported, tmp_path: Path
-) -> None:
-    """The fixed text scored from one run per chunk (the head's statements copied onto every
-    position) gives the logits that one run per position, tract's own KV cache fed back, gives
-    on the shipped graph; what is unpacked for it is gone once tract has loaded it."""
-    from service.exporters.nnef import tract_cli
-    from service.logits import window_request
-
-    archive = llama_export.out / "model.nnef.tgz"
-    io_spec = _io(llama_export.out)
-    vocab = int(io_spec.outputs[0].shape[-1])
-    chunks = np.random.default_rng(0).integers(0, vocab, size=(2, 24))
-    request: dict[str, np.ndarray] = {**window_request(chunks)}
-    request["cache_shapes"] = np.asarray(
-        [[0 if d == "P" else int(d) for d in t.shape] for t in io_spec.inputs[1:]], dtype=np.int64
-    )
-    request["cache_dtypes"] = np.asarray([t.dtype for t in io_spec.inputs[1:]])
-    steps = tract_cli.run_chunks(tract_cli.load_runnable(archive), request)
-    every = tract_cli.load_with_every_position(archive, tmp_path)
-    assert every is not None
-    assert list(tmp_path.iterdir()) == []
-    prefill = tract_cli.run_prefill_chunks(every, request)
-    assert prefill.shape == steps.shape == (2, 11, vocab)
-    scale = float(np.abs(steps).max())
-    assert float(np.abs(prefill - steps).max()) <= 1e-4 * scale
-    # the decode on the edited graph gives the shipped output's logits too
-    decode = {"prompt": chunks[:1, :5], "tokens": chunks[0, 5:8], **request}
-    shipped, _ = tract_cli.run_decode(tract_cli.load_runnable(archive), decode)
-    edited, _ = tract_cli.run_decode(every, decode, extra_outputs=1)
-    assert np.array_equal(shipped, edited)
 
 
 def test_head_copied_onto_every_position_only_where_the_graph_slices_the_last_one() -> None:

@@ -249,7 +249,7 @@ def test_block_by_block_logits_on_the_fixed_text_match_the_whole_archives(
     blocks = check_logits(archive, io_spec, "float16", None, independent,
                           work=tmp_path / "layerwise", blocks=tmp_path / "blocks")  # fmt: skip
     assert (whole["mode"], blocks["mode"]) == ("whole", "layerwise")
-    assert whole["scored_by"] == blocks["scored_by"] == "prefill"
+    assert (whole["scored_by"], blocks["scored_by"]) == ("steps", "prefill")
     assert blocks["positions"] == whole["positions"] == 126
     assert blocks["bounds"] == whole["bounds"] == asdict(runtime_bounds("float16"))
     # the same graph and weights in the same float16: only where tract cuts its fused kernels
