@@ -74,6 +74,19 @@ modelprep-verify (after)         50.5 s    79.3 s    0.77, 0.44, 0.61 (median 0.
 Verify phase before 49.8 / 28.7 / 35.0 s, after 36.3 / 15.2 / 24.8 s; peaks: job 0.81 GiB,
 tract child 2.27 GiB, CLI 2.75-2.87 GiB.
 
+On a quiet host (2026-11-27, load 0.7-1.5, nothing else running; ``--layers 3,6 --rounds 3
+--verify --before <checkout of a336d51>``), min / median and the median of the per-round ratios
+to the CLI. ``modelprep-verify-before`` (a336d51) is main's whole-archive check;
+``modelprep-verify`` was bf3b40a's fixed text in one prefill a chunk, since reverted for the
+whole archive (``docs/exports.md``, NNEF):
+
+==================  ==================  ==================  ==================  ==================
+checkpoint          t2n-cli             verify-before       verify (prefill)    verify off
+==================  ==================  ==================  ==================  ==================
+1.14 GB (3 layers)  43.6 / 45.6 s       42.7 / 47.6 (0.99)  45.4 / 47.9 (1.00)  21.6 / 26.2 (0.55)
+1.76 GB (6 layers)  62.7 / 72.6 s       65.6 / 69.7 (0.98)  65.4 / 68.9 (1.04)  31.9 / 32.3 (0.51)
+==================  ==================  ==================  ==================  ==================
+
 Earlier figures (2026-11-22, 5.05 GB, load 1-4): modelprep verify off 84-101 s, verify on
 138-154 s, ``dump_llm(device_map="t2n_offload_disk", no_verify=True)`` 166.5 s (its check off;
 it leaves its 4.8 GB ``mkdtemp`` offload directory behind each time).
