@@ -37,6 +37,21 @@ The table gives each wall's minimum and median, the ratio of the medians and the
 per-round ratios; the load average is recorded before and after each size (the figures are only
 as good as the machine was quiet).
 
+On a quiet host (2026-11-27, load 1.1-1.4, nothing else running; ``--layers 3,18 --repeat 3``),
+min / median, ratio of the medians to optimum's:
+
+=============  ===================  ====================  =====================  ==================
+checkpoint     optimum, no valid.   ours verify off       ours verify on         peak RSS opt/off/on
+=============  ===================  ====================  =====================  ==================
+1.1 GB, 3 l    33.1 / 36.2 s        23.5 / 27.4 s (0.76)  31.8 / 32.3 s (0.89)   4.75 / 0.61 / 0.99
+4.2 GB, 18 l   98.7 / 106.8 s       44.8 / 53.8 s (0.50)  67.9 / 69.5 s (0.65)   8.71 / 0.62 / 3.89
+=============  ===================  ====================  =====================  ==================
+
+(GiB; the verified job's peak is transformers' reference loaded whole: no budget is set here.)
+Profile of a verified 4.2 GB job (69.5 s): read 3.0, independent reference 5.2, agreement 1.6,
+capture 8.0, write 22.8, greedy reference 10.0, onnxruntime decode 1.5 and fixed text 5.2,
+finalize 5.0 (``docs/exports.md``, ONNX).
+
 Figures of 2026-11-25, 2 cores shared with other work (load 6-18: indicative only). Before the
 two-layer capture (main at 16a69f7), 1.1 GB, two rounds of the three before it was stopped:
 
