@@ -166,7 +166,7 @@ def run_chunks(runnable: Any, request: dict[str, np.ndarray]) -> np.ndarray:
     return np.stack(found)
 
 
-# --- the fixed text's window at once, block by block ----------------------------------------------------
+# --- the fixed text's window at once, block by block ------------------------------------------
 
 _LAST_POSITION = re.compile(
     r"^\s+(\w+) = dyn_slice_begin\((\w+), axis = 1, begin = -1, stride = 1\);$", re.MULTILINE
