@@ -130,7 +130,12 @@ def run_decode(
     tract's own caches fed back; the last position's logits at every step, and the last
     position of each of the graph's ``extra_outputs`` trailing outputs (the layer outputs
     :func:`expose_layer_outputs` added) as ``[steps, extra, width]``."""
-    caches = _empty_caches(runnable, request)
+    caches = []
+    dtypes = [str(d) for d in request["cache_dtypes"]]
+    for i, (shape, dtype) in enumerate(zip(request["cache_shapes"], dtypes, strict=True), 1):
+        caches.append(
+            np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype))
+        )
     step_ids = np.ascontiguousarray(request["prompt"], dtype=np.int64)
     found = []
     layers = []
@@ -191,9 +196,10 @@ def head_over_every_position(graph: str) -> str | None:
     float32: unpack + load 10.1 s against a load of 5.7 s, the text's runs 6.8 s against 13.5 s)
     and raised tract's peak by 0.15-0.2 GiB, past its plan (``bench/export_nnef.py``)."""
     header = _GRAPH_HEADER.search(graph)
-    sliced = _LAST_POSITION.search(graph)
-    if header is None or sliced is None or len(_LAST_POSITION.findall(graph)) != 1:
+    slices = list(_LAST_POSITION.finditer(graph))
+    if header is None or len(slices) != 1:
         return None
+    (sliced,) = slices
     outputs = [o.strip() for o in header.group(3).split(",")]
     renamed = {sliced.group(1): sliced.group(2)}  # the slice's consumers read its input instead
     copies = []
@@ -213,15 +219,6 @@ def head_over_every_position(graph: str) -> str | None:
     body = graph[:end].rstrip("\n") + "\n" + "\n".join(copies) + "\n" + graph[end:]
     line = f"graph {header.group(1)}({header.group(2)}) -> ({', '.join([*outputs, added])})"
     return body[: header.start()] + line + body[header.end() :]
-
-
-def _empty_caches(runnable: Any, request: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """The archive's KV cache inputs with no past, in the dtypes tract expects."""
-    dtypes = [str(d) for d in request["cache_dtypes"]]
-    return [
-        np.zeros([int(d) for d in shape], dtype=fact_dtype(runnable.input_fact(i), dtype))
-        for i, (shape, dtype) in enumerate(zip(request["cache_shapes"], dtypes, strict=True), 1)
-    ]
 
 
 def _last_position(x: np.ndarray) -> np.ndarray:
@@ -405,13 +402,14 @@ def run_layerwise_chunks(work: Path, request: dict[str, np.ndarray]) -> dict[str
     carried: list[dict[int, np.ndarray]] = [{} for _ in chunks]
     logits: list[np.ndarray] = [np.empty(0, dtype=np.float32)] * len(chunks)
     peaks: list[int] = []
-    prefill = _heads_over_every_position(work, blocks)
+    copies = _heads_over_every_position(work, blocks)
+    prefill = bool(copies)
+    load = functools.partial(_load_every_position, copies)
     for block in blocks:
-        load = functools.partial(_load_every_position, prefill)
         runs: list[Run] = [
             functools.partial(
                 _block_steps, block=block, hidden=fed, shapes=shapes, dtypes=dtypes,
-                window=bool(prefill), **_window_steps(chunk, first, last, bool(prefill)),
+                window=prefill, **_window_steps(chunk, first, last, prefill),
             )
             for chunk, fed in zip(chunks, carried, strict=True)
         ]  # fmt: skip
@@ -602,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with np.load(args.input_from_bundle) as bundle:
             request = {k: bundle[k] for k in bundle.files}
         logits = run_chunks(load_runnable(Path(args.model)), request)
-        np.savez(args.save_outputs_npz, logits=logits)
+        np.savez(args.save_outputs_npz, logits=logits, scored_by=np.asarray("steps"))
         return 0
     with np.load(args.input_from_bundle) as bundle:
         inputs = {k: bundle[k] for k in bundle.files}
@@ -630,6 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             both: dict[str, Any] = {"logits": logits}
             if "chunks" in inputs:  # the fixed text's check too, on the archive loaded once
                 both["chunk_logits"] = run_chunks(runnable, inputs)
+                both["scored_by"] = np.asarray("steps")
             np.savez(args.save_outputs_npz, **both)
         return 0
     runnable = load_runnable(Path(args.model))

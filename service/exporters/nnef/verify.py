@@ -173,8 +173,9 @@ def verify_causal_lm(
         )
     extra: dict[str, Any] = {"mode": "whole"}
     if text is not None:
-        extra["logits"] = judge_logits(run.outputs["chunk_logits"], text, "whole")
-        extra["logits"]["scored_by"] = "steps"
+        extra["logits"] = judge_logits(
+            run.outputs["chunk_logits"], text, "whole", str(run.outputs["scored_by"])
+        )
     return ParityReport.of(
         "tract", comparison, len(found), expected.tokens, agreed,
         peak_rss_bytes=run.peak_rss_bytes, extra=extra,
@@ -308,19 +309,19 @@ def check_logits(
     else:
         run = run_tract(blocks, "layerwise-logits", request, work, check_abort)
     mode = "whole" if blocks is None else "layerwise"
-    report = judge_logits(run.outputs["logits"], TextCheck(dtype, compression, reference), mode)
-    report["scored_by"] = str(run.outputs["scored_by"]) if "scored_by" in run.outputs else "steps"
-    return report
+    text = TextCheck(dtype, compression, reference)
+    return judge_logits(run.outputs["logits"], text, mode, str(run.outputs["scored_by"]))
 
 
-def judge_logits(found: np.ndarray, text: TextCheck, mode: str) -> dict[str, Any]:
+def judge_logits(found: np.ndarray, text: TextCheck, mode: str, scored_by: str) -> dict[str, Any]:
     """:func:`check_logits`' figures and bounds on tract's logits of the scored window
-    (``found``, ``(n_chunk, window, vocab)``), wherever tract ran them."""
+    (``found``, ``(n_chunk, window, vocab)``), wherever tract ran them (``scored_by``, as the
+    child says: ``steps`` or ``prefill``)."""
     chunks = text.reference.chunks
     figures = compare_logits(text.reference.chunk_logits(), placed_rows(found, chunks), chunks)
     bounds = runtime_bounds(text.dtype, text.compression)
     report = {"reference": text.reference.summary()["implementation"], **figures.as_dict(),
-              "mode": mode, "bounds": asdict(bounds)}  # fmt: skip
+              "mode": mode, "scored_by": scored_by, "bounds": asdict(bounds)}  # fmt: skip
     failed = bounds.violations(figures)
     if failed:
         raise VerificationFailed(
