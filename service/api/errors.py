@@ -222,14 +222,20 @@ def install_error_handlers(app: FastAPI) -> None:
                 400, "malformed_json", "Malformed JSON", "the request body is not valid JSON",
                 request.url.path, errors,
             )
+        # FastAPI reads a body as JSON only when its content-type says so (strict_content_type,
+        # kept on: a browser page can send a body with no content-type without a CORS preflight,
+        # so parsing it would let any page submit jobs to a keyless service on localhost).
         content_type = request.headers.get("content-type", "")
-        not_json = content_type and "json" not in content_type.lower()
+        not_json = not content_type or "json" not in content_type.lower()
         if not_json and any(tuple(e["loc"]) == ("body",) for e in errors):
+            got = (
+                f"got {content_type!r}; curl sends a form unless told "
+                "-H 'content-type: application/json'"
+                if content_type else "the request had no content-type header"
+            )
             return problem(
                 415, "unsupported_media_type", "Unsupported media type",
-                f"the body must be JSON sent with 'content-type: application/json' (got "
-                f"{content_type!r}; curl sends a form unless told "
-                "-H 'content-type: application/json')",
+                f"the body must be JSON sent with 'content-type: application/json' ({got})",
                 request.url.path, errors,
             )
         summary = readable_errors(raw[:10], format_tags)

@@ -67,6 +67,20 @@ def test_a_body_sent_as_a_form_is_told_to_send_json(service: ServiceProcess) -> 
     assert "content-type: application/json" in problem["detail"]
 
 
+def test_a_body_sent_without_content_type_is_told_to_send_json(service: ServiceProcess) -> None:
+    """requests.post(url, data=json.dumps(...)) sends no content-type header at all."""
+    body = json.dumps({"source": "file:///x", "exports": [{"format": "safetensors"}]})
+    with service.client() as client:
+        request = client.build_request("POST", "/v1/jobs", content=body)
+        assert "content-type" not in request.headers
+        response = client.send(request)
+    assert response.status_code == 415
+    problem = response.json()
+    assert problem["type"] == "/problems/unsupported_media_type"
+    assert "no content-type header" in problem["detail"]
+    assert "content-type: application/json" in problem["detail"]
+
+
 def test_a_quantized_gguf_of_a_checkpoint_without_tokenizer_says_what_works(
     service: ServiceProcess, root: Path
 ) -> None:
