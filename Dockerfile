@@ -8,10 +8,10 @@
 # egg-info, wheels); the image gets only the virtual environment. A third stage builds llama.cpp's
 # tools and keeps its converter classes (the GGUF exporter runs and imports them), with the script
 # `make install` runs; its layer depends only on that script and the pinned version (read in a
-# stage of its own, so that a change elsewhere in service/llama_cpp.py keeps the cache), so the
+# stage of its own, so that a change elsewhere in service/shims/llama_cpp.py keeps the cache), so the
 # minutes of compiling are cached until the pin moves. The dependency list is read the same way.
 FROM python:3.11-slim AS pins
-COPY service/llama_cpp.py pyproject.toml /
+COPY service/shims/llama_cpp.py pyproject.toml /
 RUN sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' /llama_cpp.py > /llama-cpp-version \
     && test -s /llama-cpp-version \
     && python -c 'import tomllib; print(*tomllib.load(open("/pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \

@@ -86,7 +86,7 @@ def make_checkpoint(out: Path, layers: int, tokenizer: Path) -> dict[str, Any]:
 def upstream_converter(cache: Path) -> Path:
     """``convert_hf_to_gguf.py`` of the pinned llama.cpp, with its ``conversion`` package and
     gguf-py beside it: from the build cache when present, else extracted from the sdist."""
-    from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION, cache_home
+    from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION, cache_home
 
     version = LLAMA_CPP_PYTHON_VERSION
     for root in (cache_home() / "llama.cpp" / version / "convert", cache / f"convert-{version}"):
@@ -242,7 +242,7 @@ def upstream(
 ) -> dict[str, Any]:
     """convert_hf_to_gguf.py for f16/q8_0; for a K-quant, its f16 (``f16``, already timed, or
     converted here) then llama-quantize."""
-    from service.llama_cpp import llama_cpp_tool
+    from service.shims.llama_cpp import llama_cpp_tool
 
     if type_ in ("f16", "q8_0", "f32", "bf16"):
         out = work / f"upstream-{type_}.gguf"

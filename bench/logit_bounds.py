@@ -21,8 +21,8 @@ import transformers
 from transformers import AutoConfig
 
 from service.checkpoint.independent import independent_reference
-from service.llama_cpp import llama_cpp_tool
 from service.logits import FIXED_TEXT, parse_llama_kl, write_llama_base_logits
+from service.shims.llama_cpp import llama_cpp_tool
 from tests.fixtures.real_models import real_model
 from tests.integration.real_models.test_consumers import run_job
 

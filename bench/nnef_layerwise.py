@@ -34,7 +34,6 @@ import shutil
 import time
 from pathlib import Path
 
-from service.adapters.torch_to_nnef import weights_only_unpickling
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.exporters.base import ExportInputs
@@ -45,6 +44,7 @@ from service.exporters.nnef import NNEFExporter, NNEFSpec
 from service.exporters.nnef.layerwise import verify_causal_lm_layerwise
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
+from service.shims.torch_to_nnef import weights_only_unpickling
 from service.stage import InMemoryContext
 
 

@@ -7,17 +7,17 @@
 # is the llama.cpp that the PyPI sdist llama-cpp-python==$VERSION vendors, fetched with pip like
 # every other dependency.
 #
-# Usage: scripts/build_llama_cpp.sh [VERSION]   (default: the version service/llama_cpp.py pins)
+# Usage: scripts/build_llama_cpp.sh [VERSION]   (default: the version service/shims/llama_cpp.py pins)
 # Output: $MODELPREP_CACHE_HOME/llama.cpp/$VERSION/bin/llama-*  (MODELPREP_CACHE_HOME defaults to
 #         ${XDG_CACHE_HOME:-~/.cache}/modelprep), and .../$VERSION/convert/{conversion,gguf-py}: the
 #         same llama.cpp's HF->GGUF converter classes (and convert_lora_to_gguf.py, whose LoRA
 #         tensor class the GGUF LoRA export uses), used as a library by
-#         service/adapters/llama_cpp_convert.py, and the gguf-py they need (newer than PyPI's gguf
+#         service/shims/llama_cpp_convert.py, and the gguf-py they need (newer than PyPI's gguf
 #         of the same version string), which scripts/install_gguf_py.sh makes the venv's `gguf`.
 #         A second run with everything present does nothing.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-VERSION=${1:-$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' "$here/service/llama_cpp.py")}
+VERSION=${1:-$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' "$here/service/shims/llama_cpp.py")}
 [ -n "$VERSION" ] || { echo "build_llama_cpp: no version" >&2; exit 2; }
 cache=${MODELPREP_CACHE_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/modelprep}
 dest=$cache/llama.cpp/$VERSION

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the pinned llama.cpp's gguf-py as the one `gguf` package of a virtual environment.
 #
-# Why: llama.cpp's converter classes (service/adapters/llama_cpp_convert.py) need the gguf-py of
+# Why: llama.cpp's converter classes (service/shims/llama_cpp_convert.py) need the gguf-py of
 # the same llama.cpp, which is newer than PyPI's `gguf` of the same version string; the service's
 # other users of `gguf` (the GGUF writer and reader, offload/quant.py's GGML blocks) work with it
 # too. So the venv holds exactly that one `gguf` (tests/unit/test_one_gguf.py checks it) and no
@@ -15,7 +15,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 pip=${1:?usage: scripts/install_gguf_py.sh PIP [GGUF_PY_DIR [PIP_OPTION...]]}
-version=$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' "$here/service/llama_cpp.py")
+version=$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION = "\(.*\)"$/\1/p' "$here/service/shims/llama_cpp.py")
 cache=${MODELPREP_CACHE_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/modelprep}
 src=${2:-$cache/llama.cpp/$version/convert/gguf-py}
 shift $(( $# < 2 ? $# : 2 ))

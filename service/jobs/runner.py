@@ -19,7 +19,6 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from service.adapters.multiprocessing import release_forkserver
 from service.config import Settings
 from service.errors import JobCancelled, MemoryBudgetExceeded, ServiceError
 from service.heap import pin_mmap_threshold
@@ -30,6 +29,7 @@ from service.libc import set_parent_death_signal
 from service.memory import JobCgroup, peak_rss, reset_peak_rss
 from service.offload.paths import job_store_dir
 from service.offload.usage import store_usage
+from service.shims.multiprocessing import release_forkserver
 from service.stage import InMemoryContext
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from importlib.metadata import PackageNotFoundError, version
 
-from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
+from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 
 PRODUCERS = (
     "modelprep", "torch", "transformers", "safetensors", "gguf", "sentencepiece",

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.adapters.transformers_keys import key_renamer
 from service.checkpoint.base import Checkpoint, TensorInfo
 from service.config import Settings
 from service.errors import NoModelConfig
+from service.shims.transformers_keys import key_renamer
 from service.stage import JobContext, Phase
 from service.tensors import dtype_name
 

@@ -15,7 +15,6 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from service.adapters.transformers_keys import key_renamer
 from service.checkpoint.base import TensorInfo, WeightReader
 from service.errors import WeightsMismatch
 from service.offload.build import BuiltModel, resolve_name, tied_names
@@ -23,6 +22,7 @@ from service.offload.device_map import DeviceMap, placement_of, resolve_device_m
 from service.offload.quant import QuantEncoding, packed_nbytes
 from service.offload.store import OffloadStore
 from service.offload.tensor import StoreTensor
+from service.shims.transformers_keys import key_renamer
 from service.stage import JobContext, Phase
 
 CHUNK_BYTES = 64 << 20

@@ -41,13 +41,6 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoFile
 from pydantic import SecretStr
 
-from service.adapters.huggingface_hub import (
-    TransportError,
-    build_hf_headers,
-    filter_repo_objects,
-    job_progress_bar,
-    validate_repo_id,
-)
 from service.checkpoint import AUX_PATTERNS
 from service.checkpoint.headers import CheckpointHeaders, TensorHeader, config_of
 from service.config import Settings
@@ -64,6 +57,13 @@ from service.errors import (
     SourceUnauthorized,
 )
 from service.retry import Backoff
+from service.shims.huggingface_hub import (
+    TransportError,
+    build_hf_headers,
+    filter_repo_objects,
+    job_progress_bar,
+    validate_repo_id,
+)
 from service.sources.base import ResolvedSource, SourceIdentity, SourceRequest
 from service.sources.cache import DownloadCache
 from service.sources.http import remote_header

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION, TOOLS, default_bin_dir, llama_cpp_tool
+from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION, TOOLS, default_bin_dir, llama_cpp_tool
 
 
 @pytest.mark.parametrize("name", TOOLS)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import gguf
 
-from service.adapters.llama_cpp_convert import converter_dir
+from service.shims.llama_cpp_convert import converter_dir
 
 
 def test_one_distribution_provides_gguf() -> None:

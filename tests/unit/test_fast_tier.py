@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.llama_cpp import default_bin_dir
+from service.shims.llama_cpp import default_bin_dir
 from tests.fixtures import fast_tier
 from tests.fixtures.fast_tier import FastTierViolation
 from tests.fixtures.real_models import REAL_MODELS, real_model

@@ -11,7 +11,7 @@ resident) every time torch-to-nnef touches it.
 
 Everything torch-to-nnef itself still writes (offloaded q4_0 blocks, archive staging) lands in
 an ``offload_dir``/``TMPDIR`` owned by the job, and every ``torch.load`` it makes runs
-weights-only: the patches that ensure it are in :mod:`service.adapters.torch_to_nnef`.
+weights-only: the patches that ensure it are in :mod:`service.shims.torch_to_nnef`.
 
 This module imports torch and torch-to-nnef at import time: import it inside functions.
 """
@@ -31,10 +31,10 @@ import torch
 from torch import nn
 from torch_to_nnef.tensor.updater import ModTensorUpdater
 
-from service.adapters.torch_to_nnef import CheckpointTensor, ReloadHook, TensorSource
 from service.checkpoint.base import Checkpoint, WeightReader
 from service.errors import CheckpointError, NoModelConfig, UnsupportedExport
 from service.exporters.common.families import is_causal_lm
+from service.shims.torch_to_nnef import CheckpointTensor, ReloadHook, TensorSource
 
 if TYPE_CHECKING:
     from service.offload.store import OffloadStore

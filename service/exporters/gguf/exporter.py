@@ -37,7 +37,7 @@ from service.exporters.gguf.lora import LORA_PREFIX
 from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_vlm, mmproj_type
 from service.exporters.gguf.plan import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.spec import GGUFSpec
-from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
+from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 from service.stage import JobContext, Phase
 from service.units import parse_size
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import ChildPeaks, run_child
-from service.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.logits import (
     FIXED_TEXT,
     LogitBounds,
@@ -29,6 +28,7 @@ from service.logits import (
     scored,
     write_llama_base_logits,
 )
+from service.shims.llama_cpp import TOOL_ENV, llama_cpp_tool
 
 if TYPE_CHECKING:
     from service.checkpoint.independent import IndependentReference

@@ -2,7 +2,7 @@
 ``"merge": false``), for llama.cpp's ``--lora`` on the base GGUF written beside it.
 
 What is written is what llama.cpp's ``convert_lora_to_gguf.py --base <source>`` writes
-(``service.adapters.llama_cpp_convert.plan_lora_conversion``): ``<tensor>.lora_a`` ``(r, in)`` and
+(``service.shims.llama_cpp_convert.plan_lora_conversion``): ``<tensor>.lora_a`` ``(r, in)`` and
 ``<tensor>.lora_b`` ``(out, r)`` under the base GGUF's tensor names, transformed as the base's
 weight is (the q/k row permutation acts on ``B``), and ``adapter.lora.alpha``. llama.cpp scales
 every pair by ``alpha / r`` (``r`` read from the pair), which is PEFT's scale for a plain LoRA and
@@ -85,7 +85,7 @@ def plan_lora(
     ratios folded into ``B``."""
     import gguf
 
-    from service.adapters.llama_cpp_convert import plan_lora_conversion
+    from service.shims.llama_cpp_convert import plan_lora_conversion
 
     factors, alpha, folded = llama_cpp_factors(adapter)
     try:

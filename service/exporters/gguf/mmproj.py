@@ -5,7 +5,7 @@ drops the vision tensors) and the projector that ``llama-mtmd-cli`` / ``llama-se
 load beside it: the vision tower, the projector and the ``clip.*`` keys (image size, patch size,
 mean/std, projector type). Upstream's ``convert_hf_to_gguf.py --mmproj`` writes it with the
 architecture's ``MmprojModel`` subclass (``MMPROJ_MODEL_MAP``); here the same class is run
-through ``service.adapters.llama_cpp_convert.plan_conversion(mmproj=True)`` on lazy tensors fed
+through ``service.shims.llama_cpp_convert.plan_conversion(mmproj=True)`` on lazy tensors fed
 by the job's reader, and the file is written by the same streaming writer as the text model, so
 the vision tower is read tensor by tensor in row blocks, never whole.
 
@@ -98,10 +98,10 @@ checked here yet" (see also :func:`check_vlm`'s remote-code case)."""
 def check_vlm(config: dict[str, Any], bin_dir: Path | None = None) -> None:
     """Refuse a vision-language model outside :data:`VLM_FAMILIES` with
     :class:`UnsupportedExport` naming the ones taken and why this one is not."""
-    from service.adapters.llama_cpp_convert import (
+    from service.shims.llama_cpp_convert import (
         mmproj_architecture as upstream_arch,
     )
-    from service.adapters.llama_cpp_convert import (
+    from service.shims.llama_cpp_convert import (
         supported_mmproj_architectures,
     )
 
@@ -159,7 +159,7 @@ def plan_mmproj(
     """What upstream's ``MmprojModel`` class writes for this checkpoint, as the writer's plan."""
     import gguf
 
-    from service.adapters.llama_cpp_convert import plan_conversion
+    from service.shims.llama_cpp_convert import plan_conversion
 
     conversion = plan_conversion(
         root, config, reader, out_type, bin_dir=bin_dir, metadata=metadata, vocab=False,

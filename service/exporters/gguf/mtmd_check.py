@@ -42,7 +42,7 @@ from typing import Any
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import run_child
-from service.llama_cpp import TOOL_ENV, llama_cpp_tool
+from service.shims.llama_cpp import TOOL_ENV, llama_cpp_tool
 
 TOKENS = 16
 """Greedy tokens generated on each side."""

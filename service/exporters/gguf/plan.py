@@ -1,6 +1,6 @@
 """What a GGUF file will hold, decided from metadata alone, before any weight is read.
 
-llama.cpp's own converter decides: ``service.adapters.llama_cpp_convert`` runs upstream's class for
+llama.cpp's own converter decides: ``service.shims.llama_cpp_convert`` runs upstream's class for
 the checkpoint's architecture (``ModelBase.from_model_architecture``) on lazy tensors fed by the
 service's reader, so every architecture and pre-tokenizer the pinned llama.cpp converts is
 written, with its tensor names, transforms (q/k permutation, stacked experts, norm offsets),
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     import numpy as np
     from gguf import GGUFWriter
 
-    from service.adapters.llama_cpp_convert import PlannedTensor
     from service.checkpoint.base import WeightReader
+    from service.shims.llama_cpp_convert import PlannedTensor
 
 OutType = Literal["f32", "f16", "bf16", "q8_0", "q4_0"]
 
@@ -54,14 +54,14 @@ def has_tokenizer(root: Path) -> bool:
 
 def supported_architectures(bin_dir: Path | None = None) -> list[str]:
     """Hugging Face architecture names llama.cpp's pinned converter writes."""
-    from service.adapters.llama_cpp_convert import supported_architectures as upstream
+    from service.shims.llama_cpp_convert import supported_architectures as upstream
 
     return sorted(upstream(bin_dir))
 
 
 def resolve_architecture(config: dict[str, Any], bin_dir: Path | None = None) -> str:
     """The architecture of ``config`` or :class:`UnsupportedExport` naming what is supported."""
-    from service.adapters.llama_cpp_convert import hf_architecture
+    from service.shims.llama_cpp_convert import hf_architecture
 
     arch = hf_architecture(config)
     supported = supported_architectures(bin_dir)
@@ -198,7 +198,7 @@ def plan_gguf(
     """
     import gguf
 
-    from service.adapters.llama_cpp_convert import plan_conversion
+    from service.shims.llama_cpp_convert import plan_conversion
 
     resolve_architecture(config, bin_dir)
     conversion = plan_conversion(

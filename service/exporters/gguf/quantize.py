@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
 from service.exporters.common.child_process import ChildPeaks, run_child
 from service.exporters.gguf.spec import QUANTIZER_TYPES
-from service.llama_cpp import TOOL_ENV, llama_cpp_tool
+from service.shims.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.stage import JobContext, SideContext
 
 if TYPE_CHECKING:

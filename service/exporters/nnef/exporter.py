@@ -199,11 +199,11 @@ def export_nnef(
     The model is a copy of the job's meta build (``inputs.skeleton``) reading its weights from
     the job's offload store (``inputs.store``); called alone, with neither, it builds on meta
     itself and reads the checkpoint."""
-    from service.adapters import torch_to_nnef as t2n
     from service.exporters.common import offloaded_model as off
     from service.exporters.nnef.tract_cli import write_launcher
     from service.exporters.nnef.verify import TextCheck, ensure_tract_fits
     from service.offload.build import build_on_meta
+    from service.shims import torch_to_nnef as t2n
 
     checkpoint = inputs.checkpoint
 

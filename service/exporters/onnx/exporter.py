@@ -6,7 +6,7 @@ no weight memory. A decoder is traced with two layers and its further layers are
 the second (:mod:`service.exporters.onnx.stamp`), so capture time does not grow with depth;
 ``traced_layers`` in the manifest says so. Every initializer of the captured graph is then replaced by an onnx-ir
 ``LazyTensor`` that re-reads its weight from the job's offload store (or the checkpoint) through
-the same :class:`~service.adapters.torch_to_nnef.CheckpointTensor` the NNEF export uses, and
+the same :class:`~service.shims.torch_to_nnef.CheckpointTensor` the NNEF export uses, and
 onnx-ir writes the external data file one tensor at a time, serially; a weight the offload store
 holds is written a slice of rows at a time (:data:`CHUNK_BYTES`), cast slice by slice. Peak RSS
 of the job is therefore
@@ -460,7 +460,7 @@ def _streamed_tensor_type() -> type[Any]:
 
 def _in_store(source: Any) -> tuple[Any, str] | None:
     """(store, name) when ``source`` is an offloaded weight read from the job's offload store."""
-    from service.adapters.torch_to_nnef import CheckpointTensor
+    from service.shims.torch_to_nnef import CheckpointTensor
 
     if not isinstance(source, CheckpointTensor) or source.source is None:
         return None
@@ -476,7 +476,7 @@ def _reader(source: Any, dtype: ir.DataType) -> Any:
     def read() -> ir.Tensor[Any]:
         import torch
 
-        from service.adapters.torch_to_nnef import CheckpointTensor
+        from service.shims.torch_to_nnef import CheckpointTensor
 
         with torch.no_grad():
             value = source.reload() if isinstance(source, CheckpointTensor) else source.detach()

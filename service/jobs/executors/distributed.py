@@ -21,12 +21,12 @@ from procrastinate.sync_psycopg_connector import SyncPsycopgConnector
 from sqlalchemy import make_url
 from sqlalchemy.engine import Connection
 
-from service.adapters.procrastinate import list_jobs, retry_job
 from service.config import Settings
 from service.errors import ConfigurationError, SecretNotForwardable
 from service.jobs.executors.base import admission
 from service.jobs.model import Job, JobStatus
 from service.jobs.store import JobStore, utcnow
+from service.shims.procrastinate import list_jobs, retry_job
 
 log = logging.getLogger(__name__)
 

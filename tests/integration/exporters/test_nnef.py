@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from service.adapters.torch_to_nnef import weights_only_unpickling
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import (
@@ -36,6 +35,7 @@ from service.exporters.nnef import NNEFExporter, NNEFSpec
 from service.exporters.nnef.tract_cli import write_launcher
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
+from service.shims.torch_to_nnef import weights_only_unpickling
 from service.stage import InMemoryContext, Phase
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import (

@@ -161,7 +161,7 @@ def test_a_gguf_converter_that_skips_the_qk_permutation_fails_the_job(
 ) -> None:
     import importlib
 
-    from service.adapters.llama_cpp_convert import load_converter
+    from service.shims.llama_cpp_convert import load_converter
 
     load_converter()  # llama.cpp's conversion package, where LlamaModel.permute lives
     llama = importlib.import_module("conversion.llama")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from service.llama_cpp import llama_cpp_tool
+from service.shims.llama_cpp import llama_cpp_tool
 from tests.fixtures.real_models import real_model
 from tests.integration.real_models.test_consumers import (
     PROBES,

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.adapters.torch_to_nnef import weights_only_unpickling
 from service.checkpoint import open_checkpoint
 from service.checkpoint.headers import local_file_header
 from service.config import Settings
@@ -31,6 +30,7 @@ from service.exporters.nnef.layerwise import (
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
 from service.plan.formats import block_weight_bytes, tract_peaks
+from service.shims.torch_to_nnef import weights_only_unpickling
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.real_models import Variant, real_variant
 from tests.integration.exporters.test_nnef import scale_weight

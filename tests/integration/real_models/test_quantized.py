@@ -30,7 +30,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.exporters.gguf.llama_check import PPL_CTX, PPL_TEXT
-from service.llama_cpp import llama_cpp_tool
 from service.logits import (
     LogitBounds,
     LogitFigures,
@@ -40,6 +39,7 @@ from service.logits import (
     scored,
     write_llama_base_logits,
 )
+from service.shims.llama_cpp import llama_cpp_tool
 from tests.fixtures.quantized import real_fp8, real_stale_gguf
 from tests.fixtures.real_models import Variant, real_variant
 from tests.integration.real_models.test_consumers import run_job

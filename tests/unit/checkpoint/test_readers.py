@@ -214,8 +214,8 @@ def test_read_into_fills_a_caller_buffer_with_any_element_range(
 def test_aux_files_follow_the_one_pattern_list_the_hub_downloads(
     tmp_path: Path, llama_sharded_safetensors_dir: Path
 ) -> None:
-    from service.adapters.huggingface_hub import filter_repo_objects
     from service.checkpoint import AUX_PATTERNS
+    from service.shims.huggingface_hub import filter_repo_objects
 
     root = _copy(llama_sharded_safetensors_dir, tmp_path / "ckpt")
     for name in ("cl100k_base.tiktoken", "preprocessor_config.json", "notes.txt", "README.md"):

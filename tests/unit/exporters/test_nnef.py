@@ -15,7 +15,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from service.adapters.torch_to_nnef import weights_only_unpickling
 from service.api.errors import http_status
 from service.checkpoint import open_checkpoint
 from service.config import Settings
@@ -26,6 +25,7 @@ from service.errors import (
 )
 from service.exporters.base import ExportInputs, ExportResult, registry
 from service.exporters.nnef.exporter import NNEFExporter, NNEFSpec
+from service.shims.torch_to_nnef import weights_only_unpickling
 from service.stage import InMemoryContext
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import (
@@ -160,7 +160,7 @@ def test_exporter_is_registered_under_nnef() -> None:
 def test_checkpoint_tensor_rereads_the_checkpoint_casts_lazily_and_keeps_rewrites(
     tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
-    from service.adapters.torch_to_nnef import CheckpointTensor
+    from service.shims.torch_to_nnef import CheckpointTensor
 
     reads: list[int] = []
     with open_checkpoint(tiny_checkpoint("llama", "safetensors")) as ckpt:

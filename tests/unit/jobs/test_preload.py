@@ -66,10 +66,10 @@ def test_lazy_imports_of_the_stages_are_followed_but_a_rare_formats_are_not() ->
     assert {"service.offload.dispatch", "service.offload.streaming",
             "service.exporters.safetensors.verify", "service.checkpoint.torch_pickle",
             "service.exporters.safetensors.writer"} <= set(modules)
-    # Not torch-to-nnef's adapter or the offloaded model: NNEF's and ONNX's exports import them
+    # Not torch-to-nnef's shim or the offloaded model: NNEF's and ONNX's exports import them
     # lazily.
     assert not {
-        "service.adapters.torch_to_nnef", "service.exporters.common.offloaded_model"
+        "service.shims.torch_to_nnef", "service.exporters.common.offloaded_model"
     } & set(modules)
     assert "service.jobs.migrations" not in modules  # no job migrates the schema
 

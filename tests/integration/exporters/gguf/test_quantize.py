@@ -21,7 +21,7 @@ from service.errors import (
 from service.exporters.gguf import GGUFSpec
 from service.exporters.gguf.directory import read_directory
 from service.exporters.gguf.quantize import compute_imatrix, quantize, sha256_of
-from service.llama_cpp import llama_cpp_tool
+from service.shims.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
 from tests.fixtures.gguf_files import export_gguf
 

@@ -31,7 +31,7 @@ from service.exporters.gguf.plan import (
     plan_gguf,
 )
 from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf, write_gguf_files
-from service.llama_cpp import llama_cpp_tool
+from service.shims.llama_cpp import llama_cpp_tool
 from tests.fixtures.gguf_files import (
     IDS,
     export_gguf,

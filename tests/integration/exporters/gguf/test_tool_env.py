@@ -1,4 +1,4 @@
-"""The environment every llama.cpp tool runs with (``service.llama_cpp.TOOL_ENV``) does what
+"""The environment every llama.cpp tool runs with (``service.shims.llama_cpp.TOOL_ENV``) does what
 the service relies on: ``LLAMA_ARG_REPACK=0`` keeps the CPU backend from copying the K-quant
 weights into anonymous memory ("repacking"), which made the Q4_K_M check's anonymous peak grow
 with the model (1.11 GiB at 10.52 GB, docs/deployment.md). A real Q4_K_M file (the real
@@ -14,7 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from service.llama_cpp import TOOL_ENV, llama_cpp_tool
+from service.shims.llama_cpp import TOOL_ENV, llama_cpp_tool
 from tests.fixtures.real_models import _package_file
 
 TEXT = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)

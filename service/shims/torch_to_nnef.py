@@ -1,6 +1,6 @@
 """torch-to-nnef's internals this service patches or extends, in one place.
 
-Assumptions (each checked by tests/unit/adapters/test_torch_to_nnef.py, which names the one that
+Assumptions (each checked by tests/unit/shims/test_torch_to_nnef.py, which names the one that
 broke; torch-to-nnef capped in pyproject.toml at the series they were checked on):
 
 * ``OffloadedTensor.reload()`` goes through the private ``_reload_unmanaged(device)``, which

@@ -1,4 +1,4 @@
-"""The assumption service.adapters.multiprocessing makes about the forkserver, named in the
+"""The assumption service.shims.multiprocessing makes about the forkserver, named in the
 failure message so that a Python upgrade that breaks it says which."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from multiprocessing.connection import Connection
 
 
 def _report(conn: Connection) -> None:
-    from service.adapters.multiprocessing import alive_fd, release_forkserver
+    from service.shims.multiprocessing import alive_fd, release_forkserver
 
     fd = alive_fd()
     is_open = fd is not None and _is_open(fd)

@@ -1,4 +1,4 @@
-"""The assumptions service.adapters.llama_cpp_convert makes about llama.cpp's converter classes
+"""The assumptions service.shims.llama_cpp_convert makes about llama.cpp's converter classes
 (the ``conversion`` package of the pinned llama-cpp-python sdist), each named in the failure
 message so that a new llama.cpp that breaks one says which."""
 
@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from service.adapters import llama_cpp_convert as conv
 from service.errors import ToolMissing
-from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION
+from service.shims import llama_cpp_convert as conv
+from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 
 
 def test_the_pinned_llama_cpp_is_a_checked_version() -> None:
     assert LLAMA_CPP_PYTHON_VERSION in conv.CHECKED_VERSIONS, (
-        "assumption broken: service/llama_cpp.py pins a llama.cpp whose converter the adapter "
+        "assumption broken: service/shims/llama_cpp.py pins a llama.cpp whose converter the shim "
         "was not checked on; re-run these tests and extend CHECKED_VERSIONS"
     )
 
@@ -137,7 +137,7 @@ def test_a_row_is_read_alone_with_or_without_read_into() -> None:
 
 
 def test_upstreams_pixtral_projector_class_still_filters_the_embedding_it_reads() -> None:
-    """The adapter hands LlavaVisionModel the text embedding that MmprojModel.filter_tensors
+    """The shim hands LlavaVisionModel the text embedding that MmprojModel.filter_tensors
     drops, so that it can copy the [IMG_BREAK] row; once upstream keeps it, the workaround in
     plan_conversion is dead code to remove."""
     assert conv.break_row_filtered(), (
@@ -257,7 +257,7 @@ def test_a_vlms_text_model_is_named_by_its_text_config_as_upstream_does() -> Non
     """SmolVLM's config names Idefics3ForConditionalGeneration at the top (no text class
     upstream) and VLlama3ForCausalLM in text_config, which upstream's
     get_model_architecture converts as the text model; its projector is the top-level name."""
-    from service.adapters.llama_cpp_convert import (
+    from service.shims.llama_cpp_convert import (
         hf_architecture,
         mmproj_architecture,
         supported_architectures,

@@ -1,4 +1,4 @@
-"""service.adapters.transformers_keys: transformers' own per-model key renaming.
+"""service.shims.transformers_keys: transformers' own per-model key renaming.
 
 If one of these fails after a transformers upgrade, ``conversion_mapping.get_model_conversion_mapping``
 or ``core_model_loading.rename_source_key`` changed: the job's meta build would no longer find a
@@ -17,7 +17,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from service.adapters.transformers_keys import key_renamer
+from service.shims.transformers_keys import key_renamer
 
 
 def _gemma3() -> Gemma3ForConditionalGeneration:

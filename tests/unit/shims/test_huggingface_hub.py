@@ -1,4 +1,4 @@
-"""The assumptions service.adapters.huggingface_hub makes about huggingface_hub, each named in
+"""The assumptions service.shims.huggingface_hub makes about huggingface_hub, each named in
 the failure message so that an upgrade that breaks one says which."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 from huggingface_hub import HfApi, hf_hub_download
 from tqdm.std import tqdm
 
-from service.adapters.huggingface_hub import (
+from service.config import Settings
+from service.shims.huggingface_hub import (
     TransportError,
     filter_repo_objects,
     job_progress_bar,
     validate_repo_id,
 )
-from service.config import Settings
 from service.stage import InMemoryContext
 
 

@@ -7,7 +7,7 @@ asks upstream's class for the model (``ModelBase.from_model_architecture``) what
 and writes it itself (bounded memory, progress, cancel, sha256 while writing).
 
 What is used of upstream's internals (checked on :data:`CHECKED_VERSIONS`, pinned by
-``service.llama_cpp.LLAMA_CPP_PYTHON_VERSION``; ``tests/unit/adapters/test_llama_cpp_convert.py``
+``service.shims.llama_cpp.LLAMA_CPP_PYTHON_VERSION``; ``tests/unit/shims/test_llama_cpp_convert.py``
 names each assumption):
 
 * ``conversion/__init__.py``'s ``TEXT_MODEL_MAP`` literal (read with ``ast``: the API process
@@ -57,7 +57,7 @@ store's GGML blocks agree on every enum and constant; :func:`load_converter` ref
 any other ``gguf`` rather than swap modules under the process.
 
 Why one module of over 450 lines: the style keeps every use of a library's internals in one
-adapter module per library, next to the list of assumptions above, so an upgrade of llama.cpp is
+shim module per library, next to the list of assumptions above, so an upgrade of llama.cpp is
 checked against one file and one test module.
 """
 
@@ -79,7 +79,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from service.errors import ToolMissing, UnsupportedExport, UnsupportedTokenizer
-from service.llama_cpp import LLAMA_CPP_PYTHON_VERSION, default_bin_dir
+from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION, default_bin_dir
 
 if TYPE_CHECKING:
     import numpy as np
@@ -87,7 +87,7 @@ if TYPE_CHECKING:
 
 
 class WeightReader(Protocol):
-    """What the adapter needs of a checkpoint reader (service.checkpoint.base.WeightReader)."""
+    """What the shim needs of a checkpoint reader (service.checkpoint.base.WeightReader)."""
 
     def tensor_infos(self) -> list[Any]: ...
 
@@ -100,7 +100,7 @@ class WeightReader(Protocol):
 log = logging.getLogger(__name__)
 
 CHECKED_VERSIONS = ("0.3.36",)
-"""llama-cpp-python sdists whose vendored converter this adapter was checked against."""
+"""llama-cpp-python sdists whose vendored converter this shim was checked against."""
 
 FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 """Output types upstream's converter plans (``--outtype``); anything else is mapped by the caller."""
@@ -110,8 +110,8 @@ def converter_dir(bin_dir: Path | None = None) -> Path:
     """``<cache>/llama.cpp/<version>/convert`` beside the tools (scripts/build_llama_cpp.sh)."""
     if LLAMA_CPP_PYTHON_VERSION not in CHECKED_VERSIONS:
         raise ToolMissing(
-            f"llama.cpp {LLAMA_CPP_PYTHON_VERSION}'s converter is not one this adapter was checked "
-            f"on ({', '.join(CHECKED_VERSIONS)}): check service/adapters/llama_cpp_convert.py"
+            f"llama.cpp {LLAMA_CPP_PYTHON_VERSION}'s converter is not one this shim was checked "
+            f"on ({', '.join(CHECKED_VERSIONS)}): check service/shims/llama_cpp_convert.py"
         )
     path = (bin_dir or default_bin_dir()).parent / "convert"
     if not (path / "conversion" / "__init__.py").is_file():

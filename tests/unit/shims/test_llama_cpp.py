@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.errors import ToolMissing
-from service.llama_cpp import llama_cpp_tool
+from service.shims.llama_cpp import llama_cpp_tool
 
 
 def test_a_missing_tool_is_a_typed_error_that_says_how_to_build_it(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@
 through their public names in ``huggingface_hub.utils``, re-exported here only because mypy
 does not see them as exported there.
 
-Assumptions (checked by tests/unit/adapters/test_huggingface_hub.py; huggingface_hub capped in
+Assumptions (checked by tests/unit/shims/test_huggingface_hub.py; huggingface_hub capped in
 pyproject.toml):
 
 * ``huggingface_hub.utils.httpx`` is the HTTP client module the hub client raises from (httpx2

@@ -2,7 +2,7 @@
 
 procrastinate has no public synchronous API to list a lock's jobs or to retry one on a given
 connection, so :class:`service.jobs.executors.distributed.JobQueue` runs two of its named
-queries itself. Assumptions (checked by tests/unit/adapters/test_procrastinate.py;
+queries itself. Assumptions (checked by tests/unit/shims/test_procrastinate.py;
 procrastinate capped in pyproject.toml):
 
 * ``procrastinate.sql.queries`` holds ``list_jobs`` and ``retry_job`` with exactly the

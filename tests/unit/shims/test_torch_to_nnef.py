@@ -1,4 +1,4 @@
-"""The assumptions service.adapters.torch_to_nnef makes about torch-to-nnef's internals, each
+"""The assumptions service.shims.torch_to_nnef makes about torch-to-nnef's internals, each
 named in the failure message so that an upgrade that breaks one says which."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from service.adapters import torch_to_nnef as t2n
+from service.shims import torch_to_nnef as t2n
 
 
 class _Weights:

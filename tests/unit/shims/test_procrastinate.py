@@ -1,4 +1,4 @@
-"""The assumptions service.adapters.procrastinate makes about procrastinate's queries, named in
+"""The assumptions service.shims.procrastinate makes about procrastinate's queries, named in
 the failure message so that an upgrade that breaks one says which (the queries also run against
 PostgreSQL in tests/integration/distributed)."""
 
@@ -10,7 +10,7 @@ import re
 from procrastinate import sql
 from procrastinate.sync_psycopg_connector import SyncPsycopgConnector
 
-from service.adapters.procrastinate import LIST_JOBS_PARAMS, RETRY_JOB_PARAMS
+from service.shims.procrastinate import LIST_JOBS_PARAMS, RETRY_JOB_PARAMS
 
 
 def _params(name: str) -> frozenset[str]:

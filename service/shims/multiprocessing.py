@@ -1,6 +1,6 @@
 """The one private name of the standard library's multiprocessing this service touches.
 
-Assumption (checked by tests/unit/adapters/test_multiprocessing.py; Python is capped by
+Assumption (checked by tests/unit/shims/test_multiprocessing.py; Python is capped by
 ``requires-python`` in pyproject.toml): a child forked by the forkserver inherits
 ``multiprocessing.forkserver._forkserver._forkserver_alive_fd``, the forkserver's "alive" pipe,
 as an open file descriptor, and multiprocessing offers no public way to close it.

@@ -7,7 +7,7 @@ through ``base_model_prefix``. The job's meta build matches checkpoint names to 
 itself (``service.offload.build.match_keys``), so it asks transformers for the same rules
 rather than copying them.
 
-What is used (checked on transformers 5.23; ``tests/unit/adapters/test_transformers_keys.py``
+What is used (checked on transformers 5.23; ``tests/unit/shims/test_transformers_keys.py``
 names it): ``conversion_mapping.get_model_conversion_mapping(model)`` returning
 ``WeightRenaming`` and ``WeightConverter`` objects, and ``core_model_loading.rename_source_key(key,
 renamings, converters)`` returning ``(new_key, matched_converter_pattern)``. Only pure renames
