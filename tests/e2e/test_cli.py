@@ -1,5 +1,5 @@
 """The ``modelprep`` client commands as a user runs them: real subprocesses against a real
-server process on loopback, with API keys; exit codes as documented in service/client_cli.py."""
+server process on loopback, with API keys; exit codes as documented in service/cli/client_commands.py."""
 
 from __future__ import annotations
 
@@ -331,7 +331,7 @@ def test_validation_errors_name_the_field_and_suggest_the_closest_value(
 
 
 def test_version_and_help_for_every_option() -> None:
-    from service.cli import build_parser
+    from service.cli.commands import build_parser
 
     version = subprocess.run([sys.executable, "-m", "service.cli", "--version"],
                              capture_output=True, text=True, timeout=60, check=False)

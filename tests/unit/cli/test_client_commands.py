@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.client import JobEvent, _confined
-from service.client_cli import (
+from service.cli.client_commands import (
     EXIT_AUTH,
     EXIT_LIMITED,
     EXIT_NOT_FOUND,
@@ -20,6 +19,7 @@ from service.client_cli import (
     parse_export,
     source_uri,
 )
+from service.client import JobEvent, _confined
 from service.errors import ApiError, ArtifactCorrupt, ClientError, ServiceUnreachable
 
 

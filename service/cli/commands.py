@@ -1,12 +1,11 @@
 """``modelprep`` command line: run the service or a worker, print its OpenAPI document, make
-API keys, and talk to a running service as a client (``service.client_cli``)."""
+API keys, and talk to a running service as a client (``service.cli.client_commands``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -85,7 +84,7 @@ def _openapi(args: argparse.Namespace) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from service.demo import write_demo_model
+    from service.cli.demo import write_demo_model
 
     for path in write_demo_model(args.directory):
         print(path)
@@ -115,6 +114,8 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``modelprep`` parser: the server commands here, the client commands from
+    ``client_commands``; each subcommand sets ``func``."""
     parser = argparse.ArgumentParser(prog="modelprep", description=__doc__)
     parser.add_argument("--version", action="version", version=f"modelprep {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -167,26 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("page", choices=["settings", "errors"], help="which page")
     reference.set_defaults(func=_reference)
 
-    from service.client_cli import add_client_commands
+    from service.cli.client_commands import add_client_commands
 
     add_client_commands(sub)  # keygen, submit, status, wait, cancel, download, jobs
     return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "client_command", False):
-        import signal
-
-        from service.client_cli import run_client_command
-
-        # `modelprep jobs | head`: a closed pipe ends a client command quietly, as it does
-        # any Unix filter (the servers keep Python's default: a closed socket is an error).
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        return run_client_command(args.func, args)
-    code: int = args.func(args)
-    return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,5 +1,5 @@
 """The client subcommands of ``modelprep`` (submit, status, wait, cancel, download, jobs) and
-``keygen``; registered on the parser by ``service.cli``.
+``keygen``; registered on the parser by ``service.cli.commands``.
 
 The server and key come from ``--url`` / ``--api-key`` or ``MODELPREP_URL`` /
 ``MODELPREP_API_KEY``, resolved when a command runs (never at import). Machine-readable output
