@@ -29,7 +29,7 @@ from service.objectstore import (
     static_credentials,
     store_for,
 )
-from service.web_identity import (
+from service.objectstore.web_identity import (
     OBSTORE_EARLY,
     REFRESH_MARGIN,
     URL_SLACK,

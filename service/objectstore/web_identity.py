@@ -10,10 +10,10 @@ URL lives); the token file is read again at each refresh.
 Why here and not object_store's own chain: object_store asks only AWS's STS (S3-compatible stores
 such as MinIO, Ceph RGW and SeaweedFS serve STS on their S3 endpoint), its requests bypass the
 egress policy, and the keys it gets stay inside it, so the requests this service signs itself
-(``service.objectstore``: UploadPartCopy, ListMultipartUploads, AbortMultipartUpload) could not
-use them. One provider per role and process serves both: obstore through its
-``credential_provider`` callback (:meth:`WebIdentityCredentials.__call__`), the signed
-requests through :meth:`WebIdentityCredentials.current`.
+(``service.objectstore.multipart``: UploadPartCopy, ListMultipartUploads, AbortMultipartUpload)
+could not use them. One provider per role and process serves both: obstore through its
+``credential_provider`` callback (:meth:`WebIdentityCredentials.__call__`), the signed requests
+through :meth:`WebIdentityCredentials.current`.
 
 The STS endpoint: ``AWS_ENDPOINT_URL_STS``, else the store's (``MODELPREP_S3_ENDPOINT``), else
 AWS STS of the region. Errors: an STS that refuses the token or the role is

@@ -1,6 +1,6 @@
-"""How STS answers are read (service/web_identity.py), one answer at a time: the keys of a
-success, the typed error of a refusal with the token scrubbed from it, the answers another
-attempt may get past. The requests themselves go to a real STS in
+"""How STS answers are read (service/objectstore/web_identity.py), one answer at a time: the
+keys of a success, the typed error of a refusal with the token scrubbed from it, the answers
+another attempt may get past. The requests themselves go to a real STS in
 tests/integration/test_web_identity.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from service.config import Settings
 from service.errors import AccessDenied, SourceError
-from service.web_identity import (
+from service.objectstore.web_identity import (
     TemporaryCredentials,
     WebIdentityCredentials,
     _Transient,

