@@ -278,7 +278,7 @@ class Settings(BaseSettings):
         "memory-mapped; default: the job's budget (job_memory) less the job process's own share.",
     )
 
-    # the memory budget (service/memory.py)
+    # the memory budget (service/memory/)
     memory_limit: int | None = Field(
         default=None,
         description="Bytes the service (API and jobs) may use; default: the limit it lives "

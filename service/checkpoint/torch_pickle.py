@@ -26,7 +26,7 @@ import torch
 
 from service.checkpoint.base import FileRegion, TensorInfo
 from service.errors import CheckpointError, CorruptCheckpoint, UnsafePickle
-from service.libc import madvise_dontneed
+from service.memory.libc import madvise_dontneed
 
 _PAGE = mmap.PAGESIZE
 _WRAPPER_KEYS = ("state_dict", "model", "module")

@@ -35,11 +35,11 @@ from service.errors import (
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec, Needs
 from service.fsutil import atomic_write_json, atomic_write_text, fsync_tree, sha256_file
-from service.heap import release_between_stages
 from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact
 from service.jobs.spec import JobSpec
 from service.jobs.versions import tool_versions
+from service.memory.heap import release_between_stages
 from service.model_card import CARD
 from service.model_card import render as render_card
 from service.sources import (
@@ -614,8 +614,8 @@ def _independent_reference(
 
     from service.checkpoint.independent import independent_reference
     from service.exporters.common.reference import fixed_input_ids
-    from service.libc import malloc_trim
     from service.logits import FIXED_TEXT
+    from service.memory.libc import malloc_trim
     from service.units import parse_size
 
     vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 from service.config import Settings
 from service.errors import JobCancelled, MemoryBudgetExceeded, ServiceError
-from service.heap import pin_mmap_threshold
 from service.jobs.layout import JobLayout
 from service.jobs.model import JobError, JobStatus, Progress
 from service.jobs.store import JobStore
-from service.libc import set_parent_death_signal
 from service.memory import JobCgroup, peak_rss, reset_peak_rss
+from service.memory.heap import pin_mmap_threshold
+from service.memory.libc import set_parent_death_signal
 from service.offload.paths import job_store_dir
 from service.offload.usage import store_usage
 from service.shims.multiprocessing import release_forkserver
@@ -158,7 +158,7 @@ def run_job(job_id: str, settings: Settings, secrets: dict[str, str]) -> None:
     # event streams wait (bench/api_latency.py). Inherited by whatever the job starts.
     os.nice(settings.job_nice)
     _die_with_parent()
-    pin_mmap_threshold()  # activations mapped apart, not left in the heap (service.heap)
+    pin_mmap_threshold()  # activations mapped apart, not left in the heap (service.memory.heap)
     from service.logs import configure_logging
 
     configure_logging(settings, job_id=job_id)

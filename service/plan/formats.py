@@ -619,7 +619,7 @@ def plan_nnef(spec: Any, headers: CheckpointHeaders, tract_limit: int | None = N
         children = (ChildPlan("tract", whole),)
         tract = f"tract: 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
     return ExportPlan(
-        # the trace is gone and the heap trimmed before tract runs (service.heap): the job
+        # the trace is gone and the heap trimmed before tract runs (service.memory.heap): the job
         # holds its base and little else, whatever the largest tensor (its resident memory
         # sampled while tract ran: MiniLM 455 MiB; a float32 Llama of hidden 4096 and a
         # 49152-token vocabulary, 0.75 GiB tensors, 470 MiB, where base + 2 x largest said 1936)

@@ -57,7 +57,7 @@ class OffloadedModel:
 def read_hook(ctx: JobContext, metric: str) -> Callable[[int], None]:
     """Called after each weight is read: progress, cancellation, the ``metric`` of bytes read,
     and the freed heap handed back (earlier reloads were written and freed by now)."""
-    from service.heap import HeapTrimmer
+    from service.memory.heap import HeapTrimmer
 
     trim = HeapTrimmer()
 

@@ -166,8 +166,8 @@ def verify_lora(
     from service.checkpoint.independent import independent_reference
     from service.exporters.common.reference import fixed_input_ids
     from service.exporters.gguf.llama_check import check_logits
-    from service.libc import malloc_trim
     from service.logits import FIXED_TEXT
+    from service.memory.libc import malloc_trim
     from service.units import parse_size
 
     checkpoint = inputs.checkpoint

@@ -30,7 +30,7 @@ from service.checkpoint.ties import tied_targets_from_config, tied_targets_of_mo
 from service.errors import DiskFull, ExportFailed, UnsupportedDtype
 from service.exporters.base import ExportInputs, ExportResult
 from service.fsutil import atomic_write_json, fsync_dir
-from service.libc import sync_file_range_write
+from service.memory.libc import sync_file_range_write
 from service.stage import JobContext, Phase
 from service.tensors import tensor_bytes
 from service.units import parse_size

@@ -1,4 +1,4 @@
-"""The memory this process really has, each job's share of it, and a job's own memory cgroup.
+"""The memory cgroup this process lives under, and a job's own.
 
 A container or a Kubernetes pod limits memory with a cgroup, not with the host's RAM: a service
 that plans with ``/proc/meminfo`` inside a 2.5 GiB pod plans with the host's 64 GiB and is
@@ -7,18 +7,13 @@ OOM-killed (or stalls in reclaim) instead of refusing. So:
 * :func:`read_memory_limit` reads the limit this process lives under: cgroup v2 ``memory.max``
   and ``memory.high``, cgroup v1 ``memory.limit_in_bytes`` (each up to the hierarchy's root,
   the smallest wins), else the host's ``MemTotal``.
-* :class:`MemoryBudget` splits it: the API's share (the API process and the job forkserver),
-  then the rest divided by the pool size is what one job, with every child it starts, may use.
-* :class:`JobCgroup` gives a job process group that budget as a memory cgroup of its own, a
+* :class:`JobCgroup` gives a job process group its budget as a memory cgroup of its own, a
   child of the service's cgroup, so that a job over budget is stopped inside its own cgroup
   (cgroup v1: the OOM killer disabled there, the job paused and seen ``under_oom``; v2:
   ``memory.max`` with ``memory.oom.group``) and never pushes the container, API included, into
   reclaim or the container's OOM killer. Where no cgroup can be made,
-  :func:`process_group_private_bytes` lets the executor account for the group's memory itself.
-
-A leaf: it imports nothing of the service but units, so the settings, the executors and the
-stages can all read it.
-"""
+  :func:`~service.memory.procfs.process_group_private_bytes` lets the executor account for the
+  group's memory itself."""
 
 from __future__ import annotations
 
@@ -27,46 +22,21 @@ import errno
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
+
+from service.memory.budget import MemoryLimit
+from service.memory.procfs import _write, host_memory
 
 UNLIMITED = 1 << 62
 """cgroup v1 spells "no limit" as a page-rounded 2^63-1; anything this large is no limit."""
 
 JOB_CGROUP_PREFIX = "modelprep-job-"
+
 SERVICE_LEAF = "modelprep-service"
 """cgroup v2 only: processes may not live in a cgroup whose children have controllers, so the
 service moves itself into this leaf before it makes job cgroups beside it."""
-
-
-@dataclass(frozen=True)
-class MemoryLimit:
-    """The most memory this process may use, and where that figure comes from."""
-
-    bytes: int
-    source: str
-    """``cgroup2:<dir>/memory.max`` (or ``memory.high``), ``cgroup1:<dir>``, or ``host``."""
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """How the limit is shared: the API keeps ``api_share``, each of ``workers`` jobs gets
-    ``job`` bytes (its process group: the job process and every child it starts)."""
-
-    limit: int
-    limit_source: str
-    api_share: int
-    workers: int
-    job: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def default_job_budget(limit: int, api_share: int, workers: int) -> int:
-    """The limit, less the API's share, divided by the pool size."""
-    return max(0, limit - api_share) // workers
 
 
 # --- reading the limit ----------------------------------------------------------------------
@@ -77,7 +47,6 @@ class _Mount:
     root: str
     """The hierarchy path mounted (``/`` except inside a cgroup namespace's bind mount)."""
     point: Path
-
 
 def _cgroup_mounts(mountinfo: Path) -> tuple[_Mount | None, _Mount | None]:
     """(the cgroup v2 mount, the cgroup v1 mount holding the memory controller)."""
@@ -98,7 +67,6 @@ def _cgroup_mounts(mountinfo: Path) -> tuple[_Mount | None, _Mount | None]:
             v1 = mount
     return v2, v1
 
-
 def _own_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
     """(this process's cgroup v2 path, its cgroup v1 memory path) from /proc/self/cgroup."""
     v2 = v1 = None
@@ -117,7 +85,6 @@ def _own_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
             v1 = path
     return v2, v1
 
-
 def _directory(mount: _Mount, path: str) -> Path:
     """Where cgroup ``path`` is under ``mount``; the mount point itself when the path is not
     below the mounted root (a cgroup namespace shows ``/``)."""
@@ -126,7 +93,6 @@ def _directory(mount: _Mount, path: str) -> Path:
         path = path[len(root):]
     candidate = mount.point / path.lstrip("/")
     return candidate if candidate.is_dir() else mount.point
-
 
 def _read_bytes(path: Path) -> int | None:
     """A cgroup file's byte count; None for ``max``, no limit, or no file."""
@@ -138,7 +104,6 @@ def _read_bytes(path: Path) -> int | None:
         return None
     value = int(text)
     return None if value >= UNLIMITED else value
-
 
 def _smallest_up(directory: Path, top: Path, names: tuple[str, ...]) -> tuple[int, Path] | None:
     """The smallest of the files ``names`` in ``directory`` and each parent up to ``top``."""
@@ -152,15 +117,6 @@ def _smallest_up(directory: Path, top: Path, names: tuple[str, ...]) -> tuple[in
         if current == top or top not in current.parents:
             return best
         current = current.parent
-
-
-def host_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """The host's ``MemTotal`` in bytes."""
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise OSError(f"no MemTotal in {meminfo}")
-
 
 def read_memory_limit(proc: Path = Path("/proc")) -> MemoryLimit:
     """The limit this process lives under: the smallest of its cgroup v2 ``memory.max`` and
@@ -203,12 +159,6 @@ def _own_memory_cgroup(proc: Path = Path("/proc")) -> tuple[Literal[1, 2], Path]
         if "memory" in controllers:
             return 2, directory
     return None
-
-
-def _write(path: Path, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
-
 
 @dataclass(frozen=True)
 class JobCgroup:
@@ -331,7 +281,6 @@ class JobCgroup:
         with contextlib.suppress(OSError):
             self.path.rmdir()
 
-
 def _key_values(path: Path) -> dict[str, int]:
     out: dict[str, int] = {}
     try:
@@ -343,7 +292,6 @@ def _key_values(path: Path) -> dict[str, int]:
         if value.strip().isdigit():
             out[key] = int(value)
     return out
-
 
 def _enable_v2_children(directory: Path) -> None:
     """Let ``directory``'s children have a memory controller: move its own processes into
@@ -359,7 +307,6 @@ def _enable_v2_children(directory: Path) -> None:
             _write(leaf / "cgroup.procs", pid)
     _write(control, "+memory")
 
-
 def stale_job_cgroups() -> Iterator[Path]:
     """Job cgroups left by a service that stopped (their jobs are gone or re-queued)."""
     parent = JobCgroup._parent()
@@ -368,77 +315,3 @@ def stale_job_cgroups() -> Iterator[Path]:
     _, directory = parent
     with contextlib.suppress(OSError):
         yield from directory.glob(f"{JOB_CGROUP_PREFIX}*")
-
-
-# --- without a cgroup: the executor's own accounting ----------------------------------------
-
-
-def process_group_private_bytes(pgid: int, proc: Path = Path("/proc")) -> int:
-    """Private resident bytes of every process in process group ``pgid`` (the job and the
-    children it leads): what the group added to the machine's memory. Pages a job process
-    still shares with the forkserver it was forked from (the preloaded libraries) are not
-    counted, as they cost nothing more."""
-    total = 0
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            # the command in parentheses may hold spaces: the fields after it are fixed
-            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
-                continue
-            rollup = _key_values_kb(entry / "smaps_rollup")
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        total += sum(rollup.get(k, 0) for k in ("Private_Clean:", "Private_Dirty:", "Swap:"))
-    return total
-
-
-def _key_values_kb(path: Path) -> dict[str, int]:
-    """``Key: <n> kB`` lines of a /proc file, in bytes."""
-    out: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[2] == "kB":
-            out[parts[0]] = int(parts[1]) * 1024
-    return out
-
-
-# --- this process's peak, per phase ---------------------------------------------------------
-
-
-def current_rss(proc_self: Path = Path("/proc/self")) -> int | None:
-    """This process's resident bytes now."""
-    try:
-        return int((proc_self / "statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def status_bytes(proc: Path, *fields: str) -> dict[str, int]:
-    """The ``kB`` fields of ``proc``'s ``status`` (``VmHWM``, ``RssAnon``...) in bytes; those
-    it lacks, or all of them for a process that has ended, are missing."""
-    found: dict[str, int] = {}
-    try:
-        for line in (proc / "status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in fields:
-                found[key] = int(value.split()[0]) * 1024
-    except (OSError, IndexError, ValueError):
-        pass
-    return found
-
-
-def peak_rss(proc_self: Path = Path("/proc/self")) -> int | None:
-    """This process's peak resident bytes since it started or since :func:`reset_peak_rss`."""
-    return status_bytes(proc_self, "VmHWM").get("VmHWM")
-
-
-def reset_peak_rss(proc_self: Path = Path("/proc/self")) -> bool:
-    """Reset this process's peak RSS to its current RSS (``clear_refs`` 5), so the next
-    :func:`peak_rss` is the peak of what came after; False where the kernel cannot."""
-    try:
-        _write(proc_self / "clear_refs", "5")
-    except OSError:
-        return False
-    return True

@@ -1,5 +1,5 @@
-"""The C library calls behind service.libc really happen on Linux: a wrapper that quietly became
-a no-op (a renamed symbol, wrong argument types) would cost memory or orphan job processes
+"""The C library calls behind service.memory.libc really happen on Linux: a wrapper that quietly
+became a no-op (a renamed symbol, wrong argument types) would cost memory or orphan job processes
 without any error, so each is checked for its effect here."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from service import libc
+from service.memory import libc
 from tests.fixtures.waiting import eventually
 
 
@@ -49,7 +49,7 @@ def test_parent_death_signal_kills_the_child_when_its_parent_dies(tmp_path: Path
         import os, signal, sys, time
         r, w = os.pipe()
         if os.fork() == 0:
-            from service import libc
+            from service.memory import libc
             ok = libc.set_parent_death_signal(signal.SIGKILL)
             open({str(pid_file)!r}, "w").write(f"{{os.getpid()}} {{ok}}")
             os.write(w, b"1")
@@ -59,7 +59,7 @@ def test_parent_death_signal_kills_the_child_when_its_parent_dies(tmp_path: Path
         os._exit(0)
     """)
     subprocess.run(
-        [sys.executable, "-c", parent], check=True, timeout=60, cwd=Path(__file__).parents[2]
+        [sys.executable, "-c", parent], check=True, timeout=60, cwd=Path(__file__).parents[3]
     )
     pid_text, ok = pid_file.read_text().split()
     assert ok == "True"

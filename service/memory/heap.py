@@ -18,7 +18,7 @@ instead of 59.
 
 from __future__ import annotations
 
-from service.libc import malloc_trim, set_mmap_threshold
+from service.memory.libc import malloc_trim, set_mmap_threshold
 
 MMAP_THRESHOLD_BYTES = 1 << 20
 """Allocations of this many bytes or more are mapped apart (a tensor's buffer, an activation);

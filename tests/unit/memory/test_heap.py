@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from service.heap import HeapTrimmer, release_free_heap
+from service.memory.heap import HeapTrimmer, release_free_heap
 
 BLOCK = 64 * 1024  # under glibc's mmap threshold: served from the heap
 COUNT = 2048  # 128 MiB
@@ -51,7 +51,7 @@ def test_trimmer_trims_once_per_budget_of_bytes(monkeypatch: pytest.MonkeyPatch)
         calls.append(1)
         return True
 
-    monkeypatch.setattr("service.heap.release_free_heap", counted)
+    monkeypatch.setattr("service.memory.heap.release_free_heap", counted)
     trim = HeapTrimmer(every_bytes=100)
     for _ in range(6):
         trim(40)
@@ -60,7 +60,7 @@ def test_trimmer_trims_once_per_budget_of_bytes(monkeypatch: pytest.MonkeyPatch)
 
 FRAGMENTS = """
 import ctypes, ctypes.util, sys
-from service.heap import pin_mmap_threshold
+from service.memory.heap import pin_mmap_threshold
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -85,10 +85,10 @@ print(anon() - before)
 
 @pytest.mark.parametrize("mode", ["pinned", "dynamic"])
 def test_a_pinned_mmap_threshold_returns_freed_activations_a_raised_one_keeps(mode: str) -> None:
-    """A job pins glibc's mmap threshold (service.heap.pin_mmap_threshold): 80 MiB of 4 MiB
+    """A job pins glibc's mmap threshold (service.memory.heap.pin_mmap_threshold): 80 MiB of 4 MiB
     blocks freed between live small ones go back; with glibc's own threshold, raised by one
     freed 16 MiB block, they stay resident (what grew a job's reference 16 MiB a layer)."""
-    root = str(Path(__file__).resolve().parents[2])  # this checkout's service package
+    root = str(Path(__file__).resolve().parents[3])  # this checkout's service package
     done = subprocess.run(
         [sys.executable, "-c", FRAGMENTS, mode], capture_output=True, text=True, check=True,
         env={**os.environ, "PYTHONPATH": root},

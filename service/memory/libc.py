@@ -6,8 +6,9 @@ the C library or the call is missing (not Linux, not glibc) the wrapper does not
 
 * ``madvise(MADV_DONTNEED)``: drop pages of a read-only file mapping from RSS (torch pickles).
 * ``sync_file_range(WRITE)``: start writeback of a written range now (the safetensors writer).
-* ``malloc_trim``: give freed heap pages back (:mod:`service.heap`).
-* ``mallopt(M_MMAP_THRESHOLD)``: a fixed mmap threshold for a job's allocations (:mod:`service.heap`).
+* ``malloc_trim``: give freed heap pages back (:mod:`service.memory.heap`).
+* ``mallopt(M_MMAP_THRESHOLD)``: a fixed mmap threshold for a job's allocations
+  (:mod:`service.memory.heap`).
 * ``prctl(PR_SET_PDEATHSIG)``: a job process dies with its parent (:mod:`service.jobs.runner`).
 """
 
