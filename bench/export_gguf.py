@@ -135,7 +135,7 @@ def run_measured(argv: list[str], log: Path) -> dict[str, Any]:
 
 
 PROFILED = {
-    "service.checkpoint.independent": ["independent_reference"],
+    "service.verification.independent": ["independent_reference"],
     "service.exporters.gguf.stream": ["write_gguf_files", "verify_gguf"],
     "service.exporters.gguf.llama_check": ["check_logits", "check_tokenizer", "perplexity"],
     "service.exporters.gguf.quantize": ["quantize"],

@@ -92,7 +92,7 @@ HIDDEN, INTER, VOCAB = 2048, 5632, 32000
 DEFAULT_OPTIMUM_VENV = Path.home() / ".cache" / "modelprep" / "bench-venvs" / "optimum-onnx"
 
 PROFILED = {
-    "service.checkpoint.independent": ["independent_reference"],
+    "service.verification.independent": ["independent_reference"],
     "service.offload.dispatch": ["dispatch_model"],
     "service.jobs.pipeline": ["_reference", "_check_agreement"],
     "service.exporters.onnx.exporter": ["capture_graph", "attach_weights", "_save"],
@@ -200,7 +200,7 @@ def decode(model: Path, prompt: list[int], tokens: list[int], work: Path) -> np.
 
 def compare(theirs: dict[str, Any], mine: dict[str, Any], work: Path) -> dict[str, Any]:
     """optimum's model and ours decoding our verified job's tokens in onnxruntime."""
-    from service.exporters.common.reference import prompt_ids
+    from service.verification.reference import prompt_ids
 
     tokens = mine["verify"]["tokens"]
     prompt = prompt_ids(4, VOCAB)

@@ -3,7 +3,7 @@
 For each decoder of ``tests/fixtures/real_models.py`` (SmolLM2, Qwen2.5, Gemma 3; whole models),
 one job exports GGUF f16, bf16, q8_0 and q4_0 (and Q4_K_M for comparison); each file is judged by
 ``llama-perplexity --kl-divergence`` against base logits of transformers' float32 run of the
-source on ``service.logits.FIXED_TEXT`` (2 chunks of 128 tokens: 126 scored positions).
+source on ``service.verification.logits.FIXED_TEXT`` (2 chunks of 128 tokens: 126 scored positions).
 
     python bench/logit_bounds.py [smollm2 qwen2 gemma3]
 """
@@ -20,9 +20,10 @@ import torch
 import transformers
 from transformers import AutoConfig
 
-from service.checkpoint.independent import independent_reference
-from service.logits import FIXED_TEXT, parse_llama_kl, write_llama_base_logits
 from service.shims.llama_cpp import llama_cpp_tool
+from service.verification.independent import independent_reference
+from service.verification.llama_kl import parse_llama_kl, write_llama_base_logits
+from service.verification.logits import FIXED_TEXT
 from tests.fixtures.real_models import real_model
 from tests.integration.real_models.test_consumers import run_job
 

@@ -38,14 +38,14 @@ from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.exporters.base import ExportInputs
 from service.exporters.common.offloaded_model import offloaded_model
-from service.exporters.common.parity import tolerance_for
-from service.exporters.common.reference import greedy_reference, prompt_ids
 from service.exporters.nnef import NNEFExporter, NNEFSpec
 from service.exporters.nnef.layerwise import verify_causal_lm_layerwise
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
 from service.shims.torch_to_nnef import weights_only_unpickling
 from service.stage import InMemoryContext
+from service.verification.parity import tolerance_for
+from service.verification.reference import greedy_reference, prompt_ids
 
 
 def main() -> None:

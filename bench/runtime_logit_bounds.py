@@ -1,4 +1,4 @@
-"""Calibrate the graph runtimes' logit bounds (``service.logits.RUNTIME_LOGIT_BOUNDS``,
+"""Calibrate the graph runtimes' logit bounds (``service.verification.logits.RUNTIME_LOGIT_BOUNDS``,
 ``COMPRESSED_LOGIT_BOUNDS``) on the
 real corpus (prints a table).
 
@@ -6,7 +6,7 @@ For each decoder of ``tests/fixtures/real_models.py`` (whole models), jobs expor
 float32 and float16, NNEF in float32 (the bfloat16 checkpoint) and float16 (its float16
 variant), NNEF q4_0, and NNEF float32 checked block by block (a tract budget below the whole
 archive). Each figure is the job's own: its check of tract's or onnxruntime's logits against
-transformers' float32 run of the source on ``service.logits.FIXED_TEXT`` (126 scored
+transformers' float32 run of the source on ``service.verification.logits.FIXED_TEXT`` (126 scored
 positions), as the manifest's ``verify.logits`` reports it. The bounds are lifted for this
 run only (the table is what sets them), so a figure beyond today's bound is printed, not
 raised.
@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service import logits
 from service.config import Settings
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import run_pipeline
 from service.jobs.spec import JobSpec
 from service.plan.formats import block_weight_bytes, tract_peaks
 from service.stage import InMemoryContext
+from service.verification import logits
 from tests.fixtures.real_models import Variant, real_model, real_variant
 
 ROWS: list[tuple[str, dict[str, Any], bool, bool]] = [

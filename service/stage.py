@@ -1,6 +1,6 @@
 """What a pipeline stage sees of its job: phases, progress, metrics, details, cancellation.
 
-A leaf module: the stage packages (sources, checkpoint, offload, exporters, verify) depend on
+A leaf module: the stage packages (sources, checkpoint, offload, exporters, verification) depend on
 it and never on :mod:`service.jobs`, which orchestrates them (the dependency rule in
 ARCHITECTURE.md, enforced by tests/unit/test_architecture.py). Stages never touch the job store
 or HTTP; the job runner supplies a context backed by the store, benchmarks and tests an

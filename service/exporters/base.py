@@ -76,13 +76,13 @@ class ExportInputs:
     """The job's offload store (:class:`service.offload.store.OffloadStore`), when opened."""
     reference: Any | None = None
     """The source model's outputs (float32 tensor) on
-    :func:`service.exporters.common.reference.fixed_input_ids`, computed once when an export's
+    :func:`service.verification.reference.fixed_input_ids`, computed once when an export's
     :class:`Needs` asks for it and the model could be built."""
     independent: Any | None = None
     """The source as transformers' own ``from_pretrained`` computes it
-    (:class:`service.checkpoint.independent.IndependentReference`: outputs on the fixed input,
-    logits on the chunks of ``service.logits.FIXED_TEXT``), present whenever ``reference`` is;
-    ``reference`` holds its outputs."""
+    (:class:`service.verification.independent.IndependentReference`: outputs on the fixed input,
+    logits on the chunks of ``service.verification.logits.FIXED_TEXT``), present whenever
+    ``reference`` is; ``reference`` holds its outputs."""
     max_memory: str | None = None
     """The job's RAM budget for a model's weights, for verifiers that stream a model."""
 

@@ -54,10 +54,10 @@ from service.sources.adapter import fetch_adapter, identify_adapter
 from service.stage import JobContext, Phase
 
 if TYPE_CHECKING:
-    from service.checkpoint.independent import IndependentReference
     from service.checkpoint.lora import AdapterPlan
     from service.offload.build import BuiltModel
     from service.offload.store import OffloadStore
+    from service.verification.independent import IndependentReference
 
 log = logging.getLogger(__name__)
 
@@ -483,7 +483,8 @@ class _ModelSession:
     max_memory: str
     reference: Any = None
     independent: Any = None
-    """transformers' reading of the source (:class:`service.checkpoint.independent.IndependentReference`)."""
+    """transformers' reading of the source
+    (:class:`service.verification.independent.IndependentReference`)."""
 
     @classmethod
     def open(
@@ -606,17 +607,17 @@ def _independent_reference(
     ctx: JobContext,
     with_outputs: bool = True,
 ) -> IndependentReference:
-    """transformers' reading of the source (:mod:`service.checkpoint.independent`): its outputs
+    """transformers' reading of the source (:mod:`service.verification.independent`): its outputs
     on the fixed input (unless ``with_outputs`` is False) and its logits on the fixed text,
     what every check compares against. Its model is gone (and its pages returned) when this
     returns."""
     import gc
 
-    from service.checkpoint.independent import independent_reference
-    from service.exporters.common.reference import fixed_input_ids
-    from service.logits import FIXED_TEXT
     from service.memory.libc import malloc_trim
     from service.units import parse_size
+    from service.verification.independent import independent_reference
+    from service.verification.logits import FIXED_TEXT
+    from service.verification.reference import fixed_input_ids
 
     vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)
     ctx.check_abort()
@@ -634,7 +635,7 @@ def _check_agreement(reference: IndependentReference, ours: Any, ctx: JobContext
     """The job's reader and offloaded model must compute what transformers computes on the
     fixed input (:data:`REFERENCE_AGREEMENT`), or the job fails before any artifact is judged.
     The manifest's ``model.reference`` says which implementation, how it ran, how close."""
-    from service.exporters.common.parity import relative_agreement
+    from service.verification.parity import relative_agreement
 
     agreement = relative_agreement(reference.outputs, ours, REFERENCE_AGREEMENT[reference.mode])
     ctx.set_detail("model", {
@@ -674,8 +675,8 @@ def _release_resident_weights(model: Any) -> None:
 
 
 def _reference(model: Any, checkpoint: Checkpoint, ctx: JobContext) -> Any:
-    from service.exporters.common.reference import fixed_input_ids
     from service.offload.streaming import streamed_forward
+    from service.verification.reference import fixed_input_ids
 
     vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)
     input_ids = fixed_input_ids(vocab)

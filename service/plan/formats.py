@@ -124,7 +124,7 @@ SmolLM2's 513 (the job phase's peak; B = 400 MiB is a bound, the phases before i
 REFERENCE_BASE_BYTES = 64 * MiB
 REFERENCE_WEIGHT_FACTOR = 1.7
 """Every verified job whose model builds computes the independent reference
-(``service.checkpoint.independent``): transformers' model of the source, run on the fixed input
+(``service.verification.independent``): transformers' model of the source, run on the fixed input
 and the fixed text (its logits kept per chunk). Whole, in float32: SmolLM2 q8_0 and Q4_K_M jobs
 peak at 1278 and 1241 MiB for 513 MiB of float32 weights. Layer by layer, the same factor over
 what it holds (one layer, what stays resident) plus the logits: 655 MiB measured (base 391) on
@@ -377,7 +377,7 @@ def plan_gguf(spec: Any, headers: CheckpointHeaders, max_memory: int | None = No
     notes_reference = ""
     if spec.verify and headers.config is not None:
         # transformers loads the float32 weights whole when they fit max_memory, else layer
-        # by layer from disk (service.checkpoint.independent)
+        # by layer from disk (service.verification.independent)
         reference, notes_reference = _reference_bytes(headers, max_memory)
         job = max(job, reference)
     notes = [

@@ -21,17 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import ChildPeaks, run_child
-from service.logits import (
-    FIXED_TEXT,
-    LogitBounds,
-    parse_llama_kl,
-    scored,
-    write_llama_base_logits,
-)
 from service.shims.llama_cpp import TOOL_ENV, llama_cpp_tool
+from service.verification.llama_kl import parse_llama_kl, write_llama_base_logits
+from service.verification.logits import FIXED_TEXT, LogitBounds, scored
 
 if TYPE_CHECKING:
-    from service.checkpoint.independent import IndependentReference
+    from service.verification.independent import IndependentReference
 
 PROBES = (
     "Hello world! How are you today?",
@@ -187,7 +182,7 @@ LOGIT_BOUNDS: dict[str, LogitBounds] = {
     "Q4_K_M": LogitBounds(kl_mean=0.3, kl_p99=1.2, top1=0.7, ppl_ratio=1.3),
 }
 """The worst logit figures a GGUF of each type may show against transformers' float32 run of
-the source on :data:`service.logits.FIXED_TEXT` (126 scored positions). Measured by
+the source on :data:`service.verification.logits.FIXED_TEXT` (126 scored positions). Measured by
 ``bench/logit_bounds.py`` on the whole SmolLM2-135M (the corpus's smallest model, which
 quantization hurts most): f16 KL 2e-6 (p99 3e-5), bf16 8e-5 (3e-4), q8_0 0.0037 (0.0099,
 top-1 0.984), q4_0 0.28 (0.70, top-1 0.66), Q4_K_M 0.057 (0.21, top-1 0.86); perplexity ratio

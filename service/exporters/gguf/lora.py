@@ -163,12 +163,12 @@ def verify_lora(
     VerificationFailed beyond the base type's bounds."""
     import gc
 
-    from service.checkpoint.independent import independent_reference
-    from service.exporters.common.reference import fixed_input_ids
     from service.exporters.gguf.llama_check import check_logits
-    from service.logits import FIXED_TEXT
     from service.memory.libc import malloc_trim
     from service.units import parse_size
+    from service.verification.independent import independent_reference
+    from service.verification.logits import FIXED_TEXT
+    from service.verification.reference import fixed_input_ids
 
     checkpoint = inputs.checkpoint
     assert checkpoint.unmerged_adapter is not None

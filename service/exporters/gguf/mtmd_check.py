@@ -21,14 +21,13 @@ and generates greedily in float32, the whole model in memory: the plan
 counts it (``service.plan.formats``), so a VLM too large for it is refused at submission.
 
 **The bound.** llama.cpp's output must equal transformers' first :data:`TOKENS` greedy tokens
-(compared as bytes: llama.cpp prints token pieces, which may split a UTF-8 character), except
-that comparison stops at the first step where transformers' top-1 logit leads its top-2 by less
-than :data:`NEAR_TIE` (that step's token may differ, and nothing after it is comparable). Why
-0.05: an f16 file moves llama.cpp's logits by about 1e-3 to 1e-2 of their scale against
-float32 transformers (the text logit checks measure it, ``service.logits``), so a lead of 0.05
-cannot flip through rounding, while a wrong projector moves every image-conditioned logit by
-O(1). A comparison left with fewer than :data:`MIN_COMPARED` tokens is reported inconclusive
-rather than passed.
+(compared as bytes: llama.cpp prints token pieces, which may split a UTF-8 character), except that
+comparison stops at the first step where transformers' top-1 logit leads its top-2 by less than
+:data:`NEAR_TIE` (that step's token may differ, and nothing after it is comparable). Why 0.05: an
+f16 file moves llama.cpp's logits by about 1e-3 to 1e-2 of their scale against float32 transformers
+(the text logit checks measure it, ``service.verification.logits``), so a lead of 0.05 cannot flip
+through rounding, while a wrong projector moves every image-conditioned logit by O(1). A comparison
+left with fewer than :data:`MIN_COMPARED` tokens is reported inconclusive rather than passed.
 """
 
 from __future__ import annotations

@@ -61,11 +61,11 @@ if TYPE_CHECKING:
 
     from service.config import Settings
     from service.exporters.common.offloaded_model import OffloadedModel
-    from service.exporters.common.parity import ParityReport
-    from service.exporters.common.reference import GreedyReference
     from service.exporters.nnef.verify import IOSpec, TextCheck
     from service.plan import VerificationMode
     from service.stage import JobContext
+    from service.verification.parity import ParityReport
+    from service.verification.reference import GreedyReference
 
 LOGGER = logging.getLogger(__name__)
 
@@ -323,9 +323,9 @@ def _export_causal_lm(
     from torch_to_nnef_llm.exporter import LLMExporter
 
     from service.exporters.common.child_process import memory_limit
-    from service.exporters.common.reference import greedy_reference, prompt_ids
     from service.exporters.nnef.layerwise import verify_causal_lm_layerwise
     from service.exporters.nnef.verify import verify_causal_lm
+    from service.verification.reference import greedy_reference, prompt_ids
 
     vocab = int(built.config.vocab_size)
     # 16 example tokens: torch-to-nnef traces with 1 token and 2 past ones.
@@ -418,8 +418,8 @@ def _export_encoder(
     from torch_to_nnef.inference_target.tract import TractNNEF
 
     from service.exporters.common.offloaded_model import TensorOutputs
-    from service.exporters.common.reference import prompt_ids
     from service.exporters.nnef.verify import verify_encoder
+    from service.verification.reference import prompt_ids
 
     wrapper = TensorOutputs(built.module)
     seq = spec.sequence_length
@@ -497,7 +497,7 @@ def _verify_archive(
     ctx.set_phase(Phase.VERIFY, total=steps, unit="steps")
     archive = out_dir / ARCHIVE_NAME
     ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory, block_bytes)
-    from service.exporters.common.parity import tolerance_for
+    from service.verification.parity import tolerance_for
 
     tolerance = tolerance_for("runtime", spec.compression or built.dtype)
     tolerance = tolerance.overridden(spec.atol, spec.rtol)

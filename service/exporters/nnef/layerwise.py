@@ -53,12 +53,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.errors import VerificationFailed
-from service.exporters.common.parity import ParityReport, Tolerance, compare_outputs
 from service.exporters.nnef import tract_cli
+from service.verification.parity import ParityReport, Tolerance, compare_outputs
 
 if TYPE_CHECKING:
-    from service.exporters.common.reference import GreedyReference
     from service.exporters.nnef.verify import IOSpec
+    from service.verification.reference import GreedyReference
 
 _HEADER = re.compile(r"^graph (\w+)\((.*?)\) -> \((.*?)\)\s*$", re.MULTILINE)
 _STRING = re.compile(r"'[^']*'|\"[^\"]*\"")

@@ -18,14 +18,14 @@ process (tract holds the whole archive in RAM; the job process must not)::
     tract MODEL.nnef.tgz logits --input-from-bundle REQUEST.npz --save-outputs-npz OUT.npz
 
 ``logits`` (:func:`run_chunks`) gives the logits of the fixed text's scored positions, chunk by
-chunk, for the check against transformers' (``service.logits``); a ``decode`` request that also
-holds ``logits``' keys (``chunks``, ``first``, ``last``) gives both (``chunk_logits`` beside
-``logits``) from one load of the archive, which for a float32 model costs about as much as
+chunk, for the check against transformers' (``service.verification.logits``); a ``decode`` request
+that also holds ``logits``' keys (``chunks``, ``first``, ``last``) gives both (``chunk_logits``
+beside ``logits``) from one load of the archive, which for a float32 model costs about as much as
 all the runs together (reading, unpacking and packing every weight); ``layerwise-logits``
-(:func:`run_layerwise_chunks`) gives the same from the blocks below, each fed the block before
-it, each block running a chunk's scored positions at once (two runs a chunk, the head's
-statements copied onto every position by :func:`head_over_every_position`) rather than one run
-a position; ``scored_by`` in OUT.npz says which ran.
+(:func:`run_layerwise_chunks`) gives the same from the blocks below, each fed the block before it,
+each block running a chunk's scored positions at once (two runs a chunk, the head's statements
+copied onto every position by :func:`head_over_every_position`) rather than one run a position;
+``scored_by`` in OUT.npz says which ran.
 
 ``REQUEST.npz`` holds ``prompt`` [1,S], ``tokens`` [n] and ``cache_shapes`` [k,4] (past axis 0,
 dtypes ``cache_dtypes``); it replays a greedy decode feeding back tract's own KV cache and saves

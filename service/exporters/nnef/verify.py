@@ -23,17 +23,17 @@ import numpy as np
 
 from service.errors import VerificationFailed, VerificationTooLarge
 from service.exporters.common.child_process import ChildRun, memory_limit, run_npz_child
-from service.exporters.common.parity import ParityReport, Tolerance, compare_outputs
-from service.exporters.common.reference import GreedyReference
 from service.exporters.nnef import tract_cli
-from service.logits import (
+from service.plan import VerificationMode
+from service.plan.formats import tract_mode, tract_peaks
+from service.verification.logits import (
     compare_logits,
     placed_rows,
     runtime_bounds,
     window_request,
 )
-from service.plan import VerificationMode
-from service.plan.formats import tract_mode, tract_peaks
+from service.verification.parity import ParityReport, Tolerance, compare_outputs
+from service.verification.reference import GreedyReference
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def first_diverging_layer(
 
     tract replays the decode once more with every layer's output made a graph output
     (``tract_cli decode --layer-outputs``); each is compared, step by step and layer by layer,
-    with PyTorch's (recorded by :func:`~service.exporters.common.reference.greedy_reference`)
+    with PyTorch's (recorded by :func:`~service.verification.reference.greedy_reference`)
     within the check's own tolerance, scaled to that layer's magnitude. Only run once a check
     has failed: it unpacks the archive.
     """
@@ -293,11 +293,11 @@ def check_logits(
     blocks: Path | None = None,
 ) -> dict[str, Any]:
     """tract's logits on each chunk of the fixed text against transformers' (the job's
-    independent reference, :class:`service.checkpoint.independent.IndependentReference`): KL
-    mean and p99, top-1 agreement, perplexity ratio (``service.logits``, the figures ONNX and
-    GGUF report); VerificationFailed beyond the dtype's bounds (:data:`RUNTIME_LOGIT_BOUNDS`),
-    or a compressed archive's (``q4_0``: :data:`COMPRESSED_LOGIT_BOUNDS`), whose decode is
-    checked only against the compressed weights, so this is what judges the compression itself.
+    independent reference, :class:`service.verification.independent.IndependentReference`): KL mean
+    and p99, top-1 agreement, perplexity ratio (``service.verification.logits``, the figures ONNX
+    and GGUF report); VerificationFailed beyond the dtype's bounds (:data:`RUNTIME_LOGIT_BOUNDS`),
+    or a compressed archive's (``q4_0``: :data:`COMPRESSED_LOGIT_BOUNDS`), whose decode is checked
+    only against the compressed weights, so this is what judges the compression itself.
 
     ``blocks``: the archive's blocks cut by the layer-by-layer check
     (:mod:`service.exporters.nnef.layerwise`), run one after the other, each fed the one

@@ -85,8 +85,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from service.config import Settings
-    from service.exporters.common.parity import ParityReport
     from service.stage import JobContext
+    from service.verification.parity import ParityReport
 
 LOGGER = logging.getLogger(__name__)
 
@@ -525,8 +525,8 @@ def _verify(
     work: Path,
     ctx: JobContext,
 ) -> ParityReport:
-    from service.exporters.common.parity import tolerance_for
     from service.exporters.onnx import verify as ver
+    from service.verification.parity import tolerance_for
 
     tolerance = tolerance_for("runtime", dtype).overridden(spec.atol, spec.rtol)
     atol, rtol = tolerance.atol, tolerance.rtol

@@ -26,15 +26,15 @@ import numpy as np
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import ChildRun, ensure_fits, run_npz_child
-from service.exporters.common.parity import (
+from service.exporters.onnx import ort_cli
+from service.verification.logits import compare_logits, placed_rows, runtime_bounds, window_request
+from service.verification.parity import (
     Comparison,
     ParityReport,
     Tolerance,
     compare_outputs,
 )
-from service.exporters.common.reference import greedy_reference, prompt_ids
-from service.exporters.onnx import ort_cli
-from service.logits import compare_logits, placed_rows, runtime_bounds, window_request
+from service.verification.reference import greedy_reference, prompt_ids
 
 if TYPE_CHECKING:
     from torch import nn
@@ -195,8 +195,9 @@ def check_logits(
     check_abort: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """onnxruntime's logits on each chunk of the fixed text against transformers' (the job's
-    independent reference, :class:`service.checkpoint.independent.IndependentReference`): KL,
-    top-1, perplexity ratio (``service.logits``); VerificationFailed beyond the dtype's bounds."""
+    independent reference, :class:`service.verification.independent.IndependentReference`): KL,
+    top-1, perplexity ratio (``service.verification.logits``); VerificationFailed beyond the dtype's
+    bounds."""
     chunks = reference.chunks
     request = window_request(chunks)
     run = run_ort(model_path, "logits", request, work / "logits", check_abort)

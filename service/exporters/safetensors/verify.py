@@ -4,7 +4,7 @@ Both sides run the same way: built on meta, dispatched to an offload store withi
 forward streamed module by module, on one fixed input, computing in float32. The figure kept is
 the largest absolute difference of the outputs (logits, or the last hidden state), and that
 difference relative to the largest reference magnitude; beyond the export dtype's tolerance
-(:data:`service.exporters.common.parity.TOLERANCES`, ``torch``) the job fails with
+(:data:`service.verification.parity.TOLERANCES`, ``torch``) the job fails with
 :class:`VerificationFailed`.
 """
 
@@ -20,14 +20,14 @@ import torch
 from service.checkpoint.base import Checkpoint
 from service.config import Settings
 from service.errors import VerificationFailed
-from service.exporters.common.parity import relative_agreement, tolerance_for
-from service.exporters.common.reference import SEED, fixed_input_ids
 from service.offload.build import build_on_meta
 from service.offload.dispatch import dispatch_model
 from service.offload.store import OffloadStore
 from service.offload.streaming import streamed_forward
 from service.stage import JobContext, SideContext
 from service.tensors import dtype_name
+from service.verification.parity import relative_agreement, tolerance_for
+from service.verification.reference import SEED, fixed_input_ids
 
 _verify_runs = itertools.count()
 

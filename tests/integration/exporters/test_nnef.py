@@ -30,13 +30,13 @@ from service.errors import (
 from service.exporters.base import ExportInputs
 from service.exporters.common.families import ENCODER_TYPES
 from service.exporters.common.offloaded_model import offloaded_model
-from service.exporters.common.reference import greedy_reference, prompt_ids
 from service.exporters.nnef import NNEFExporter, NNEFSpec
 from service.exporters.nnef.tract_cli import write_launcher
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
 from service.shims.torch_to_nnef import weights_only_unpickling
 from service.stage import InMemoryContext, Phase
+from service.verification.reference import greedy_reference, prompt_ids
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.models import (
     build_checkpoint,
@@ -233,10 +233,10 @@ def test_one_tract_child_gives_the_decode_and_the_fixed_text_checks(
     either): the fixed text's figures judged from that child are those of its own child."""
     import transformers
 
-    from service.checkpoint.independent import independent_reference
-    from service.exporters.common.reference import fixed_input_ids
     from service.exporters.nnef import verify as ver
-    from service.logits import FIXED_TEXT
+    from service.verification.independent import independent_reference
+    from service.verification.logits import FIXED_TEXT
+    from service.verification.reference import fixed_input_ids
 
     ckpt = tiny_checkpoint("llama", "safetensors")
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]

@@ -324,7 +324,7 @@ def test_an_nnef_q4_0_archive_beyond_its_logit_bound_fails_the_job(
     manifest), and the same archive held to float32's bound fails the job."""
     from dataclasses import asdict
 
-    from service import logits
+    from service.verification import logits
 
     source = real_variant("smollm2", Variant(layers=LAYERS))
     export = {"format": "nnef", "compression": "q4_0", "decode_steps": 3}

@@ -21,13 +21,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.config import Settings
 from service.errors import VerificationFailed
-from service.exporters.common.reference import prompt_ids
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import run_pipeline
 from service.jobs.spec import JobSpec
 from service.shims.llama_cpp import llama_cpp_tool
 from service.stage import InMemoryContext
+from service.verification.reference import prompt_ids
 from tests.fixtures.real_models import REAL_MODELS, Variant, real_model, real_variant
 from tests.integration.exporters.test_nnef import _reference, scale_weight
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from transformers import LlamaForCausalLM
 
-from service.checkpoint.independent import independent_reference
-from service.exporters.common.parity import relative_agreement
-from service.exporters.common.reference import fixed_input_ids
 from service.jobs.pipeline import REFERENCE_AGREEMENT
-from service.logits import FIXED_TEXT, compare_logits
+from service.verification.independent import independent_reference
+from service.verification.logits import FIXED_TEXT, compare_logits
+from service.verification.parity import relative_agreement
+from service.verification.reference import fixed_input_ids
 from tests.fixtures.real_models import real_model
 
 

@@ -26,9 +26,10 @@ from service.exporters.gguf.llama_check import PPL_CTX, PPL_TEXT
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import _identify, run_pipeline
 from service.jobs.spec import JobSpec
-from service.logits import LogitBounds, chunk_tokens, write_llama_base_logits
 from service.sources import SourceRequest
 from service.stage import InMemoryContext
+from service.verification.llama_kl import write_llama_base_logits
+from service.verification.logits import LogitBounds, chunk_tokens
 from tests.fixtures.lora import peft_adapter, peft_merged
 from tests.fixtures.real_models import Variant, real_variant
 from tests.integration.real_models.test_quantized import (

@@ -25,8 +25,9 @@ from service.exporters.gguf.llama_check import LOGIT_BOUNDS, PPL_CTX, PPL_TEXT
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import run_pipeline
 from service.jobs.spec import JobSpec
-from service.logits import chunk_tokens, write_llama_base_logits
 from service.stage import InMemoryContext
+from service.verification.llama_kl import write_llama_base_logits
+from service.verification.logits import chunk_tokens
 from tests.fixtures.lora import peft_adapter
 from tests.fixtures.real_models import Variant, real_variant
 from tests.integration.real_models.test_quantized import FloatReference, llama_figures

@@ -19,7 +19,6 @@ from service.checkpoint.headers import local_file_header
 from service.config import Settings
 from service.errors import VerificationFailed
 from service.exporters.common.offloaded_model import offloaded_model
-from service.exporters.common.reference import GreedyReference, greedy_reference, prompt_ids
 from service.exporters.nnef import NNEFSpec
 from service.exporters.nnef.layerwise import (
     MIN_VOCAB_CHUNK_BYTES,
@@ -31,6 +30,7 @@ from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
 from service.plan.formats import block_weight_bytes, tract_peaks
 from service.shims.torch_to_nnef import weights_only_unpickling
+from service.verification.reference import GreedyReference, greedy_reference, prompt_ids
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.real_models import Variant, real_variant
 from tests.integration.exporters.test_nnef import scale_weight
@@ -232,10 +232,10 @@ def test_block_by_block_logits_on_the_fixed_text_match_the_whole_archives(
     PyTorch's), and give the whole archive's figures against transformers' float32 run."""
     import transformers
 
-    from service.checkpoint.independent import independent_reference
-    from service.exporters.common.reference import fixed_input_ids
     from service.exporters.nnef.verify import check_logits
-    from service.logits import FIXED_TEXT, runtime_bounds
+    from service.verification.independent import independent_reference
+    from service.verification.logits import FIXED_TEXT, runtime_bounds
+    from service.verification.reference import fixed_input_ids
 
     archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
     config = json.loads((smollm2_f16 / "config.json").read_text())
@@ -264,7 +264,7 @@ def test_block_by_block_prefill_gives_the_logits_of_one_position_a_step(
     """Each block run once a chunk (the head's statements copied onto every position) gives
     the logits the shipped archive gives run one position a step, tract's caches fed back."""
     from service.exporters.nnef import tract_cli
-    from service.logits import log_softmax, window_request
+    from service.verification.logits import log_softmax, window_request
 
     archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
     cut_blocks(unpack(archive, tmp_path / "unpacked"), tmp_path / "unpacked", tmp_path / "blocks",

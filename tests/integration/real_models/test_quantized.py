@@ -11,8 +11,8 @@ against the FLOAT model (transformers on the checkpoint the FP8 one was made fro
   config was ignored, and each artifact matches the float model as an unquantized one does.
 
 Consumers: transformers reloads the safetensors; ``llama-perplexity --kl-divergence`` reads base
-logits written from the float model (``service.logits``); tract and onnxruntime run each chunk of
-the text from an empty cache. First 2 layers only, to stay inside CI's budget.
+logits written from the float model (``service.verification.logits``); tract and onnxruntime run
+each chunk of the text from an empty cache. First 2 layers only, to stay inside CI's budget.
 """
 
 from __future__ import annotations
@@ -30,16 +30,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.exporters.gguf.llama_check import PPL_CTX, PPL_TEXT
-from service.logits import (
+from service.shims.llama_cpp import llama_cpp_tool
+from service.verification.llama_kl import parse_llama_kl, write_llama_base_logits
+from service.verification.logits import (
     LogitBounds,
     LogitFigures,
     chunk_tokens,
     compare_logits,
-    parse_llama_kl,
     scored,
-    write_llama_base_logits,
 )
-from service.shims.llama_cpp import llama_cpp_tool
 from tests.fixtures.quantized import real_fp8, real_stale_gguf
 from tests.fixtures.real_models import Variant, real_variant
 from tests.integration.real_models.test_consumers import run_job

@@ -1,4 +1,5 @@
-"""service.logits: the figures, and llama.cpp's base-logits file read back as llama.cpp reads it."""
+"""service.verification.logits: the figures, and llama.cpp's base-logits file read back as llama.cpp
+reads it."""
 
 from __future__ import annotations
 
@@ -6,15 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.logits import (
-    MAGIC,
-    LogitBounds,
-    chunk_tokens,
-    compare_logits,
-    parse_llama_kl,
-    scored,
-    write_llama_base_logits,
-)
+from service.verification.llama_kl import MAGIC, parse_llama_kl, write_llama_base_logits
+from service.verification.logits import LogitBounds, chunk_tokens, compare_logits, scored
 
 
 def _read_base(path: Path) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -77,7 +71,7 @@ Same top p: 98.810 ± 0.685 %
 
 
 def test_a_runtimes_window_rows_are_placed_where_they_are_scored_and_its_request_names_that_window() -> None:
-    from service.logits import placed_rows, scored, window_request
+    from service.verification.logits import placed_rows, scored, window_request
 
     chunks = np.arange(2 * 16, dtype=np.int32).reshape(2, 16)
     window = scored(16)

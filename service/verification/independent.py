@@ -21,8 +21,8 @@ dequantized by its ``Fp8Dequantize``, bit for bit what ``service.checkpoint.fp8`
   the job's reader). So the peak is one layer plus small buffers, whatever vocab x hidden is.
   An embedding or head of another kind (scaled, quantized, adapted) stays resident.
 
-What it produces: the outputs on the fixed input ids (:func:`fixed_input_ids`, what the
-parity checks compare), and the logits on the chunks of the fixed text (``service.logits``:
+What it produces: the outputs on the fixed input ids (:func:`fixed_input_ids`, what the parity
+checks compare), and the logits on the chunks of the fixed text (``service.verification.logits``:
 KL, top-1 and perplexity ratio of each artifact). The manifest says which mode and version.
 
 A reader beside the job's own (``service.checkpoint.open_checkpoint``), and its check: the job
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from service.errors import ReferenceUnavailable, VerificationFailed
-from service.logits import chunk_tokens, scored
+from service.verification.logits import chunk_tokens, scored
 
 FIXED_TEXT_CTX = 128
 """Tokens per chunk of the fixed text (two chunks are scored: 126 positions)."""
@@ -62,7 +62,7 @@ class IndependentReference:
     """The fixed text's tokens ``(n_chunk, n_ctx)``, None for a model without a tokenizer."""
     logits_dir: Path | None = None
     """``chunk-<i>.npy``: float32 logits ``(n_ctx, vocab)`` of each chunk (rows outside
-    ``service.logits.scored`` are zero)."""
+    ``service.verification.logits.scored`` are zero)."""
     vocab_size: int = 0
     info: dict[str, Any] = field(default_factory=dict)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from service.checkpoint.independent import independent_reference, text_chunks
-from service.logits import FIXED_TEXT, scored
+from service.verification.independent import independent_reference, text_chunks
+from service.verification.logits import FIXED_TEXT, scored
 
 
 @pytest.fixture(scope="module")

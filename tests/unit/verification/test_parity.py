@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.errors import VerificationFailed
-from service.exporters.common.parity import Tolerance, compare_outputs, tolerance_for
-from service.exporters.common.reference import fixed_input_ids
 from service.exporters.safetensors.verify import reference_outputs, verify_safetensors_export
 from service.stage import InMemoryContext
+from service.verification.parity import Tolerance, compare_outputs, tolerance_for
+from service.verification.reference import fixed_input_ids
 from tests.fixtures.models import VOCAB_SIZE, Arch, build_tiny_model
 
 TINY_BUDGET = "40KB"  # far below the tiny models' weights: most modules stream from disk

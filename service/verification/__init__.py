@@ -1,0 +1,49 @@
+"""How an artifact is judged: every check runs the artifact in its real consumer and compares
+what comes out with a reference computed from the source.
+
+The modules:
+
+- ``reference``: the inputs every check feeds (:func:`~reference.fixed_input_ids`, the one
+  batch the source's reference outputs are computed on; :func:`~reference.prompt_ids`, the
+  prompt a graph export is traced and run with) and PyTorch's greedy decode of that prompt
+  (:func:`~reference.greedy_reference`), which tract and onnxruntime replay.
+- ``independent``: the source as transformers' own ``from_pretrained`` reads it (whole, or
+  layer by layer from disk), computed once per job in float32: its outputs on the fixed input
+  ids and its logits on the chunks of the fixed text. An implementation that is not ours, so a
+  misreading of the source shared by our reader and the artifact cannot pass.
+- ``parity``: output comparison: the tolerance table by runner and dtype
+  (:data:`~parity.TOLERANCES`, ``atol + rtol * max|reference|``), the largest error over every
+  compared output (:func:`~parity.compare_outputs`, :func:`~parity.relative_agreement`), one
+  report (:class:`~parity.ParityReport`).
+- ``logits``: the fixed text (:data:`~logits.FIXED_TEXT`) and the figures of an artifact's
+  next-token distributions against the reference's, as ``llama-perplexity --kl-divergence``
+  defines them (KL mean and p99, top-1 agreement, perplexity ratio), and the bounds graph
+  runtimes are held to.
+- ``llama_kl``: llama.cpp's KL file format: the reference's logits written as
+  ``llama-perplexity``'s base file, and the figures it prints read back.
+
+What each consumer check compares, against what:
+
+- **the job's own reading** (``jobs.pipeline``): the offloaded model's outputs on the fixed
+  input ids against ``independent``'s (``parity.relative_agreement``); the job fails before any
+  artifact is judged when they differ.
+- **safetensors** (``exporters.safetensors.verify``): the written files, reloaded and run by
+  transformers (streamed, float32), on the fixed input ids, against the source's outputs on
+  the same ids; ``parity`` with the ``torch`` tolerances of the export dtype.
+- **GGUF** (``exporters.gguf``): the file read back against the source's tensors; llama.cpp's
+  ``llama-tokenize`` against the Hugging Face tokenizer's ids; ``llama-perplexity
+  --kl-divergence`` against ``independent``'s logits on the fixed text (written by
+  ``llama_kl``), the ``logits`` figures within the type's bounds; a VLM's projector by
+  ``llama-mtmd-cli``'s greedy tokens against transformers' on a fixed image.
+- **NNEF** (``exporters.nnef.verify``): tract's prompt and greedy decode steps against
+  PyTorch's (``reference.greedy_reference``), ``parity`` with the ``runtime`` tolerances; then
+  tract's logits on the fixed text against ``independent``'s, the ``logits`` figures within
+  the runtime bounds (a compressed archive's own).
+- **ONNX** (``exporters.onnx.verify``): onnxruntime's prompt and decode steps against
+  PyTorch's greedy decode with its KV cache, ``parity`` with the ``runtime`` tolerances and the
+  same argmax at every step; then onnxruntime's logits on the fixed text against
+  ``independent``'s, the ``logits`` figures within the runtime bounds.
+
+It sits between ``service.plan`` and ``service.checkpoint`` in the layers: the exporters and
+the pipeline import it; it imports only the checkpoint readers and the leaves.
+"""
