@@ -43,7 +43,7 @@ SHARD = 1024**3
 _PUBLISH = """
 import hashlib, json, sys
 from pathlib import Path
-from service.artifact_store import ArtifactStore
+from service.jobs.artifact_store import ArtifactStore
 from service.config import Settings
 from service.fsutil import sha256_file
 src, bucket = Path(sys.argv[1]), sys.argv[2]

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from service.artifact_store import ArtifactStore
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import Checkpoint
 from service.config import Settings
@@ -35,13 +34,14 @@ from service.errors import (
 from service.exporters import registry
 from service.exporters.base import ExportInputs, ExportSpec, Needs
 from service.fsutil import atomic_write_json, atomic_write_text, fsync_tree, sha256_file
+from service.jobs.artifact_store import ArtifactStore
 from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact
+from service.jobs.model_card import CARD
+from service.jobs.model_card import render as render_card
 from service.jobs.spec import JobSpec
 from service.jobs.versions import tool_versions
 from service.memory.heap import release_between_stages
-from service.model_card import CARD
-from service.model_card import render as render_card
 from service.sources import (
     ResolvedSource,
     SourceIdentity,

@@ -52,9 +52,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from service.artifact_store import ArtifactStore
 from service.config import Settings
 from service.errors import ObjectNotFound
+from service.jobs.artifact_store import ArtifactStore
 from service.jobs.layout import JobLayout
 from service.jobs.model import Artifact, Job
 from service.jobs.spec import JobSpec

@@ -10,7 +10,6 @@ from typing import Any
 
 import anyio.to_thread
 
-from service.artifact_store import ArtifactStore, check_destination
 from service.checkpoint.consistency import check_config_matches_weights, safetensors_tensors
 from service.checkpoint.headers import CheckpointHeaders
 from service.checkpoint.lora import check_adapter_matches, plan_adapter
@@ -26,6 +25,7 @@ from service.errors import (
     PlanDoesNotFit,
     SourceError,
 )
+from service.jobs.artifact_store import ArtifactStore, check_destination
 from service.jobs.callbacks import check_callback, waiting_callback
 from service.jobs.executors.base import Executor
 from service.jobs.layout import JobLayout

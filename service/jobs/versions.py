@@ -1,5 +1,5 @@
 """The versions of what produces and checks artifacts: part of the reuse key
-(:mod:`service.jobs.reuse`) and of every model card (:mod:`service.model_card`)."""
+(:mod:`service.jobs.reuse`) and of every model card (:mod:`service.jobs.model_card`)."""
 
 from __future__ import annotations
 

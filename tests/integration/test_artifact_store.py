@@ -20,7 +20,6 @@ import obstore
 import pytest
 from obstore.store import S3Store
 
-from service.artifact_store import MANIFEST, ArtifactStore, check_destination
 from service.config import Settings
 from service.errors import (
     ChecksumMismatch,
@@ -30,6 +29,7 @@ from service.errors import (
     PublishFailed,
 )
 from service.fsutil import sha256_file
+from service.jobs.artifact_store import MANIFEST, ArtifactStore, check_destination
 from service.objectstore import (
     COPY_OBJECT_MAX_BYTES,
     COPY_PART_BYTES,

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from service.model_card import render
+from service.jobs.model_card import render
 
 MANIFEST: dict[str, Any] = {
     "job_id": "ab" * 16,
