@@ -86,7 +86,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class WeightReader(Protocol):
+class ConverterReader(Protocol):
     """What the shim needs of a checkpoint reader (service.checkpoint.base.WeightReader)."""
 
     def tensor_infos(self) -> list[Any]: ...
@@ -304,7 +304,7 @@ def picked_row(tensor: Any, data: Any) -> int | None:
 
 
 def row_reader(
-    reader: WeightReader, name: str, index: int, width: int, dtype: torch.dtype
+    reader: ConverterReader, name: str, index: int, width: int, dtype: torch.dtype
 ) -> Callable[[], np.ndarray]:
     """Float32 values of row ``index`` (``width`` elements) of the stored tensor ``name`` (of
     ``dtype``), read without the rest of the tensor: ``read_into`` where the reader has it,
@@ -463,7 +463,9 @@ def _head_of(source: tuple[int, ...], shape: tuple[int, ...]) -> bool:
 
 
 @dataclass(frozen=True)
-class PlannedTensor:
+class ConvertedTensor:
+    """One tensor of the GGUF upstream's class would write, with where its values come from."""
+
     name: str
     shape: tuple[int, ...]
     """Row-major (torch) order."""
@@ -487,7 +489,7 @@ class Conversion:
     arch_name: str
     """GGUF ``general.architecture`` (``llama``, ``gemma3``...)."""
     model_class: str
-    tensors: list[PlannedTensor]
+    tensors: list[ConvertedTensor]
     metadata: list[tuple[str, Any]] = field(default_factory=list)
     """``gguf_writer.kv_data[0]`` items: key -> ``GGUFValue``, in upstream's order."""
     unused: list[str] = field(default_factory=list)
@@ -560,7 +562,7 @@ def hf_architecture(config: dict[str, Any]) -> str:
 def plan_conversion(
     root: Path,
     config: dict[str, Any],
-    reader: WeightReader,
+    reader: ConverterReader,
     ftype: str,
     *,
     bin_dir: Path | None = None,
@@ -571,7 +573,7 @@ def plan_conversion(
 ) -> Conversion:
     """Run upstream's class for ``root`` on metadata only: names, shapes, types, KV, vocabulary.
 
-    Weights are read only when a :class:`PlannedTensor`'s ``compute`` is called. ``vocab=False``
+    Weights are read only when a :class:`ConvertedTensor`'s ``compute`` is called. ``vocab=False``
     writes ``tokenizer.ggml.model = none`` (a checkpoint without tokenizer files). ``mmproj``
     plans the multimodal projector instead of the text model: upstream's ``MmprojModel``
     subclass for the architecture (``get_model_class(arch, mmproj=True)``, what
@@ -721,28 +723,28 @@ def plan_conversion(
             f"{type(exc).__name__}: {exc}"
         ) from exc
 
-    tensors: list[PlannedTensor] = []
+    tensors: list[ConvertedTensor] = []
     for name, info in model.gguf_writer.tensors[0].items():
         origin, plain, tensor = produced[name]
         qtype = int(info.dtype)
         shape = tuple(int(d) for d in tensor.shape)
         if plain and _head_of(tuple(infos[origin].shape), shape):
-            tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), origin, None))
+            tensors.append(ConvertedTensor(name, shape, qtype, int(info.nbytes), origin, None))
         elif name in picked and len(shape) == 1 and tuple(infos[origin].shape)[1:] == shape:
             stored = reader.aliases().get(origin, origin)
             compute = row_reader(reader, stored, picked[name], shape[0], infos[origin].dtype)
-            tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), None, compute))
+            tensors.append(ConvertedTensor(name, shape, qtype, int(info.nbytes), None, compute))
         elif name in stacked and all(
             tuple(infos[p].shape) == shape[1:] for p in stacked[name]
         ) and len(stacked[name]) == shape[0]:
             tensors.append(
-                PlannedTensor(name, shape, qtype, int(info.nbytes), None, None, stacked[name])
+                ConvertedTensor(name, shape, qtype, int(info.nbytes), None, None, stacked[name])
             )
         else:
             if not isinstance(tensor, (lazy_type, torch.Tensor)):
                 raise UnsupportedExport(f"{name}: upstream made a {type(tensor).__name__}")
             compute = OneShot(tensor, lazy_type)
-            tensors.append(PlannedTensor(name, shape, qtype, int(info.nbytes), None, compute))
+            tensors.append(ConvertedTensor(name, shape, qtype, int(info.nbytes), None, compute))
     model.gguf_writer.tensors.clear()  # its lazy graphs would keep evaluated tensors alive
     produced.clear()
     stacked.clear()
@@ -919,7 +921,9 @@ def plan_lora_conversion(
         tensor = produced[name]
         shape = tuple(int(d) for d in tensor.shape)
         compute = OneShot(tensor, lazy_type)
-        tensors.append(PlannedTensor(name, shape, int(info.dtype), int(info.nbytes), None, compute))
+        tensors.append(
+            ConvertedTensor(name, shape, int(info.dtype), int(info.nbytes), None, compute)
+        )
     model.gguf_writer.tensors.clear()
     produced.clear()
     kv = list(model.gguf_writer.kv_data[0].items()) if metadata else []

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from gguf import GGUFWriter
 
     from service.checkpoint.base import WeightReader
-    from service.shims.llama_cpp_convert import PlannedTensor
+    from service.shims.llama_cpp_convert import ConvertedTensor
 
 OutType = Literal["f32", "f16", "bf16", "q8_0", "q4_0"]
 
@@ -145,7 +145,7 @@ class GGUFPlan:
 
 
 def writer_tensor(
-    t: PlannedTensor,
+    t: ConvertedTensor,
     qtype: int,
     aliases: dict[str, str],
     itemsize: dict[str, int],

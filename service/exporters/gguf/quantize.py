@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
 from service.exporters.common.child_process import ChildPeaks, run_child
 from service.exporters.gguf.spec import QUANTIZER_TYPES
+from service.fsutil import sha256_file
 from service.shims.llama_cpp import TOOL_ENV, llama_cpp_tool
 from service.stage import JobContext, SideContext
 
@@ -75,15 +76,6 @@ class _LogProgress:
         if done > self.reported:
             self.advance(done - self.reported)
             self.reported = done
-
-
-def sha256_file(path: Path, chunk: int = 16 * 1024**2) -> str:
-    """The sha256 of a file another process wrote, read in bounded chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def compute_imatrix(

@@ -71,8 +71,9 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Tolerance:
-    """``close_enough`` bounds: |a-b| <= atol + rtol*|b| except for an ``outliers`` fraction."""
+class ApproximationBounds:
+    """The bounds of one of tract's approximation levels, as its ``close_enough`` applies them:
+    |a-b| <= atol + rtol*|b| except for an ``outliers`` fraction."""
 
     atol: float
     rtol: float
@@ -80,13 +81,13 @@ class Tolerance:
 
 
 # tract's Approximation levels (tract-core ``Approximation``), by their CLI names.
-TOLERANCES: dict[str, Tolerance] = {
-    "exact": Tolerance(0.0, 0.0),
-    "close": Tolerance(1e-7, 1e-7),
-    "approximate": Tolerance(1e-4, 5e-4),
-    "very": Tolerance(5e-3, 1e-2),
-    "super": Tolerance(0.1, 0.05, 1e-4),
-    "ultra": Tolerance(0.2, 0.1, 5e-3),
+APPROXIMATION_BOUNDS: dict[str, ApproximationBounds] = {
+    "exact": ApproximationBounds(0.0, 0.0),
+    "close": ApproximationBounds(1e-7, 1e-7),
+    "approximate": ApproximationBounds(1e-4, 5e-4),
+    "very": ApproximationBounds(5e-3, 1e-2),
+    "super": ApproximationBounds(0.1, 0.05, 1e-4),
+    "ultra": ApproximationBounds(0.2, 0.1, 5e-3),
 }
 
 
@@ -537,7 +538,7 @@ def load_with_layer_outputs(archive: Path, work: Path) -> tuple[Any, list[str]]:
     return load_runnable(unpacked), names
 
 
-def compare(found: np.ndarray, expected: np.ndarray, tol: Tolerance) -> str | None:
+def compare(found: np.ndarray, expected: np.ndarray, tol: ApproximationBounds) -> str | None:
     """None when ``found`` is close enough to ``expected``, else a one-line reason."""
     if found.shape != expected.shape:
         return f"shape {found.shape} != expected {expected.shape}"
@@ -569,7 +570,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--assert-output-bundle", type=Path)
     parser.add_argument("--save-outputs-npz", type=Path)
     parser.add_argument("--allow-float-casts", action="store_true")
-    parser.add_argument("--approx", default="exact", choices=sorted(TOLERANCES))
+    parser.add_argument("--approx", default="exact", choices=sorted(APPROXIMATION_BOUNDS))
     parser.add_argument(
         "--layer-outputs", type=Path, help="decode: also save each layer's output (work dir)"
     )
@@ -637,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         named: dict[str, Any] = {f"output_{i}": o for i, o in enumerate(outputs)}
         np.savez(args.save_outputs_npz, **named)
     if args.assert_output_bundle is not None:
-        tol = TOLERANCES[args.approx]
+        tol = APPROXIMATION_BOUNDS[args.approx]
         with np.load(args.assert_output_bundle) as bundle:
             expected = [bundle[k] for k in bundle.files]
         if len(expected) != len(outputs):

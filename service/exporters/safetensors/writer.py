@@ -5,7 +5,7 @@ Imports torch at import time: only the job process loads it, through the exporte
 Why one module of over 450 lines: the shard plan (names, header bounds, :class:`ShardPlan`) and
 the streamed write (prefetching, casting, hashing while writing) are kept together because the
 header written first must match the bytes streamed after it byte for byte; both halves read the
-same :class:`PlannedTensor` offsets.
+same :class:`ShardTensor` offsets.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ _HEAD_LIKE = ("lm_head", "decoder", "output")
 
 
 @dataclass(frozen=True)
-class PlannedTensor:
+class ShardTensor:
+    """One tensor's place in an output shard: what it is read from and the bytes it takes."""
+
     name: str
     source: str
     """Name to read from the checkpoint (differs from ``name`` for a kept alias)."""
@@ -72,7 +74,7 @@ class PlannedTensor:
 @dataclass
 class PlannedShard:
     filename: str
-    tensors: list[PlannedTensor] = field(default_factory=list)
+    tensors: list[ShardTensor] = field(default_factory=list)
     data_size: int = 0
     header: bytes = b""
     """The full file prefix: 8-byte length + JSON padded with spaces to a multiple of 8."""
@@ -187,7 +189,7 @@ def plan_shards(
         for name, info, dt, nbytes, _ in group:
             end = shard.data_size + nbytes
             shard.tensors.append(
-                PlannedTensor(name, info.name, info.dtype, dt, info.shape, shard.data_size, end)
+                ShardTensor(name, info.name, info.dtype, dt, info.shape, shard.data_size, end)
             )
             shard.data_size += nbytes
         shard.header = encode_header(shard.tensors)
@@ -195,7 +197,7 @@ def plan_shards(
     return ShardPlan(shards=shards, dropped=dropped, total_size=total, total_parameters=params)
 
 
-def encode_header(tensors: list[PlannedTensor]) -> bytes:
+def encode_header(tensors: list[ShardTensor]) -> bytes:
     """The safetensors prefix for ``tensors``: length, JSON, space padding to 8-byte alignment."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     for t in tensors:
