@@ -111,3 +111,22 @@ def test_contracts_fail_when_a_format_imports_another_format(tmp_path: Path) -> 
     assert "fakesvc.exporters.onnx.exporter -> fakesvc.exporters.nnef.exporter" in result.stdout, (
         result.stdout
     )
+
+
+def test_every_root_module_and_package_of_the_service_is_in_the_layers() -> None:
+    """A module or package added at service/'s root without a place in the layers contract
+    would be outside the dependency rule: each is named there exactly once."""
+    layers = _contract("layers")["layers"]
+    named = [
+        name.strip().removeprefix("service.")
+        for layer in layers for name in layer.replace("|", ":").split(":")
+    ]
+    service = ROOT / "service"
+    on_disk = {p.stem for p in service.glob("*.py") if p.name != "__init__.py"} | {
+        p.name for p in service.iterdir() if (p / "__init__.py").is_file()
+    }
+    assert sorted(named) == sorted(set(named)), f"named twice: {named}"
+    assert set(named) == on_disk, (
+        f"not in the layers contract: {sorted(on_disk - set(named))}; "
+        f"in it but not on disk: {sorted(set(named) - on_disk)}"
+    )
