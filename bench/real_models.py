@@ -126,7 +126,7 @@ def consumer_check(model: str, export: str, artifacts: Path, source: Path, work:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from tests.unit.exporters.test_onnx import _decode_in_ort
+        from tests.integration.exporters.test_onnx import _decode_in_ort
 
         prompt, steps = [11, 400, 1234, 77], 4
         lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()

@@ -4,7 +4,7 @@
 # Why: llama.cpp's converter classes (service/shims/llama_cpp_convert.py) need the gguf-py of
 # the same llama.cpp, which is newer than PyPI's `gguf` of the same version string; the service's
 # other users of `gguf` (the GGUF writer and reader, offload/quant.py's GGML blocks) work with it
-# too. So the venv holds exactly that one `gguf` (tests/unit/test_one_gguf.py checks it) and no
+# too. So the venv holds exactly that one `gguf` (tests/integration/test_one_gguf.py checks it) and no
 # code swaps modules at run time.
 #
 # Usage: scripts/install_gguf_py.sh PIP [GGUF_PY_DIR [PIP_OPTION...]]

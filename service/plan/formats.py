@@ -553,7 +553,7 @@ def block_weight_bytes(tensors: Iterable[tuple[str, int]]) -> int:
 
 MIN_VOCAB_CHUNK_BYTES = 16 * MiB
 """``service.exporters.nnef.layerwise.MIN_VOCAB_CHUNK_BYTES`` (a format module the plan does
-not import: ``tests/unit/test_plan_tract_layerwise.py`` holds the two equal)."""
+not import: ``tests/unit/plan/test_plan_tract_layerwise.py`` holds the two equal)."""
 
 
 _LAYER_PREFIX = re.compile(r"\.(?:layers|h|layer|blocks)\.(\d+)\.")

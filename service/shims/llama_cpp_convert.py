@@ -7,7 +7,7 @@ asks upstream's class for the model (``ModelBase.from_model_architecture``) what
 and writes it itself (bounded memory, progress, cancel, sha256 while writing).
 
 What is used of upstream's internals (checked on :data:`CHECKED_VERSIONS`, pinned by
-``service.shims.llama_cpp.LLAMA_CPP_PYTHON_VERSION``; ``tests/unit/shims/test_llama_cpp_convert.py``
+``service.shims.llama_cpp.LLAMA_CPP_PYTHON_VERSION``; ``tests/integration/shims/test_llama_cpp_convert.py``
 names each assumption):
 
 * ``conversion/__init__.py``'s ``TEXT_MODEL_MAP`` literal (read with ``ast``: the API process

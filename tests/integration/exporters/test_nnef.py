@@ -45,7 +45,7 @@ from tests.fixtures.models import (
     save_tiny_family,
     tiny_bert_config,
 )
-from tests.unit.exporters.test_nnef import Exported, _export
+from tests.unit.exporters.nnef.test_nnef import Exported, _export
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from service.verification.reference import GreedyReference, greedy_reference, pr
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.real_models import Variant, real_variant
 from tests.integration.exporters.test_nnef import scale_weight
-from tests.unit.exporters.test_nnef import Exported, _export
+from tests.unit.exporters.nnef.test_nnef import Exported, _export
 
 SMOLLM2_F16 = Variant(tie="output", config_keys="v4", dtype="float16", layers=4)
 STEPS = 2

@@ -23,7 +23,7 @@ from service.plan.formats import (
     tract_peaks,
 )
 from tests.fixtures.models import build_checkpoint
-from tests.unit.test_plan import GiB, llama, spec
+from tests.unit.plan.test_plan import GiB, llama, spec
 
 
 def test_the_largest_block_is_one_layer_as_the_vocabulary_runs_in_chunks_of_a_layer() -> None:
