@@ -66,8 +66,9 @@ _PROVIDER_ERROR = re.compile(re.escape(_PROVIDER_FAILED) + r"(\w+): ([^\n]*)")
 def _provider_failure(message: str, what: str) -> ServiceError:
     """The typed error of a ``credential_provider`` callback that raised: obstore reports it as
     UnauthenticatedError ``External AWS credential provider: <class>: <message>`` (the
-    callback is :class:`~service.web_identity.WebIdentityCredentials`, whose messages hold
-    neither token nor key). An STS that could not be reached stays SourceUnreachable."""
+    callback is :class:`~service.objectstore.web_identity.WebIdentityCredentials`, whose
+    messages hold neither token nor key). An STS that could not be reached stays
+    SourceUnreachable."""
     match = _PROVIDER_ERROR.search(message)
     name, detail = (match.group(1), match.group(2)) if match else ("", message.splitlines()[0])
     if name == SourceUnreachable.__name__:

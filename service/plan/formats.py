@@ -133,10 +133,10 @@ REFERENCE_LOGITS_COPIES = 3
 """float32 ``(n_ctx, vocab)`` logits a layer-by-layer reference holds at once: the head's
 output, its numpy copy and the kept window."""
 REFERENCE_CTX = 128
-"""Tokens per chunk of the fixed text (``checkpoint.independent.FIXED_TEXT_CTX``)."""
+"""Tokens per chunk of the fixed text (``verification.independent.FIXED_TEXT_CTX``)."""
 REFERENCE_MAPPED_DTYPES = frozenset({"F32", "F16", "BF16"})
 """An embedding or head stored in one of these is read from the file layer by layer, never
-loaded (``checkpoint.independent.MAPPED_DTYPES``)."""
+loaded (``verification.independent.MAPPED_DTYPES``)."""
 
 SAFETENSORS_SLOTS = 4
 """The safetensors writer's ring of read buffers (``PREFETCH_DEPTH + 2``), each
@@ -328,7 +328,7 @@ def _read_from_file(t: TensorHeader) -> bool:
 
 def _reference_bytes(headers: CheckpointHeaders, max_memory: int | None) -> tuple[int, str]:
     """The job process's peak while it computes the independent reference, and its formula
-    in words. Whole (float32 weights within ``max_memory``): B + 1.4 x float32 weights. Layer by layer (``checkpoint.independent``): B + 64 MiB + 1.7 x (one layer + what
+    in words. Whole (float32 weights within ``max_memory``): B + 1.4 x float32 weights. Layer by layer (``verification.independent``): B + 64 MiB + 1.7 x (one layer + what
     stays resident outside the stack, the embedding and head read from the file excluded, in
     the stored dtype) + 3 x n_ctx x vocab float32 logits (a causal LM with a tokenizer); a
     pickle (no headers) is bounded by ``max_memory``."""

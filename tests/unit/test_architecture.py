@@ -83,9 +83,9 @@ def test_contracts_fail_when_a_format_imports_another_format(tmp_path: Path) -> 
         "__init__.py": "",
         "exporters/__init__.py": "",
         "exporters/common/__init__.py": "",
-        "exporters/common/reference.py": "",
+        "exporters/common/child_process.py": "",
         "exporters/nnef/__init__.py": "",
-        "exporters/nnef/exporter.py": "from fakesvc.exporters.common import reference\n",
+        "exporters/nnef/exporter.py": "from fakesvc.exporters.common import child_process\n",
         "exporters/onnx/__init__.py": "",
         "exporters/onnx/exporter.py": "from fakesvc.exporters.nnef import exporter\n",  # the violation
     })  # fmt: skip
