@@ -181,11 +181,11 @@ def child_base(ckpt: Path) -> None:
     import resource
 
     from service.checkpoint import open_checkpoint
-    from service.exporters.gguf.plan import add_metadata, plan_gguf
+    from service.exporters.gguf.layout import add_metadata, layout_gguf
 
     with open_checkpoint(ckpt) as c:
         assert c.config is not None
-        plan = plan_gguf(ckpt, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
+        plan = layout_gguf(ckpt, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
         import gguf
 
         writer = gguf.GGUFWriter(None, plan.arch_name)

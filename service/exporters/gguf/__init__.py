@@ -1,7 +1,8 @@
 """GGUF for llama.cpp.
 
-``spec`` (the request), ``exporter`` (registered at import), ``plan`` (what the file holds, decided
-by llama.cpp's converter from metadata), ``stream`` (the streamed writer and the read-back
+``spec`` (the request), ``exporter`` (registered at import), ``layout`` (what the file holds,
+decided by llama.cpp's converter from metadata), ``plan`` (what the job holds in memory and writes
+to disk, from the checkpoint's headers), ``stream`` (the streamed writer and the read-back
 verification), ``directory`` (a GGUF header read without its vocabulary), ``quantize``
 (K-quants and imatrix by ``llama-quantize`` in a child process) and ``llama_check`` (tokenizer
 and perplexity checked by llama.cpp's own tools).

@@ -1,7 +1,7 @@
 """GGUF for llama.cpp: ``{"format": "gguf", "type": "f16"}`` (any case).
 
 f32, f16, bf16, q8_0 and q4_0 are written directly: the file is laid out from metadata
-(``plan``), written tensor by tensor with bounded memory and hashed on the way
+(``layout``), written tensor by tensor with bounded memory and hashed on the way
 (``stream``), then read back and compared with the source weights; an export beyond its
 type's error bound fails with :class:`VerificationFailed`. The K-quants and IQ4 types
 (``"Q4_K_M"``...) are llama-quantize's, with its per-tensor mixtures: the same streamed f16 file
@@ -11,7 +11,7 @@ llama-imatrix from ``"imatrix": {"calibration": "<text>"}``, or an imatrix file 
 (``"imatrix": {"uri": "https://.../imatrix.gguf", "sha256": ...}``: fetched like a model source,
 same allowed roots, egress policy and download cache, checked to be an imatrix GGUF).
 
-What is written is what llama.cpp's own converter would write (``plan``): every architecture
+What is written is what llama.cpp's own converter would write (``layout``): every architecture
 it supports, its tensor transforms, hyperparameters and vocabulary. An architecture it does not
 support is refused at submission (422, listing the supported ones); a BPE pre-tokenizer it does
 not know is a typed ``unsupported_tokenizer`` failure unless the spec accepts a fallback
@@ -33,9 +33,9 @@ from service.checkpoint.vision import is_multimodal
 from service.errors import MissingTokenizer, NoModelConfig, UnsupportedExport
 from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
 from service.exporters.common.families import is_causal_lm
+from service.exporters.gguf.layout import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.lora import LORA_PREFIX
 from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_vlm, mmproj_type
-from service.exporters.gguf.plan import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.spec import GGUFSpec
 from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 from service.stage import JobContext, Phase
@@ -43,7 +43,7 @@ from service.units import parse_size
 
 if TYPE_CHECKING:
     from service.config import Settings
-    from service.exporters.gguf.plan import GGUFPlan
+    from service.exporters.gguf.layout import GGUFPlan
 
 class GGUFExporter(Exporter):
     format: ClassVar[str] = "gguf"
@@ -135,7 +135,7 @@ class GGUFExporter(Exporter):
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> ExportResult:
         from service.exporters.gguf.directory import read_directory
-        from service.exporters.gguf.plan import add_metadata, plan_gguf
+        from service.exporters.gguf.layout import add_metadata, layout_gguf
         from service.exporters.gguf.quantize import split_gguf
         from service.exporters.gguf.stream import (
             VerifyReport,
@@ -163,7 +163,7 @@ class GGUFExporter(Exporter):
         with_vocab = has_tokenizer(checkpoint.root)
 
         def make_plan(metadata: bool) -> GGUFPlan:
-            return plan_gguf(
+            return layout_gguf(
                 checkpoint.root, config, reader, written, bin_dir=bin_dir, metadata=metadata,
                 vocab=with_vocab, pre_tokenizer_fallback=spec.pre_tokenizer_fallback,
             )  # fmt: skip
@@ -316,9 +316,9 @@ class GGUFExporter(Exporter):
         greedy tokens are not expected to equal transformers' (its logits move by more than the
         bound's 0.05 lead; ``llama_check`` judges them by perplexity against that f16 file), so
         the check of the projector runs with the text model it was quantized from."""
+        from service.exporters.gguf.layout import add_metadata
         from service.exporters.gguf.mmproj import check_tower
         from service.exporters.gguf.mtmd_check import check_mtmd
-        from service.exporters.gguf.plan import add_metadata
         from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf
 
         reader = checkpoint.reader

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import UnsupportedAdapter, UnsupportedExport
-from service.exporters.gguf.plan import FILE_TYPES, GGUFPlan, OutType, TensorPlan
+from service.exporters.gguf.layout import FILE_TYPES, GGUFPlan, OutType, TensorPlan
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +119,7 @@ def export_lora(
     name, sha256, the manifest's ``lora`` section)."""
     from service.checkpoint.lora import open_adapter
     from service.exporters.gguf.exporter import add_provenance
-    from service.exporters.gguf.plan import add_metadata
+    from service.exporters.gguf.layout import add_metadata
     from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf
 
     checkpoint = inputs.checkpoint

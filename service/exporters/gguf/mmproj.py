@@ -1,6 +1,6 @@
 """A vision-language model's multimodal projector (``mmproj-*.gguf``), planned by llama.cpp.
 
-A VLM in llama.cpp is two files: the text model (``plan.plan_gguf``, upstream's text class, which
+A VLM in llama.cpp is two files: the text model (``layout_gguf``, upstream's text class, which
 drops the vision tensors) and the projector that ``llama-mtmd-cli`` / ``llama-server --mmproj``
 load beside it: the vision tower, the projector and the ``clip.*`` keys (image size, patch size,
 mean/std, projector type). Upstream's ``convert_hf_to_gguf.py --mmproj`` writes it with the
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.checkpoint.vision import is_multimodal, is_vision_tensor
 from service.errors import ExportFailed, UnsupportedExport
-from service.exporters.gguf.plan import FILE_TYPES, GGUFPlan, OutType, writer_tensor
+from service.exporters.gguf.layout import FILE_TYPES, GGUFPlan, OutType, writer_tensor
 
 if TYPE_CHECKING:
     from service.checkpoint.base import WeightReader

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.exporters.base import ExportSpec
-from service.exporters.gguf.plan import OutType
+from service.exporters.gguf.layout import OutType
 from service.sources.base import SourceRequest
 from service.units import parse_size
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from service.errors import ExportFailed, VerificationFailed
 from service.exporters.gguf.directory import GGUFDirectory, read_directory
-from service.exporters.gguf.plan import GGUFPlan, TensorPlan, permute_qk, unpermute_qk
+from service.exporters.gguf.layout import GGUFPlan, TensorPlan, permute_qk, unpermute_qk
 from service.memory.heap import HeapTrimmer
 
 if TYPE_CHECKING:

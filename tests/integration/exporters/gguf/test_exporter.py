@@ -34,7 +34,7 @@ from service.errors import (
 )
 from service.exporters.base import ExportInputs
 from service.exporters.gguf import GGUFExporter, GGUFSpec
-from service.exporters.gguf.plan import supported_architectures
+from service.exporters.gguf.layout import supported_architectures
 from service.stage import InMemoryContext, Phase
 from tests.fixtures.gguf_files import (
     export_gguf,

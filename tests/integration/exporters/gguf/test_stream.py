@@ -24,12 +24,12 @@ from transformers import LlamaForCausalLM
 from service.checkpoint import WeightReader, open_checkpoint
 from service.errors import VerificationFailed
 from service.exporters.gguf.directory import read_directory
-from service.exporters.gguf.llama_check import perplexity
-from service.exporters.gguf.plan import (
+from service.exporters.gguf.layout import (
     GGUFPlan,
     add_metadata,
-    plan_gguf,
+    layout_gguf,
 )
+from service.exporters.gguf.llama_check import perplexity
 from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf, write_gguf_files
 from service.shims.llama_cpp import llama_cpp_tool
 from tests.fixtures.gguf_files import (
@@ -44,7 +44,7 @@ from tests.fixtures.gguf_files import (
 def _plan(ckpt_dir: Path, type_: str) -> GGUFPlan:
     with open_checkpoint(ckpt_dir) as ckpt:
         assert ckpt.config is not None
-        return plan_gguf(
+        return layout_gguf(
             ckpt_dir, ckpt.config, ckpt.reader, type_,  # type: ignore[arg-type]
             pre_tokenizer_fallback="default",
         )  # fmt: skip
@@ -157,7 +157,7 @@ def test_a_failing_write_in_the_writer_thread_fails_the_export_and_leaves_nothin
             return getattr(self.real, name)
 
     with open_checkpoint(wide_llama) as c:
-        plan = plan_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
+        plan = layout_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
 
         def metadata(writer: gguf.GGUFWriter) -> None:
             real_open = writer.open_output_file
@@ -203,7 +203,7 @@ def test_each_block_is_read_back_from_the_file_as_it_is_written(
     out = tmp_path / "out"
     out.mkdir()
     with open_checkpoint(wide_llama) as c:
-        plan = plan_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
+        plan = layout_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
 
         def metadata(writer: gguf.GGUFWriter) -> None:
             real_open = writer.open_output_file
@@ -226,7 +226,7 @@ def test_each_block_is_read_back_from_the_file_as_it_is_written(
         write_gguf_files(out / "m.gguf", plan, c.reader, metadata, gguf_ctx(tmp_path), check=report)
         assert report.tensors_checked == len(plan.tensors) and report.files == 1
         assert 0 < report.worst_fraction_of_bound["f16"] <= 1.0
-        again = verify_gguf(out / "m.gguf", plan_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default"), c.reader, gguf_ctx(tmp_path))
+        again = verify_gguf(out / "m.gguf", layout_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default"), c.reader, gguf_ctx(tmp_path))
         assert report.as_dict() == again.as_dict()  # the same figures as a read-back after
 
 
@@ -300,7 +300,7 @@ def test_split_layout_is_checked_by_the_read_back(
     ]
     assert sorted(p.name for p in out.iterdir() if p.is_file()) == result.files
     with open_checkpoint(wide_llama) as c:
-        plan = plan_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
+        plan = layout_gguf(wide_llama, c.config, c.reader, "f16", pre_tokenizer_fallback="default")
         report = verify_gguf(files, plan, c.reader, gguf_ctx(tmp_path))
         assert report.files == len(files) and report.tensors_checked == len(plan.tensors)
         with pytest.raises(Exception, match="split keys"):

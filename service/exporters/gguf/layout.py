@@ -178,7 +178,7 @@ def writer_tensor(
     )
 
 
-def plan_gguf(
+def layout_gguf(
     root: Path,
     config: dict[str, Any],
     reader: WeightReader,

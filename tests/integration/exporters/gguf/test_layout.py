@@ -1,4 +1,4 @@
-"""What llama.cpp's converter plans for a checkpoint (``service.exporters.gguf.plan``): the
+"""What llama.cpp's converter lays out for a checkpoint (``service.exporters.gguf.layout``): the
 tokenizer as llama.cpp writes it, the keys of a GGUF llama.cpp made, and the tensors' numerics,
 checked by an independent numpy forward pass of the file against transformers.
 """

@@ -1,10 +1,10 @@
-"""The GGUF plan's q/k permutation (``service.exporters.gguf.plan``), without llama.cpp's converter."""
+"""The GGUF layout's q/k permutation (``service.exporters.gguf.layout``), without llama.cpp's converter."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from service.exporters.gguf.plan import (
+from service.exporters.gguf.layout import (
     permute_qk,
     unpermute_qk,
 )
