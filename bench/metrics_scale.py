@@ -52,7 +52,7 @@ from sqlalchemy import MetaData, Table, create_engine
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.jobs.migrations import upgrade
+from service.jobs.store.migrations import upgrade
 from tests.fixtures.postgres import fresh_database
 from tests.fixtures.service import running_service
 

@@ -25,7 +25,6 @@ tokenizer stack load inside :meth:`GGUFExporter.export`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -36,6 +35,7 @@ from service.exporters.common.families import is_causal_lm
 from service.exporters.gguf.layout import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.lora import LORA_PREFIX
 from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_vlm, mmproj_type
+from service.exporters.gguf.provenance import add_provenance
 from service.exporters.gguf.spec import GGUFSpec
 from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 from service.stage import JobContext, Phase
@@ -460,26 +460,3 @@ def _tokenizer_summary(plan: GGUFPlan) -> dict[str, Any]:
 
 
 register(GGUFExporter())
-
-
-def add_provenance(writer: Any, spec: GGUFSpec, source: dict[str, Any]) -> None:
-    """The recipe and provenance in llama.cpp's own ``general.*`` keys (the model card says the
-    same beside the file): ``general.quantized_by``, ``general.source.url`` (the source as the
-    job stored it: no query string, no secret) and ``general.description`` holding the
-    validated export spec and the resolved commit or digest. llama-quantize copies these keys
-    into the files it writes. Keys the converter already set are left as they are."""
-    present = set(writer.kv_data[0])
-    resolved = source.get("revision") or source.get("digest") or source.get("sha256")
-    # what makes the file what it is: "verify" changes the checks, not one byte of the file
-    recipe = json.dumps(
-        spec.model_dump(mode="json", exclude={"verify"}), sort_keys=True, separators=(",", ":")
-    )
-    description = f"modelprep recipe {recipe}" + (f"; source at {resolved}" if resolved else "")
-    values = {
-        "general.quantized_by": "modelprep",
-        "general.source.url": source.get("uri"),
-        "general.description": description,
-    }
-    for key, value in values.items():
-        if isinstance(value, str) and value and key not in present:
-            writer.add_string(key, value)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.errors import UnsupportedAdapter, UnsupportedExport
 from service.exporters.gguf.layout import FILE_TYPES, GGUFPlan, OutType, TensorPlan
+from service.exporters.gguf.provenance import add_provenance
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +119,6 @@ def export_lora(
     as it is written (``stream.write_gguf``'s check), then the file's layout checked; (file
     name, sha256, the manifest's ``lora`` section)."""
     from service.checkpoint.lora import open_adapter
-    from service.exporters.gguf.exporter import add_provenance
     from service.exporters.gguf.layout import add_metadata
     from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf
 

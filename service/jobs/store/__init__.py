@@ -13,6 +13,8 @@ Where everything is:
   :mod:`service.jobs.totals`).
 - ``job_store.py``: :class:`JobStore`, the façade the rest of the service calls; it opens
   connections and transactions and hands them to the functions above.
+- ``migrations/``: the tables' history as alembic revisions, which
+  :meth:`JobStore.create_schema` runs.
 
 Secrets are never written here.
 """

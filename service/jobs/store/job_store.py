@@ -46,8 +46,8 @@ class JobStore:
         """Bring the database to the newest schema by running the alembic migrations.
 
         Every process that opens the store at start-up (API, worker) calls this; concurrent
-        callers are serialized (see :func:`service.jobs.migrations.upgrade`)."""
-        from service.jobs.migrations import upgrade
+        callers are serialized (see :func:`service.jobs.store.migrations.upgrade`)."""
+        from service.jobs.store.migrations import upgrade
 
         upgrade(self.engine)
 

@@ -4,7 +4,7 @@
 whether it has seen the latest state; a worker's timer heartbeat (``heartbeat_at`` alone, not
 part of the job JSON) is the one write that leaves it.
 
-The schema is created and upgraded by the alembic migrations in ``service/jobs/migrations/``
+The schema is created and upgraded by the alembic migrations in ``service/jobs/store/migrations/``
 (see :meth:`JobStore.create_schema`); the tables below are the definition they must match.
 """
 

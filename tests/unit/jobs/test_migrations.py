@@ -13,8 +13,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import MetaData, Table, inspect, text
 
-from service.jobs.migrations import current_revision, upgrade
 from service.jobs.store import JobStore, metadata, utcnow
+from service.jobs.store.migrations import current_revision, upgrade
 from tests.fixtures.postgres import fresh_database
 from tests.unit.jobs.test_store import new_job
 

@@ -71,7 +71,7 @@ def test_lazy_imports_of_the_stages_are_followed_but_a_rare_formats_are_not() ->
     assert not {
         "service.shims.torch_to_nnef", "service.exporters.common.offloaded_model"
     } & set(modules)
-    assert "service.jobs.migrations" not in modules  # no job migrates the schema
+    assert "service.jobs.store.migrations" not in modules  # no job migrates the schema
 
 
 def test_modules_are_found_from_function_level_imports_without_importing_them() -> None:

@@ -17,9 +17,9 @@ from sqlalchemy import MetaData, Table
 
 from service.api.metrics import service_registry
 from service.config import Settings
-from service.jobs.migrations import upgrade
 from service.jobs.model import Artifact, Job, JobError, JobStatus, Phase, PhaseTiming
 from service.jobs.store import JobStore, job_totals, utcnow
+from service.jobs.store.migrations import upgrade
 from tests.fixtures.postgres import fresh_database
 
 
@@ -133,7 +133,8 @@ def test_concurrent_ends_all_reach_the_totals(store: JobStore) -> None:
 
 
 def test_the_migration_fills_the_totals_from_the_jobs_already_there(url: str) -> None:
-    """A store at revision 0004 with ended jobs: upgrading adds up what they had done."""
+    """A store at revision 0004 with ended jobs: upgrading adds up what they had done, the
+    phase timeline read from ``details`` where jobs kept it then (revision 0008 moves it)."""
     with ExitStack() as stack:
         store = JobStore.from_url(url)
         stack.callback(store.dispose)
@@ -148,7 +149,9 @@ def test_the_migration_fills_the_totals_from_the_jobs_already_there(url: str) ->
             conn.execute(jobs.insert(), [
                 {**base, "id": "kept", "status": "succeeded", "phase": "done", "tenant": "a",
                  "artifacts": [{"path": "m", "size": 500, "sha256": "0" * 64}],
-                 "metrics": {"bytes_read": 900}},
+                 "metrics": {"bytes_read": 900},
+                 "details": {"phases": [{"phase": "export", "started_at": now.isoformat(),
+                                         "seconds": 0.7}]}},
                 {**base, "id": "gone", "status": "succeeded", "phase": "done", "tenant": "a",
                  "artifacts": [], "details": {"deleted_at": now.isoformat()},
                  "metrics": {"bytes_read": 100, "artifact_bytes_freed": 450}},
@@ -161,5 +164,6 @@ def test_the_migration_fills_the_totals_from_the_jobs_already_there(url: str) ->
         assert sums[("bytes_read", "", "")] == 1000
         assert sums[("artifact_bytes_freed", "", "")] == 450
         assert sums[("run_seconds", "succeeded", "10.0")] == 2
+        assert sums[("phase_seconds", "export", "1.0")] == 1
         with store.engine.connect() as conn:
             assert conn.execute(job_totals.select()).first() is not None

@@ -31,6 +31,8 @@ if connection is not None:
 else:
     url = context.get_x_argument(as_dictionary=True).get("url")
     if not url:
-        raise SystemExit("run migrations through service.jobs.migrations.upgrade(), or -x url=")
+        raise SystemExit(
+            "run migrations through service.jobs.store.migrations.upgrade(), or -x url="
+        )
     with create_engine(url).begin() as own:
         _run(own)
