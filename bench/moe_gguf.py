@@ -12,7 +12,7 @@ tokenizer, which llama.cpp's converter needs, ``--layers`` layers; the expert st
 * ``ours``: the GGUF exporter as a job runs it, f16, with the read-back (``verify`` on);
 * ``upstream``: ``convert_hf_to_gguf.py`` of the pinned llama.cpp, f16, lazy mode (its default).
 
-The plan's prediction for our export (``service/plan/formats.py``, the dense formula) is printed
+The plan's prediction for our export (``service/exporters/gguf/plan.py``, the dense formula) is printed
 beside it. The checkpoint is read once before each run so both start with it in the page cache.
 """
 

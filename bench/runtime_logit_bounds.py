@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from service.config import Settings
+from service.exporters.nnef.plan import block_weight_bytes, tract_peaks
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import run_pipeline
 from service.jobs.spec import JobSpec
-from service.plan.formats import block_weight_bytes, tract_peaks
 from service.stage import InMemoryContext
 from service.verification import logits
 from tests.fixtures.real_models import Variant, real_model, real_variant

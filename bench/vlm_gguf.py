@@ -11,7 +11,7 @@ for the VLM, the llama-mtmd-cli check.
 
     .venv/bin/python bench/vlm_gguf.py
 
-The formula (``service.plan.formats.plan_gguf`` and ``_plan_vlm``), the same for a VLM as for
+The formula (``service.exporters.gguf.plan.plan_gguf`` and ``_plan_vlm``), the same for a VLM as for
 its text model: the job's peak is B + G + blocks x C + T (the writer's row blocks; the
 projector streams through the same writer, so the tower adds no term); verified in an
 unquantized type, a VLM's job also holds the mtmd check's transformers reference, B + 64 MiB +

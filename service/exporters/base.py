@@ -1,9 +1,12 @@
-"""The Exporter protocol and its registry: a new output format is one new package.
+"""The Exporter base class and its registry: a new output format is one new package.
 
 An exporter
 
 * declares a pydantic spec (its ``format`` literal is the discriminator of the job's
   ``exports`` list) and may reject one at submission (``check``);
+* declares its plan (``plan``: what its export holds in memory and writes to disk, from the
+  checkpoint's headers, so that submission refuses a job that cannot fit) and its producers
+  (``producers``: the libraries and tools whose versions key the reuse of its artifacts);
 * says what it needs the job to prepare (``needs`` -> :class:`Needs`): the meta-built module
   and the offload store, and/or the source model's reference outputs on the fixed input;
 * writes files into a fresh directory (``export``);
@@ -12,23 +15,31 @@ An exporter
   against the reference by ``verify``, which the pipeline calls in the VERIFY phase after every
   export is written (safetensors: the export is streamed through transformers).
 
-The pipeline (:mod:`service.jobs.pipeline`) only reads these declarations; it never tests a
-format by name. Heavy imports (torch, gguf, torch_to_nnef) stay inside ``export`` and
-``verify`` so that the API process never loads them. A new format is a package whose
-``exporter`` module registers it at import (``register(MyExporter())``) and is listed in
-``service/exporters/__init__.py``; ARCHITECTURE.md says what else goes in the package.
+The service only reads these declarations; nothing tests a format by name, and a format it
+does not know raises :class:`UnsupportedExport` (:func:`exporter_for`). A class that lacks one
+of them fails when it is defined, as a variant of llama.cpp gguf-py's ``quants.py`` does
+(:meth:`Exporter.__init_subclass__`). Heavy imports (torch, gguf, torch_to_nnef) stay inside
+``export`` and ``verify`` so that the API process never loads them. A new format is a package
+whose ``exporter`` module registers it at import (``register(MyExporter())``), imported once
+by ``service/exporters/__init__.py``; ARCHITECTURE.md says what goes in the package.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from service.checkpoint.base import Checkpoint
+from service.checkpoint.headers import CheckpointHeaders
 from service.config import Settings
+from service.errors import UnsupportedExport
+from service.plan import ExportPlan, PlanInputs
+from service.plan.terms import JOB_SHARED_BYTES
 from service.stage import JobContext
 
 
@@ -118,12 +129,64 @@ class ExportResult:
     """sha256 of files hashed while being written, so finalize need not read them again."""
 
 
-class Exporter(Protocol):
-    """One output format. Subclass it explicitly to inherit the defaults of ``needs`` (nothing)
-    and ``verify`` (never called, since nothing asked for a reference)."""
+@dataclass(frozen=True)
+class Producers:
+    """What writes and checks a format's artifacts: their versions are part of the reuse key
+    (:mod:`service.jobs.reuse`, so an upgrade that could change the bytes or the verdict hands
+    out no artifact an older one made) and of every model card."""
+
+    distributions: tuple[str, ...] = ()
+    """Python distributions, whose installed version is looked up (``importlib.metadata``)."""
+    tools: Mapping[str, str] = field(default_factory=dict)
+    """Programs that are no distribution, with the version the service pins (llama.cpp)."""
+
+
+REQUIRED: tuple[str, ...] = ("format", "spec_type", "producers")
+"""What every concrete exporter class must set; ``plan`` and ``export`` it must define."""
+
+
+class Exporter(ABC):
+    """One output format: a subclass sets ``format``, ``spec_type`` and ``producers`` and defines
+    ``plan`` and ``export``, or its class statement raises :class:`TypeError`; it inherits the
+    defaults of ``needs`` (nothing) and ``verify`` (never called, since nothing asked for a
+    reference). A base shared by formats (``common.families.GraphExporter``) says
+    ``abstract=True`` in its class statement."""
 
     format: ClassVar[str]
     spec_type: ClassVar[type[ExportSpec]]
+    producers: ClassVar[Producers]
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
+        """Refuse, when the class is defined, a format that does not declare all it must: the
+        service would otherwise find out in a job (no plan: admission control guessing)."""
+        super().__init_subclass__(**kwargs)
+        if abstract:
+            return
+        missing = [name for name in REQUIRED if not hasattr(cls, name)]
+        missing += [
+            name for name in ("plan", "export")
+            if getattr(getattr(cls, name), "__isabstractmethod__", False)
+        ]  # fmt: skip
+        if missing:
+            raise TypeError(
+                f"the exporter {cls.__qualname__} does not declare {', '.join(missing)}: every "
+                "format declares its spec, its plan and its producers (service.exporters.base)"
+            )
+        if not isinstance(cls.producers, Producers):
+            raise TypeError(f"{cls.__qualname__}.producers is not a Producers")
+        tag = cls.spec_type.model_fields.get("format")
+        if tag is None or tag.default != cls.format:
+            raise TypeError(
+                f"{cls.__qualname__}.spec_type's format field must default to {cls.format!r}, "
+                "the tag that picks this exporter"
+            )
+
+    @abstractmethod
+    def plan(self, spec: ExportSpec, inputs: PlanInputs) -> ExportPlan:
+        """What this export holds in memory (the job process and each child it starts) and
+        writes to disk, from the checkpoint's headers alone (no weight read, no torch: the API
+        process plans at submission). The format's ``plan.py`` holds the formula, over the
+        terms every job shares (:mod:`service.plan.terms`)."""
 
     def needs(self, spec: ExportSpec) -> Needs:
         """What the job must prepare for this export (see :class:`Needs`)."""
@@ -145,11 +208,12 @@ class Exporter(Protocol):
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
     ) -> None:
-        """Raise :class:`service.errors.InvalidRequest` for a spec this exporter cannot honour.
+        """Raise :class:`service.errors.InvalidRequest` for a spec this exporter cannot honour;
+        the default honours every spec.
 
         ``settings``: the service's (the pipeline always passes them: where the tools an exporter
         runs are installed is a setting); None only in tests of a spec alone, meaning defaults."""
-        ...
+        return
 
     def check_request(self, spec: ExportSpec, settings: Settings) -> None:
         """Submission-time checks that need no checkpoint (an extra source the spec names, say);
@@ -163,11 +227,11 @@ class Exporter(Protocol):
         too; the default judges the config only."""
         self.check(spec, config, settings)
 
+    @abstractmethod
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> ExportResult:
         """Write the export's files into ``out_dir`` (empty, inside the job's staging area)."""
-        ...
 
     def verify(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
@@ -182,6 +246,8 @@ _REGISTRY: dict[str, Exporter] = {}
 
 
 def register(exporter: Exporter) -> Exporter:
+    """Make ``exporter`` the one of its format (its package's ``exporter`` module calls this
+    when imported)."""
     _REGISTRY[exporter.format] = exporter
     return exporter
 
@@ -189,3 +255,32 @@ def register(exporter: Exporter) -> Exporter:
 def registry() -> dict[str, Exporter]:
     """Every known exporter by format; importing ``service.exporters`` fills it."""
     return dict(_REGISTRY)
+
+
+def exporter_for(format_name: str) -> Exporter:
+    """The exporter of ``format_name``; :class:`UnsupportedExport` naming the known formats
+    when none is registered (no format is ever assumed)."""
+    found = _REGISTRY.get(format_name)
+    if found is None:
+        raise UnsupportedExport(
+            f"no exporter for the format {format_name!r} (known: {', '.join(sorted(_REGISTRY))})"
+        )
+    return found
+
+
+def plan_export(
+    spec: ExportSpec,
+    headers: CheckpointHeaders,
+    max_memory: int,
+    verify: bool = True,
+    settings: Settings | None = None,
+) -> ExportPlan:
+    """The plan of one export spec, by its format's own formula (:meth:`Exporter.plan`).
+
+    ``verify`` False (the job's ``"verify": false``) turns every export's verification off;
+    ``settings`` are the service's, for what a consumer may hold (None: no limit)."""
+    if not verify and getattr(spec, "verify", False):
+        spec = spec.model_copy(update={"verify": False})
+    plan = exporter_for(spec.format).plan(spec, PlanInputs(headers, max_memory, verify, settings))
+    # what the job process shares with the forkserver is the same for every format
+    return replace(plan, job_shared_bytes=JOB_SHARED_BYTES)

@@ -133,7 +133,8 @@ def render(manifest: Mapping[str, Any], tools: Mapping[str, str | None]) -> str:
             lines.append("")
 
     lines += ["## Tool versions", "", "| tool | version |", "|---|---|"]
-    for name in _TOOLS:
+    # the usual tools first, then any other a format declares (Exporter.producers), as given
+    for name in [*(n for n in _TOOLS if n in tools), *(n for n in tools if n not in _TOOLS)]:
         if tools.get(name):
             lines.append(f"| {name} | `{tools[name]}` |")
     lines += ["", "## Files", "", "| path | bytes | sha256 |", "|---|---|---|"]

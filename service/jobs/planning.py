@@ -3,7 +3,8 @@ against the job's memory budget and the data directory's free disk.
 
 The headers come from the source (``SourceFetcher.headers``: a local directory's files, range
 reads of an HTTP file or of a hub commit's shards; never the weights); the per-format formulas
-are :mod:`service.plan.formats`; :func:`service.plan.plan_job` decides whether it fits.
+are each format's own (``Exporter.plan``, through :func:`service.exporters.plan_export`);
+:func:`service.plan.plan_job` decides whether it fits.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import shutil
 
 from service.checkpoint.headers import CheckpointHeaders
 from service.config import Settings
+from service.exporters import plan_export
 from service.jobs.spec import JobSpec
 from service.plan import ExportPlan, JobPlan, plan_job
-from service.plan.formats import plan_export
 from service.sources import fetcher_for
 from service.units import parse_size
 
@@ -28,9 +29,8 @@ def plan_spec(spec: JobSpec, headers: CheckpointHeaders, settings: Settings) -> 
     """Every export's plan and the job's, against ``settings.job_memory`` and the free disk
     of the data directory."""
     max_memory = parse_size(spec.max_memory or settings.offload_memory)
-    tract_limit = parse_size(settings.tract_max_memory) if settings.tract_max_memory else None
     exports: list[ExportPlan] = [
-        plan_export(export, headers, max_memory, verify=spec.verify, tract_limit=tract_limit)
+        plan_export(export, headers, max_memory, verify=spec.verify, settings=settings)
         for export in spec.export_specs()
     ]
     try:

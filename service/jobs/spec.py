@@ -75,7 +75,7 @@ class JobSpec(BaseModel):
     exports: list[AnyExportSpec] = Field(  # type: ignore[valid-type]
         min_length=1, max_length=16,
         description="What to make of the checkpoint, 1 to 16 specs, each picked by its "
-        '"format" (safetensors, gguf, nnef, onnx); one download, model build and offload '
+        f'"format" ({", ".join(sorted(registry()))}); one download, model build and offload '
         "store serve them all.",
     )
     revision: str | None = Field(default=None, description="hf:// branch, tag or commit")

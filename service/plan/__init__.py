@@ -1,8 +1,9 @@
 """A job's plan before it runs: peak memory of the job and of each child, disk, and whether it fits.
 
 Made from the checkpoint's headers alone (:class:`service.checkpoint.headers.CheckpointHeaders`,
-which every source builds without downloading the weights), by one function per format that
-knows what its export holds in memory (:mod:`service.plan.formats`), then put together here:
+which every source builds without downloading the weights), by each format's own formula (the
+``plan.py`` of its package, which its ``Exporter.plan`` declares: :mod:`service.exporters.base`)
+over the terms every job shares (:mod:`service.plan.terms`), then put together here:
 
 * each export: the job process's peak while it runs (``job_peak_rss_bytes``), each child it
   starts (llama-quantize, llama.cpp's checks, onnxruntime, tract) with its own peak, the
@@ -15,7 +16,8 @@ knows what its export holds in memory (:mod:`service.plan.formats`), then put to
 space; a job that does not fit is refused at submission with both numbers
 (:class:`service.errors.PlanDoesNotFit`).
 
-A leaf: no torch, no exporter; the API process plans.
+This package knows no format: it never imports ``service.exporters``, whose formats import it.
+A leaf: no torch; the API process plans.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from service.checkpoint.headers import CheckpointHeaders
+from service.config import Settings
 
 VerificationMode = Literal["whole", "layerwise", "read_back", "reference", "layout", "none"]
 """How an export is checked: its consumer runs the whole artifact (``whole``) or block by block
@@ -42,6 +45,21 @@ class ChildPlan:
     """Of ``peak_rss_bytes``, the pages of files it memory-maps read-only (onnxruntime's
     weights, llama.cpp's GGUF): page cache the kernel reclaims within a memory cgroup's limit
     rather than fail, so they are not held against the budget."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What an export's formula is given besides its spec: the same for every export of a job."""
+
+    headers: CheckpointHeaders
+    """The checkpoint as its headers describe it (no weight read)."""
+    max_memory: int
+    """The job's RAM budget for a model's weights (``max_memory``), in bytes."""
+    verify: bool = True
+    """The job's ``"verify"``; when False, every spec's own ``verify`` is already False too."""
+    settings: Settings | None = None
+    """The service's, for what a format's consumer may hold (``tract_max_memory``...); None:
+    no such limit."""
 
 
 @dataclass(frozen=True)

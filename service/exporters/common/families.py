@@ -38,9 +38,9 @@ def refuse_multimodal(config: dict[str, Any], format_name: str) -> None:
         )
 
 
-class GraphExporter(Exporter):
+class GraphExporter(Exporter, abstract=True):
     """An exporter that traces the job's meta-built module into a graph and checks the graph
-    itself, in a child process (tract, onnxruntime)."""
+    itself, in a child process (tract, onnxruntime); each format declares the rest."""
 
     def needs(self, spec: ExportSpec) -> Needs:
         """The meta module to trace and the offload store to stream weights from; the export

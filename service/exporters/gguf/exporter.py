@@ -30,13 +30,23 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from service.checkpoint.vision import is_multimodal
 from service.errors import MissingTokenizer, NoModelConfig, UnsupportedExport
-from service.exporters.base import Exporter, ExportInputs, ExportResult, ExportSpec, Needs, register
+from service.exporters.base import (
+    Exporter,
+    ExportInputs,
+    ExportResult,
+    ExportSpec,
+    Needs,
+    Producers,
+    register,
+)
 from service.exporters.common.families import is_causal_lm
 from service.exporters.gguf.layout import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.lora import LORA_PREFIX
 from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_vlm, mmproj_type
+from service.exporters.gguf.plan import plan_gguf
 from service.exporters.gguf.provenance import add_provenance
 from service.exporters.gguf.spec import GGUFSpec
+from service.plan import ExportPlan, PlanInputs
 from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 from service.stage import JobContext, Phase
 from service.units import parse_size
@@ -48,6 +58,15 @@ if TYPE_CHECKING:
 class GGUFExporter(Exporter):
     format: ClassVar[str] = "gguf"
     spec_type: ClassVar[type[ExportSpec]] = GGUFSpec
+    producers: ClassVar[Producers] = Producers(
+        distributions=("gguf", "sentencepiece"), tools={"llama.cpp": LLAMA_CPP_PYTHON_VERSION}
+    )
+
+    def plan(self, spec: ExportSpec, inputs: PlanInputs) -> ExportPlan:
+        """The converter, the row blocks, llama-quantize and llama.cpp's checks as children
+        (:func:`service.exporters.gguf.plan.plan_gguf`)."""
+        assert isinstance(spec, GGUFSpec)
+        return plan_gguf(spec, inputs)
 
     def needs(self, spec: ExportSpec) -> Needs:
         """A verified GGUF is run by llama.cpp on the fixed text against the job's independent

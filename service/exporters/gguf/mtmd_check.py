@@ -18,7 +18,7 @@ family's markers (Gemma 3: ``<start_of_image>`` + one embedding per soft token +
 patches with an ``[IMG_BREAK]`` after each row but the last, then ``[IMG_END]``). transformers is given those ids, the image's
 ``pixel_values`` from the checkpoint's own image processor (one frame per frame mtmd encodes),
 and generates greedily in float32, the whole model in memory: the plan
-counts it (``service.plan.formats``), so a VLM too large for it is refused at submission.
+counts it (``gguf.plan``), so a VLM too large for it is refused at submission.
 
 **The bound.** llama.cpp's output must equal transformers' first :data:`TOKENS` greedy tokens
 (compared as bytes: llama.cpp prints token pieces, which may split a UTF-8 character), except that

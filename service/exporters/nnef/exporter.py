@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
-from service.exporters.base import ExportInputs, ExportResult, ExportSpec, register
+from service.exporters.base import ExportInputs, ExportResult, ExportSpec, Producers, register
 from service.exporters.common.aux_files import copy_aux_files
 from service.exporters.common.families import (
     ENCODER_TYPES,
@@ -55,14 +55,14 @@ from service.exporters.common.families import (
     is_causal_lm,
     refuse_multimodal,
 )
+from service.exporters.nnef.plan import block_weight_bytes, plan_nnef
+from service.plan import ExportPlan, PlanInputs, VerificationMode
 from service.stage import Phase
 
 if TYPE_CHECKING:
-
     from service.config import Settings
     from service.exporters.common.offloaded_model import OffloadedModel
     from service.exporters.nnef.verify import IOSpec, TextCheck
-    from service.plan import VerificationMode
     from service.stage import JobContext
     from service.verification.parity import ParityReport
     from service.verification.reference import GreedyReference
@@ -139,6 +139,12 @@ class NNEFSpec(ExportSpec):
 class NNEFExporter(GraphExporter):
     format: ClassVar[str] = "nnef"
     spec_type: ClassVar[type[ExportSpec]] = NNEFSpec
+    producers: ClassVar[Producers] = Producers(distributions=("torch-to-nnef", "tract"))
+
+    def plan(self, spec: ExportSpec, inputs: PlanInputs) -> ExportPlan:
+        """The trace, the streamed weights and tract's check, whole or block by block
+        (:func:`service.exporters.nnef.plan.plan_nnef`)."""
+        return plan_nnef(_nnef_spec(spec), inputs)
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
@@ -163,8 +169,6 @@ class NNEFExporter(GraphExporter):
         from service.checkpoint.consistency import safetensors_weight_bytes
         from service.checkpoint.headers import local_file_header
         from service.exporters.nnef.verify import ensure_tract_fits
-        from service.plan.formats import block_weight_bytes
-
         self.check(spec, config, settings)
         nspec = _nnef_spec(spec)
         weight_bytes = safetensors_weight_bytes(root)
@@ -282,8 +286,6 @@ def export_nnef(
 def _block_bytes(built: OffloadedModel) -> int | None:
     """The largest block's weight bytes of a causal LM checked block by block (None for an
     encoder, which is not cut): from the module's parameters, ties counted once."""
-    from service.plan.formats import block_weight_bytes
-
     if built.kind != "causal_lm":
         return None
     return block_weight_bytes(

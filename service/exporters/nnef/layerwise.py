@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 
 from service.errors import VerificationFailed
 from service.exporters.nnef import tract_cli
+from service.exporters.nnef.plan import MIN_VOCAB_CHUNK_BYTES
 from service.verification.parity import ParityReport, Tolerance, compare_outputs
 
 if TYPE_CHECKING:
@@ -67,10 +68,6 @@ _VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*'([^']*)'")
 _SHAPE = re.compile(r"shape\s*=\s*\[([^\]]*)\]")
 _OPERATOR = re.compile(r"^\s*(\w+)\s*\(")
 _DATUM_TYPE = re.compile(r"datum_type\s*=\s*'(\w+)'")
-
-MIN_VOCAB_CHUNK_BYTES = 16 << 20
-"""The smallest chunk of a vocabulary matrix's rows: below it, a chunk's tract load costs more
-than the memory it saves."""
 
 DAT_HEADER_BYTES = 128
 """An NNEF tensor file's header (magic ``4E EF``, version, data length, rank, 8 dimensions,

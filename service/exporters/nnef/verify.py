@@ -24,8 +24,8 @@ import numpy as np
 from service.errors import VerificationFailed, VerificationTooLarge
 from service.exporters.common.child_process import ChildRun, memory_limit, run_npz_child
 from service.exporters.nnef import tract_cli
+from service.exporters.nnef.plan import tract_mode, tract_peaks
 from service.plan import VerificationMode
-from service.plan.formats import tract_mode, tract_peaks
 from service.verification.logits import (
     compare_logits,
     placed_rows,

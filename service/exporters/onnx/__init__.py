@@ -1,7 +1,8 @@
 """ONNX through torch's dynamo exporter.
 
-``exporter`` (spec and exporter, registered at import), ``verify`` (parity of onnxruntime's
-outputs with PyTorch's) and ``ort_cli`` (onnxruntime run in a child process).
+``exporter`` (spec and exporter, registered at import), ``plan`` (the job's memory and disk),
+``verify`` (parity of onnxruntime's outputs with PyTorch's) and ``ort_cli`` (onnxruntime run in a
+child process).
 """
 
 from service.exporters.onnx.exporter import ONNXExporter, ONNXSpec

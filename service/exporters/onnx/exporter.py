@@ -66,6 +66,7 @@ from service.exporters.base import (
     ExportInputs,
     ExportResult,
     ExportSpec,
+    Producers,
     float_dtype_name,
     register,
 )
@@ -76,6 +77,8 @@ from service.exporters.common.families import (
     is_causal_lm,
     refuse_multimodal,
 )
+from service.exporters.onnx.plan import plan_onnx
+from service.plan import ExportPlan, PlanInputs
 from service.stage import Phase
 from service.tensors import dtype_name
 
@@ -164,6 +167,14 @@ def resolve_task(config: dict[str, Any], task: Task | None) -> Task:
 class ONNXExporter(GraphExporter):
     format: ClassVar[str] = "onnx"
     spec_type: ClassVar[type[ExportSpec]] = ONNXSpec
+    producers: ClassVar[Producers] = Producers(
+        distributions=("onnx", "onnx-ir", "onnxscript", "onnxruntime")
+    )
+
+    def plan(self, spec: ExportSpec, inputs: PlanInputs) -> ExportPlan:
+        """The graph capture, the largest tensor and onnxruntime mapping every weight
+        (:func:`service.exporters.onnx.plan.plan_onnx`)."""
+        return plan_onnx(_onnx_spec(spec), inputs)
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None

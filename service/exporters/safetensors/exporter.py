@@ -37,9 +37,12 @@ from service.exporters.base import (
     ExportResult,
     ExportSpec,
     Needs,
+    Producers,
     float_dtype_name,
     register,
 )
+from service.exporters.safetensors.plan import plan_safetensors
+from service.plan import ExportPlan, PlanInputs
 from service.stage import JobContext
 from service.tensors import dtype_name
 from service.units import parse_size
@@ -74,6 +77,12 @@ class SafetensorsSpec(ExportSpec):
 class SafetensorsExporter(Exporter):
     format: ClassVar[str] = "safetensors"
     spec_type: ClassVar[type[ExportSpec]] = SafetensorsSpec
+    producers: ClassVar[Producers] = Producers(distributions=("safetensors",))
+
+    def plan(self, spec: ExportSpec, inputs: PlanInputs) -> ExportPlan:
+        """The writer's ring of buffers, and transformers running the export when verified
+        (:func:`service.exporters.safetensors.plan.plan_safetensors`)."""
+        return plan_safetensors(_safetensors_spec(spec), inputs)
 
     def needs(self, spec: ExportSpec) -> Needs:
         """The source's reference outputs: the export is checked by running it through

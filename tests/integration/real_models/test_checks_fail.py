@@ -264,7 +264,7 @@ def test_an_nnef_writer_that_flips_a_tensors_rows_fails_the_job_checked_layer_by
     from torch_to_nnef.nnef_io import writer
 
     from service.checkpoint.headers import local_file_header
-    from service.plan.formats import block_weight_bytes, tract_peaks
+    from service.exporters.nnef.plan import block_weight_bytes, tract_peaks
 
     write = writer.write_nnef_tensor
 

@@ -26,9 +26,9 @@ from service.exporters.nnef.layerwise import (
     unpack,
     verify_causal_lm_layerwise,
 )
+from service.exporters.nnef.plan import block_weight_bytes, tract_peaks
 from service.exporters.nnef.verify import IOSpec, verify_causal_lm
 from service.offload.build import build_on_meta
-from service.plan.formats import block_weight_bytes, tract_peaks
 from service.shims.torch_to_nnef import weights_only_unpickling
 from service.verification.reference import GreedyReference, greedy_reference, prompt_ids
 from tests.conftest import TinyCheckpointFactory

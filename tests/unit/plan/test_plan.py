@@ -4,10 +4,11 @@ grows with, how a job's exports add up, and when a job does not fit."""
 from __future__ import annotations
 
 from service.checkpoint.headers import CheckpointHeaders, TensorHeader
+from service.exporters import plan_export
 from service.exporters.base import ExportSpec
+from service.exporters.gguf.plan import CHUNK_BYTES
 from service.jobs.spec import JobSpec
 from service.plan import ChildPlan, ExportPlan, plan_job
-from service.plan.formats import CHUNK_BYTES, plan_export
 
 GiB = 1 << 30
 

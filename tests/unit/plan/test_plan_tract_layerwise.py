@@ -12,18 +12,23 @@ import pytest
 from service.checkpoint.headers import local_file_header
 from service.config import Settings
 from service.errors import VerificationTooLarge
+from service.exporters import plan_export
 from service.exporters.nnef import layerwise
 from service.exporters.nnef.exporter import NNEFExporter, NNEFSpec
-from service.exporters.nnef.verify import ensure_tract_fits
-from service.plan.formats import (
+from service.exporters.nnef.plan import (
     MIN_VOCAB_CHUNK_BYTES,
     block_weight_bytes,
-    plan_export,
     tract_mode,
     tract_peaks,
 )
+from service.exporters.nnef.verify import ensure_tract_fits
 from tests.fixtures.models import build_checkpoint
 from tests.unit.plan.test_plan import GiB, llama, spec
+
+
+def tract_limit(limit: int) -> Settings:
+    """The service's settings with tract allowed ``limit`` bytes."""
+    return Settings(tract_max_memory=str(limit))
 
 
 def test_the_largest_block_is_one_layer_as_the_vocabulary_runs_in_chunks_of_a_layer() -> None:
@@ -36,16 +41,16 @@ def test_the_largest_block_is_one_layer_as_the_vocabulary_runs_in_chunks_of_a_la
     # a small layer: the vocabulary's chunk is 16 MiB at least
     small = llama(2, hidden=256, inter=512, vocab=32000, dtype="F32")
     assert block_weight_bytes((t.name, t.nbytes) for t in small.tensors) == MIN_VOCAB_CHUNK_BYTES
-    assert MIN_VOCAB_CHUNK_BYTES == layerwise.MIN_VOCAB_CHUNK_BYTES  # the plan's copy
+    assert MIN_VOCAB_CHUNK_BYTES == layerwise.MIN_VOCAB_CHUNK_BYTES  # one figure: the check cuts what the plan counts
 
 
 def test_nnef_plan_goes_block_by_block_when_the_archive_does_not_fit_tract() -> None:
     headers = llama(30, hidden=1024, inter=2816, dtype="F16")
-    roomy = plan_export(spec("nnef"), headers, GiB, tract_limit=64 * GiB)
+    roomy = plan_export(spec("nnef"), headers, GiB, settings=tract_limit(64 * GiB))
     whole_need = roomy.children[0].peak_rss_bytes
     assert roomy.verification == "whole"
 
-    tight = plan_export(spec("nnef"), headers, GiB, tract_limit=whole_need - 1)
+    tight = plan_export(spec("nnef"), headers, GiB, settings=tract_limit(whole_need - 1))
     assert tight.verification == "layerwise"
     (tract,) = tight.children
     # The block's peak is a fraction of the whole model's, and says so in the notes.
@@ -53,7 +58,8 @@ def test_nnef_plan_goes_block_by_block_when_the_archive_does_not_fit_tract() -> 
     assert "block by block" in tight.notes[0]
 
     # Unverified or compressed archives have no tract child at all.
-    assert plan_export(spec("nnef", verify=False), headers, GiB, tract_limit=1).children == ()
+    unverified = plan_export(spec("nnef", verify=False), headers, GiB, settings=tract_limit(1))
+    assert unverified.children == ()
 
 
 def test_tract_mode_is_whole_then_layerwise_then_none_as_the_limit_shrinks() -> None:

@@ -5,14 +5,10 @@ within the budget is refused at submission instead of running out of memory in t
 from __future__ import annotations
 
 from service.checkpoint.headers import CheckpointHeaders, TensorHeader
+from service.exporters import plan_export
 from service.jobs.spec import JobSpec
 from service.plan import plan_job
-from service.plan.formats import (
-    JOB_BASE_BYTES,
-    REFERENCE_BASE_BYTES,
-    REFERENCE_WEIGHT_FACTOR,
-    plan_export,
-)
+from service.plan.terms import JOB_BASE_BYTES, REFERENCE_BASE_BYTES, REFERENCE_WEIGHT_FACTOR
 
 MiB = 1 << 20
 

@@ -66,14 +66,14 @@ def _export(ckpt: Path, out: Path, **spec: Any) -> dict[str, Any]:
 
 
 PLAN_BOUND = 0.25
-"""How far llama-mtmd-cli's measured peak may be from the plan's (``plan.formats._mtmd_peak``)."""
+"""How far llama-mtmd-cli's measured peak may be from the plan's (``gguf.plan._mtmd_peak``)."""
 
 
 def _assert_planned(root: Path, summary: dict[str, Any], work: Path) -> None:
     """llama-mtmd-cli's own peak RSS (its VmHWM, not the job's RSS at fork, which is ~430 MiB
     here) is within :data:`PLAN_BOUND` of what the plan predicted for the checkpoint."""
+    from service.exporters import plan_export
     from service.jobs.planning import source_headers
-    from service.plan.formats import plan_export
 
     spec = JobSpec.model_validate(
         {"source": f"file://{root}", "exports": [{"format": "gguf", "type": "f16"}]}

@@ -1,0 +1,158 @@
+"""What an NNEF export holds in memory and writes to disk, from the checkpoint's headers, and
+how tract checks the archive (whole or block by block), which the job decides with the same
+functions (:func:`tract_mode`) so that the plan's mode is the job's.
+
+The terms every format shares (the job's base, the independent reference) are
+:mod:`service.plan.terms`; :meth:`NNEFExporter.plan` hands this formula to the service.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from service.checkpoint.headers import CheckpointHeaders
+from service.config import Settings
+from service.plan import ChildPlan, ExportPlan, PlanInputs, VerificationMode
+from service.plan.terms import (
+    JOB_BASE_BYTES,
+    MiB,
+    export_dtype_bytes,
+    floating_elements,
+    largest_bytes,
+    layer_count,
+    tied_head_bytes,
+    with_independent_reference,
+)
+from service.units import parse_size
+
+TRACT_BASE_BYTES = 64 * MiB
+TRACT_WEIGHT_FACTOR = 1.35
+"""tract holds the whole archive in RAM (bench/export_nnef.py: 6.36 GiB for 4.70 GiB)."""
+
+TRACT_LAYERWISE_FACTOR = 2.0
+"""tract checking the archive block by block holds one block at a time (a decoder layer, or a
+chunk of the embedding's or the head's rows): 64 MiB + 2 x the largest block's weights (SmolLM2
+float16: a layer of 6.8 MiB peaks at 61 MiB, the head's 54 MiB at 163 MiB; tract packs a matrix
+for its matmul beside the loaded one)."""
+
+NNEF_DURING_TRACT_BYTES = 64 * MiB
+"""The NNEF job beyond its base while tract checks the archive (see ``plan_nnef``)."""
+
+NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
+"""torch-to-nnef's trace of the meta copy, per layer (MiniLM 570 MiB for 6 layers,
+SmolLM2 1043 MiB for 30, with twice the largest float32 tensor)."""
+
+
+def block_weight_bytes(tensors: Iterable[tuple[str, int]]) -> int:
+    """The largest block's weight bytes when tract checks a causal LM block by block, from its
+    tensors' names and sizes: a decoder layer is every tensor under one ``layers.N.`` (or
+    ``h.N.``, ``layer.N.``, ``blocks.N.``) prefix; the embedding lookup and the output head
+    are blocks of their own, run in chunks of their rows no larger than the largest layer (at
+    least 16 MiB: ``service.exporters.nnef.layerwise``), so the largest block is the largest
+    layer, or the largest tensor outside the layers up to that chunk."""
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for name, size in tensors:
+        match = _LAYER_PREFIX.search(f".{name}")
+        if match:
+            index = int(match.group(1))
+            per_layer[index] = per_layer.get(index, 0) + size
+        else:
+            outside = max(outside, size)
+    layer = max(per_layer.values(), default=0)
+    return max(layer, min(outside, max(layer, MIN_VOCAB_CHUNK_BYTES)))
+
+
+MIN_VOCAB_CHUNK_BYTES = 16 * MiB
+"""The smallest chunk of a vocabulary matrix's rows that :mod:`.layerwise` cuts: below it, a
+chunk's tract load costs more than the memory it saves."""
+
+
+_LAYER_PREFIX = re.compile(r"\.(?:layers|h|layer|blocks)\.(\d+)\.")
+
+
+def tract_peaks(archive_bytes: int, block_bytes: int) -> tuple[int, int]:
+    """tract's predicted peak RSS running the archive whole, and block by block."""
+    whole = TRACT_BASE_BYTES + int(TRACT_WEIGHT_FACTOR * archive_bytes)
+    return whole, TRACT_BASE_BYTES + int(TRACT_LAYERWISE_FACTOR * block_bytes)
+
+
+def tract_mode(
+    archive_bytes: int, block_bytes: int | None, limit: int | None
+) -> VerificationMode | None:
+    """How tract checks an archive within ``limit`` bytes: ``whole`` when it can hold every
+    weight, else ``layerwise`` when it can hold the largest block (``block_bytes``; None: the
+    model cannot be cut, an encoder), else None (the check does not fit at all). The plan and
+    the job decide with this one function, so the plan's mode is the job's."""
+    whole, layerwise = tract_peaks(archive_bytes, block_bytes or 0)
+    if limit is None or whole <= limit:
+        return "whole"
+    if block_bytes is not None and layerwise <= limit:
+        return "layerwise"
+    return None
+
+
+def _causal(headers: CheckpointHeaders) -> bool:
+    config = headers.config or {}
+    return any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or ())
+
+
+def tract_limit(settings: Settings | None) -> int | None:
+    """What tract may hold (``MODELPREP_TRACT_MAX_MEMORY``), None without settings (no limit)."""
+    if settings is None or not settings.tract_max_memory:
+        return None
+    return parse_size(settings.tract_max_memory)
+
+
+def plan_nnef(spec: Any, inputs: PlanInputs) -> ExportPlan:
+    """The job traces a meta copy (about 14.5 MiB per layer) and streams each weight from the
+    offload store (twice the largest, in float32); tract holds the whole archive
+    (64 MiB + 1.35 x archive) when it verifies it, or, when that exceeds :func:`tract_limit`
+    and the model is a causal LM, one block at a time (64 MiB + 2 x the largest block). The
+    job checks its model against the independent reference first
+    (:func:`with_independent_reference`)."""
+    headers = inputs.headers
+    itemsize = export_dtype_bytes(headers, None)
+    weights = floating_elements(headers) * itemsize - tied_head_bytes(headers) // 4 * itemsize
+    compressed = getattr(spec, "compression", None) == "q4_0"
+    archive = int(weights * (18 / 32 / itemsize)) if compressed else weights
+    largest = largest_bytes(headers, 4)
+    layers = layer_count(headers)
+    job = JOB_BASE_BYTES + 2 * largest + layers * NNEF_PER_LAYER_BYTES
+    verify = bool(spec.verify) and not compressed
+    block = (
+        block_weight_bytes((t.name, t.numel * itemsize) for t in headers.tensors if t.floating)
+        if _causal(headers) and headers.tensors
+        else None
+    )
+    mode = tract_mode(archive, block, tract_limit(inputs.settings)) if verify else None
+    whole, layerwise = tract_peaks(archive, block or 0)
+    if not verify:
+        children: tuple[ChildPlan, ...] = ()
+        tract = ""
+    elif mode == "layerwise":
+        children = (ChildPlan("tract", layerwise),)
+        tract = (
+            f"tract block by block: 64 MiB + 2 x largest block ({(block or 0) >> 20} MiB), "
+            f"whole would be 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
+        )
+    else:  # whole, or None: the whole figure, which the budget then refuses
+        children = (ChildPlan("tract", whole),)
+        tract = f"tract: 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
+    plan = ExportPlan(
+        # the trace is gone and the heap trimmed before tract runs (service.memory.heap): the job
+        # holds its base and little else, whatever the largest tensor (its resident memory
+        # sampled while tract ran: MiniLM 455 MiB; a float32 Llama of hidden 4096 and a
+        # 49152-token vocabulary, 0.75 GiB tensors, 470 MiB, where base + 2 x largest said 1936)
+        format="nnef", job_peak_rss_bytes=job,
+        job_rss_during_children_bytes=JOB_BASE_BYTES + NNEF_DURING_TRACT_BYTES,
+        children=children, verification=(mode or "whole") if verify else "none",
+        artifact_bytes=archive,
+        notes=(
+            (f"job: base + 2 x largest tensor ({largest >> 20} MiB float32) + {layers} layers x "
+            f"14.5 MiB; {tract}"),
+        ),
+    )  # fmt: skip
+    return with_independent_reference(plan, inputs)
