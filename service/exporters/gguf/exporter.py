@@ -21,6 +21,13 @@ quantize: at submission for a local source, else before any work in the job.
 
 Only pydantic and the service's own modules are imported here; ``gguf``, ``numpy`` and the
 tokenizer stack load inside :meth:`GGUFExporter.export`.
+
+Why one module of over 450 lines: :meth:`GGUFExporter.export` is the order in which every GGUF
+variant is made and checked (a type written directly, a llama-quantize type through its f16
+file, a VLM's projector beside its text model, a LoRA beside the base), each step a call into a
+module of its own (``layout``, ``stream``, ``quantize``, ``llama_check``, ``mtmd_check``,
+``lora``, ``plan``); what stays here is that order and the submission checks that refuse early
+what it would refuse late.
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ f16 file moves llama.cpp's logits by about 1e-3 to 1e-2 of their scale against f
 (the text logit checks measure it, ``service.verification.logits``), so a lead of 0.05 cannot flip
 through rounding, while a wrong projector moves every image-conditioned logit by O(1). A comparison
 left with fewer than :data:`MIN_COMPARED` tokens is reported inconclusive rather than passed.
+
+Why one module of over 450 lines: it is one consumer's check whose parts must agree token for
+token: each family's image layout (:data:`LAYOUTS`, a few lines of the table each),
+transformers' greedy reference built to llama.cpp's sequence, the tool's run and the
+comparison. Apart, a family's layout would sit away from the reference that must follow it.
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ The child (``tract_cli.py WORK layerwise``) runs the pieces one after the other,
 same teacher-forced decode as the whole check (the prompt, then one token a step, feeding back
 the piece's own KV cache), and frees each before loading the next: its peak is one block's
 weights, not the model's. ``blocks.json`` in the work directory lists the pieces for it.
+
+Why one module of over 450 lines: the cut (each piece's closure over the shipped statements, its
+boundaries) and the chunking of a vocabulary matrix (its rows, its ``.dat`` header, the block's
+graph with that shape changed) both read and rewrite the same parsed graph (:class:`Graph`), and
+a chunk is a kind of block; the child that runs them is apart (``tract_cli``).
 """
 
 from __future__ import annotations
