@@ -171,12 +171,17 @@ def test_contracts_fail_for_a_format_package_they_do_not_name(tmp_path: Path) ->
     assert "fakesvc.exporters.toy" in result.stdout, result.stdout
 
 
-def test_the_formats_contract_names_exactly_the_export_packages_on_disk() -> None:
+def test_the_formats_contract_and_the_registry_name_exactly_the_export_packages_on_disk() -> None:
+    """The two lines a format adds outside its package: its name in the contract's list, and
+    its import in ``service/exporters/__init__.py`` (which registers it)."""
+    from service.exporters import registry
+
     formats = _contract("formats")
     exporters = ROOT / "service" / "exporters"
     on_disk = {p.parent.name for p in exporters.glob("*/__init__.py")} - {"common"}
     assert _format_packages(formats) == on_disk
     assert [layer.strip() for layer in formats["layers"][1:]] == ["common", "base"]
+    assert set(registry()) == on_disk, "a format package is not imported by service.exporters"
 
 
 def test_contracts_fail_on_an_import_cycle_between_sibling_modules(tmp_path: Path) -> None:
