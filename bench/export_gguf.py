@@ -136,7 +136,8 @@ def run_measured(argv: list[str], log: Path) -> dict[str, Any]:
 
 PROFILED = {
     "service.verification.independent": ["independent_reference"],
-    "service.exporters.gguf.stream": ["write_gguf_files", "verify_gguf"],
+    "service.exporters.gguf.writer": ["write_gguf_files"],
+    "service.exporters.gguf.verify": ["verify_gguf"],
     "service.exporters.gguf.llama_check": ["check_logits", "check_tokenizer", "perplexity"],
     "service.exporters.gguf.quantize": ["quantize"],
 }
@@ -216,7 +217,7 @@ QUANTIZER_FIXED = 32 << 20
 def bound(base: int, type_: str, verify: bool, largest: int = 0, transformed: int = 0) -> int:
     """The formula of :data:`MEMORY_BOUND`; ``largest``: elements of the largest tensor,
     ``transformed``: float32 bytes of the largest transformed one."""
-    from service.exporters.gguf.stream import CHUNK_BYTES
+    from service.exporters.gguf.blocks import CHUNK_BYTES
 
     r = {"f16": 0.5, "q8_0": 34 / 128}.get(type_, 0.5)  # K-quants write f16 first
     ours = int(base + CHUNK_BYTES * (1 + 2 * r + (4 if verify else 0)) + 3 * transformed)

@@ -2,8 +2,8 @@
 
 f32, f16, bf16, q8_0 and q4_0 are written directly: the file is laid out from metadata
 (``layout``), written tensor by tensor with bounded memory and hashed on the way
-(``stream``), then read back and compared with the source weights; an export beyond its
-type's error bound fails with :class:`VerificationFailed`. The K-quants and IQ4 types
+(``writer``), then read back and compared with the source weights (``verify``); an export
+beyond its type's error bound fails with :class:`VerificationFailed`. The K-quants and IQ4 types
 (``"Q4_K_M"``...) are llama-quantize's, with its per-tensor mixtures: the same streamed f16 file
 goes to the job's work directory, is verified the same way, then quantized by llama.cpp's own tool
 in a child process (``quantize``), optionally with an importance matrix computed by
@@ -25,9 +25,9 @@ tokenizer stack load inside :meth:`GGUFExporter.export`.
 Why one module of over 450 lines: :meth:`GGUFExporter.export` is the order in which every GGUF
 variant is made and checked (a type written directly, a llama-quantize type through its f16
 file, a VLM's projector beside its text model, a LoRA beside the base), each step a call into a
-module of its own (``layout``, ``stream``, ``quantize``, ``llama_check``, ``mtmd_check``,
-``lora``, ``plan``); what stays here is that order and the submission checks that refuse early
-what it would refuse late.
+module of its own (``layout``, ``writer``, ``verify``, ``quantize``, ``llama_check``,
+``mtmd_check``, ``lora``, ``plan``); what stays here is that order and the submission checks that
+refuse early what it would refuse late.
 """
 
 from __future__ import annotations
@@ -163,12 +163,8 @@ class GGUFExporter(Exporter):
         from service.exporters.gguf.directory import read_directory
         from service.exporters.gguf.layout import add_metadata, layout_gguf
         from service.exporters.gguf.quantize import split_gguf
-        from service.exporters.gguf.stream import (
-            VerifyReport,
-            verify_gguf,
-            write_gguf,
-            write_gguf_files,
-        )
+        from service.exporters.gguf.verify import VerifyReport, verify_gguf
+        from service.exporters.gguf.writer import write_gguf, write_gguf_files
 
         assert isinstance(spec, GGUFSpec)
         checkpoint = inputs.checkpoint
@@ -216,7 +212,7 @@ class GGUFExporter(Exporter):
         projector_bytes = (1 + int(spec.verify)) * projector.data_bytes if projector else 0
         ctx.set_phase(Phase.EXPORT, total=passes * plan.data_bytes + projector_bytes, unit="bytes")
         # The read-back runs as the file is written: each block is read back from the file and
-        # compared with the source's rows, read again (stream.write_gguf_files); the layout
+        # compared with the source's rows, read again (writer.write_gguf_files); the layout
         # check reads the finished file's directory after.
         checked = VerifyReport() if spec.verify else None
 
@@ -345,7 +341,8 @@ class GGUFExporter(Exporter):
         from service.exporters.gguf.layout import add_metadata
         from service.exporters.gguf.mmproj import check_tower
         from service.exporters.gguf.mtmd_check import check_mtmd
-        from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf
+        from service.exporters.gguf.verify import VerifyReport, verify_gguf
+        from service.exporters.gguf.writer import write_gguf
 
         reader = checkpoint.reader
         bin_dir = ctx.settings.llama_cpp_dir
@@ -356,7 +353,7 @@ class GGUFExporter(Exporter):
             add_metadata(writer, plan)
             add_provenance(writer, spec, ctx.details.get("source", {}))
 
-        # read back block by block as it is written, like the text model (stream.write_gguf_files)
+        # read back block by block as it is written, like the text model (writer.write_gguf_files)
         checked = VerifyReport() if spec.verify else None
         digest = write_gguf(path, plan, reader, metadata, ctx, check=checked)
         report = verify_gguf(path, plan, reader, ctx, read_back=False)

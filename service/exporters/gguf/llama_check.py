@@ -1,6 +1,6 @@
 """The written GGUF checked by llama.cpp itself: tokenization and perplexity, in child processes.
 
-Reading our own file back (``stream.verify_gguf``) proves the weights are the source's; it
+Reading our own file back (``verify.verify_gguf``) proves the weights are the source's; it
 cannot prove llama.cpp understands the file the same way. So the job runs llama.cpp's tools on
 it: ``llama-tokenize`` on a fixed probe set must give the Hugging Face tokenizer's ids exactly (a
 wrong ``tokenizer.ggml.pre`` or vocabulary shows up here), and ``llama-perplexity`` on a short

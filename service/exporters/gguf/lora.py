@@ -12,7 +12,7 @@ scale to llama.cpp's is folded into ``B`` (float32, before rounding), so llama.c
 PEFT computes for every adapter this service accepts.
 
 The file is small (the adapter's own size), written and read back as it is written, like the
-base GGUF (``stream``), then checked by llama.cpp itself: ``llama-perplexity --lora`` on the base GGUF
+base GGUF (``writer``), then checked by llama.cpp itself: ``llama-perplexity --lora`` on the base GGUF
 against PEFT's unmerged ``PeftModel`` on the fixed text (KL, top-1, perplexity ratio) within the
 base type's bounds (``llama_check.LOGIT_BOUNDS``).
 """
@@ -116,11 +116,12 @@ def export_lora(
     spec: GGUFSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
 ) -> tuple[str, str, dict[str, Any]]:
     """Write the job's adapter as ``lora-<type>.gguf`` in ``out_dir``, each row block read back
-    as it is written (``stream.write_gguf``'s check), then the file's layout checked; (file
+    as it is written (``writer.write_gguf``'s check), then the file's layout checked; (file
     name, sha256, the manifest's ``lora`` section)."""
     from service.checkpoint.lora import open_adapter
     from service.exporters.gguf.layout import add_metadata
-    from service.exporters.gguf.stream import VerifyReport, verify_gguf, write_gguf
+    from service.exporters.gguf.verify import VerifyReport, verify_gguf
+    from service.exporters.gguf.writer import write_gguf
 
     checkpoint = inputs.checkpoint
     root = checkpoint.unmerged_adapter

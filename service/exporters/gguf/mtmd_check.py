@@ -1,6 +1,6 @@
 """A VLM's two GGUF files checked by llama.cpp's multimodal tool against transformers, on an image.
 
-Reading the projector back (``stream.verify_gguf``) proves its tensors are the checkpoint's; it
+Reading the projector back (``verify.verify_gguf``) proves its tensors are the checkpoint's; it
 cannot prove llama.cpp runs them as transformers does (the image preprocessing, the pooling, the
 special tokens around the image, the attention over image positions). So the job runs
 ``llama-mtmd-cli`` on the text model, the projector, a fixed image (:func:`fixed_image`: a

@@ -25,7 +25,7 @@ from service.plan.terms import (
 )
 
 CHUNK_BYTES = 64 * MiB
-"""The GGUF writer's row block of float32 (``stream.CHUNK_BYTES``)."""
+"""The GGUF writer's row block of float32 (``blocks.CHUNK_BYTES``)."""
 
 GGUF_BASE_BYTES = 110 * MiB
 """A GGUF job beyond its base and its row blocks: llama.cpp's converter classes, the

@@ -137,15 +137,15 @@ runs layer by layer."""
 def test_a_gguf_writer_that_flips_a_tensors_rows_fails_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gguf_type: str
 ) -> None:
-    from service.exporters.gguf import stream
+    from service.exporters.gguf.blocks import RowBlockReader
 
-    blocks = stream.RowBlockReader.blocks
+    blocks = RowBlockReader.blocks
 
     def flipped(self: Any, t: Any, permuted: bool = True) -> Any:
         for block in blocks(self, t, permuted):
             yield block[::-1].copy() if permuted and t.name == "blk.0.ffn_down.weight" else block
 
-    monkeypatch.setattr(stream.RowBlockReader, "blocks", flipped)
+    monkeypatch.setattr(RowBlockReader, "blocks", flipped)
     with pytest.raises(VerificationFailed, match=WRITER_CAUGHT_BY[gguf_type]):
         _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)),
              {"format": "gguf", "type": gguf_type})  # fmt: skip

@@ -1,6 +1,7 @@
-"""The read-back's comparison of a decoded block with its source rows (``stream.block_error``),
-computed a cache-sized piece at a time: the same figures as the formula over the whole block,
-and a single bad element anywhere (the last piece included) fails it."""
+"""The GGUF read-back (``service.exporters.gguf.verify``): its comparison of a decoded block with
+its source rows (``block_error``), computed a cache-sized piece at a time, gives the same figures
+as the formula over the whole block, and a single bad element anywhere (the last piece included)
+fails it; its q8_0 decoder reads what gguf.quants reads, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from service.exporters.gguf.stream import _BLOCK_ABS, _BLOCK_REL, _FLOAT_REL, _PIECE, block_error
+from service.exporters.gguf.blocks import PIECE
+from service.exporters.gguf.verify import _BLOCK_ABS, _BLOCK_REL, _FLOAT_REL, block_error
+from tests.unit.exporters.gguf.test_writer import edge_rows
 
-ROWS, COLS = 3 * _PIECE // 2048 + 5, 2048
+ROWS, COLS = 3 * PIECE // 2048 + 5, 2048
 """A block of more than three pieces, the last one partial."""
 
 
@@ -47,3 +50,15 @@ def test_pieces_give_the_whole_block_figures_and_a_bad_last_element_fails(type_n
     nan = got.copy()
     nan[ROWS // 2, 7] = np.nan
     assert not block_error(src, nan, type_name)[1] <= 1.0
+
+
+def test_the_torch_q8_0_decoder_reads_what_gguf_quants_reads() -> None:
+    import torch
+
+    from service.exporters.gguf.verify import _dequantize_q8_0
+
+    encoded = quants.quantize(edge_rows(), GGMLQuantizationType.Q8_0)
+    want = quants.dequantize(encoded, GGMLQuantizationType.Q8_0).reshape(-1)
+    got = torch.empty(want.size, dtype=torch.float32)
+    _dequantize_q8_0(torch.from_numpy(encoded.reshape(-1).copy()), got)
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))  # bit for bit
