@@ -3,7 +3,7 @@
 tract holds every weight of the archive it loads in RAM. When the whole archive does not fit the
 memory a verification may use (``MODELPREP_TRACT_MAX_MEMORY``), the archive is checked block by
 block instead: the graph the job ships (``graph.nnef``, text) is cut at the layer boundaries that
-:func:`~service.exporters.nnef.tract_cli.layer_outputs` finds, and each piece becomes a small
+:func:`~service.exporters.nnef.graph_text.layer_outputs` finds, and each piece becomes a small
 NNEF directory tract loads on its own:
 
 * ``embedding``: ``input_ids`` -> the embedding lookup (``tract_core_gather`` of the
@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.errors import VerificationFailed
-from service.exporters.nnef import tract_cli
+from service.exporters.nnef import graph_text
 from service.exporters.nnef.plan import MIN_VOCAB_CHUNK_BYTES
 from service.verification.parity import ParityReport, Tolerance, compare_outputs
 
@@ -182,7 +182,7 @@ def cut_blocks(graph: Graph, unpacked: Path, work: Path, hidden: int, dtype: str
     """Write one NNEF directory per block under ``work`` (see the module docstring) and
     return them in order. ``unpacked`` holds the shipped archive's files; ``hidden`` and
     ``dtype`` (``f16``/``f32``) describe a boundary fed to a block."""
-    layers = tract_cli.layer_outputs(_render(graph))
+    layers = graph_text.layer_outputs(_render(graph))
     caches_in = [n for n in graph.inputs[1:]]
     caches_out = graph.outputs[1:]
     if not layers or len(caches_out) != 2 * len(layers) or len(caches_in) != len(caches_out):

@@ -109,7 +109,7 @@ def run_tract(
 
     def argv(request_path: Path, outputs_path: Path) -> list[str]:
         return [
-            sys.executable, "-P", str(Path(tract_cli.__file__).resolve()), str(archive),
+            sys.executable, str(Path(tract_cli.__file__).resolve()), str(archive),
             "--nnef-tract-core", "--nnef-tract-extra", "--nnef-tract-transformers", "-O", command,
             "--input-from-bundle", str(request_path), "--save-outputs-npz", str(outputs_path),
             *extra_args,

@@ -279,7 +279,7 @@ def test_head_copied_onto_every_position_only_where_the_graph_slices_the_last_on
     """The copy follows every statement after the slice that reads it (Gemma's soft-capping
     too), leaves the shipped statements and outputs as they were, and gives up (None) on a
     graph without that one slice."""
-    from service.exporters.nnef.tract_cli import head_over_every_position
+    from service.exporters.nnef.graph_text import head_over_every_position
 
     graph = (
         "version 1.0;\n\ngraph network(ids, c) -> (outputs, c_out)\n{\n"

@@ -1,5 +1,6 @@
 """NNEF export checks that need no tract: the spec, the architectures refused at submission, the
-unpickling and remote-code traps (refused before tract would run), and the checkpoint tensor.
+unpickling and remote-code traps (refused before tract would run), the checkpoint tensor, and
+what the tract child imports beside it.
 What tract loads and runs is tests/integration/exporters/test_nnef.py."""
 
 from __future__ import annotations
@@ -204,3 +205,25 @@ def test_sizing_the_offloaded_model_reads_no_weight(
         assert exporter.inputs_dtype == torch.float32
         assert reads == []
         assert block is not None and 0 < block < built.weight_bytes
+
+
+def test_the_tract_child_imports_graph_text_beside_it_and_nothing_it_could_shadow() -> None:
+    """The tract child runs by path, its directory first on ``sys.path``, and imports
+    ``graph_text`` from there without the ``service`` package: ``graph_text`` imports only the
+    standard library, and no module in that directory is named like one the child imports."""
+    import ast
+    import sys
+
+    from service.exporters.nnef import graph_text
+
+    tree = ast.parse(Path(graph_text.__file__).read_text())
+    imported = {
+        ((node.module or "") if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported <= sys.stdlib_module_names, imported - sys.stdlib_module_names
+    here = Path(graph_text.__file__).parent
+    siblings = {p.stem for p in here.glob("*.py")} | {p.name for p in here.iterdir() if p.is_dir()}
+    assert siblings & (sys.stdlib_module_names | {"numpy", "tract"}) == set()
