@@ -23,12 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from service.checkpoint import open_checkpoint
 from service.checkpoint.base import Checkpoint
-from service.config import Settings
 from service.errors import (
-    InvalidRequest,
     NoModelConfig,
     ReferenceUnavailable,
-    UnmergedAdapterUnsupported,
     VerificationFailed,
 )
 from service.exporters import registry
@@ -46,7 +43,6 @@ from service.sources import (
     ResolvedSource,
     SourceIdentity,
     SourceRequest,
-    check_source,
     fetch_source,
     identify_source,
 )
@@ -75,56 +71,6 @@ def export_dirs(specs: list[ExportSpec]) -> list[str]:
         n = seen[spec.format]
         names.append(spec.format if n == 1 else f"{spec.format}-{n}")
     return names
-
-
-def check_spec(
-    spec: JobSpec,
-    settings: Settings,
-    config: dict[str, Any] | None,
-    *,
-    config_known: bool,
-    source_dir: Path | None = None,
-    source_checked: bool = False,
-) -> None:
-    """Everything knowable before running: source allowed, each export possible.
-
-    ``config_known`` is False when the checkpoint is not local yet (hub, HTTP): exporters then
-    check their spec in the job, once the config is there, rather than refusing a config that
-    is merely not downloaded. ``source_dir``, a local checkpoint's directory, lets an exporter
-    also judge its files (a tokenizer, say). ``source_checked``: the caller resolved the
-    source already (a local one, :func:`service.sources.local_source`), which checked it."""
-    if not source_checked:
-        check_source(spec.source_request(), settings)
-    exporters = registry()
-    for export in spec.export_specs():
-        exporters[export.format].check_request(export, settings)
-    _check_adapter_use(spec)
-    if not config_known:
-        return
-    for export in spec.export_specs():
-        if source_dir is not None:
-            exporters[export.format].check_files(export, config, source_dir, settings)
-        else:
-            exporters[export.format].check(export, config, settings)
-
-
-def _check_adapter_use(spec: JobSpec) -> None:
-    """An export that writes the adapter apart needs one kept apart (an adapter, ``"merge":
-    false``); with ``"merge": false`` every export must be one that does
-    (:class:`UnmergedAdapterUnsupported` names the first that is not)."""
-    exporters = registry()
-    for i, export in enumerate(spec.export_specs()):
-        unmerged = exporters[export.format].takes_unmerged_adapter(export)
-        if unmerged and (spec.adapter is None or spec.merge):
-            raise InvalidRequest(
-                f"exports[{i}] ({export.format}) writes the job's adapter unmerged: it needs "
-                '"adapter" and "merge": false'
-            )
-        if not unmerged and spec.adapter is not None and not spec.merge:
-            raise UnmergedAdapterUnsupported(
-                f'exports[{i}] ({export.format}) cannot take an unmerged adapter ("merge": '
-                'false); only {"format": "gguf", "lora": true} writes one, beside the base'
-            )
 
 
 class ReuseGate(Protocol):

@@ -1,4 +1,5 @@
-"""The job operations the API (and the CLI) call; no HTTP here, no pipeline internals."""
+"""The job operations the API (and the CLI) call, and the checks a spec passes at submission
+(:func:`check_spec`); no HTTP here, no pipeline internals."""
 
 from __future__ import annotations
 
@@ -24,20 +25,21 @@ from service.errors import (
     InvalidRequest,
     PlanDoesNotFit,
     SourceError,
+    UnmergedAdapterUnsupported,
 )
+from service.exporters import registry
 from service.jobs.artifact_store import ArtifactStore, check_destination
 from service.jobs.callbacks import check_callback, waiting_callback
 from service.jobs.executors.base import Executor
 from service.jobs.layout import JobLayout
 from service.jobs.model import Job, JobStatus, Phase
-from service.jobs.pipeline import check_spec
 from service.jobs.planning import plan_spec, source_headers
 from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore, utcnow
 from service.objectstore import S3Location
 from service.offload.usage import OFFLOAD_COUNTERS, offload_usage
 from service.plan import JobPlan
-from service.sources import LocalSource, local_source
+from service.sources import LocalSource, check_source, local_source
 from service.sources.adapter import check_adapter_source, is_http
 
 
@@ -49,6 +51,56 @@ def _check_quantization(headers: CheckpointHeaders) -> None:
     if headers.format != "safetensors" or not headers.tensors:
         return
     plan_quantization(headers.config, {t.name: (t.dtype, t.shape) for t in headers.tensors})
+
+
+def check_spec(
+    spec: JobSpec,
+    settings: Settings,
+    config: dict[str, Any] | None,
+    *,
+    config_known: bool,
+    source_dir: Path | None = None,
+    source_checked: bool = False,
+) -> None:
+    """Everything knowable before running: source allowed, each export possible.
+
+    ``config_known`` is False when the checkpoint is not local yet (hub, HTTP): exporters then
+    check their spec in the job, once the config is there, rather than refusing a config that
+    is merely not downloaded. ``source_dir``, a local checkpoint's directory, lets an exporter
+    also judge its files (a tokenizer, say). ``source_checked``: the caller resolved the
+    source already (a local one, :func:`service.sources.local_source`), which checked it."""
+    if not source_checked:
+        check_source(spec.source_request(), settings)
+    exporters = registry()
+    for export in spec.export_specs():
+        exporters[export.format].check_request(export, settings)
+    _check_adapter_use(spec)
+    if not config_known:
+        return
+    for export in spec.export_specs():
+        if source_dir is not None:
+            exporters[export.format].check_files(export, config, source_dir, settings)
+        else:
+            exporters[export.format].check(export, config, settings)
+
+
+def _check_adapter_use(spec: JobSpec) -> None:
+    """An export that writes the adapter apart needs one kept apart (an adapter, ``"merge":
+    false``); with ``"merge": false`` every export must be one that does
+    (:class:`UnmergedAdapterUnsupported` names the first that is not)."""
+    exporters = registry()
+    for i, export in enumerate(spec.export_specs()):
+        unmerged = exporters[export.format].takes_unmerged_adapter(export)
+        if unmerged and (spec.adapter is None or spec.merge):
+            raise InvalidRequest(
+                f"exports[{i}] ({export.format}) writes the job's adapter unmerged: it needs "
+                '"adapter" and "merge": false'
+            )
+        if not unmerged and spec.adapter is not None and not spec.merge:
+            raise UnmergedAdapterUnsupported(
+                f'exports[{i}] ({export.format}) cannot take an unmerged adapter ("merge": '
+                'false); only {"format": "gguf", "lora": true} writes one, beside the base'
+            )
 
 
 @dataclass

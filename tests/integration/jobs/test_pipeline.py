@@ -8,10 +8,6 @@ from typing import Any
 
 import pytest
 
-from service.config import Settings
-from service.errors import UnsupportedExport
-from service.jobs.pipeline import check_spec
-from service.jobs.spec import JobSpec
 from service.stage import Phase
 from tests.unit.jobs.test_pipeline import run
 
@@ -54,17 +50,3 @@ def test_exports_share_one_meta_build_and_one_offload_store(
     assert [e["format"] for e in manifest["exports"]] == ["safetensors", "gguf", "nnef"]
     assert manifest["exports"][2]["verify"] is None
     assert ctx.details["offload"]["tensors_written"] > 0  # a pickle source: written once
-
-
-def test_exports_are_judged_at_submission_only_when_the_config_is_at_hand(
-    tmp_path: Path,
-) -> None:
-    settings = Settings(data_dir=tmp_path)
-    hub = JobSpec.model_validate({"source": "hf://org/tiny", "exports": [{"format": "nnef"}]})
-    check_spec(hub, settings, None, config_known=False)  # not downloaded yet: judged in the job
-    with pytest.raises(UnsupportedExport):
-        check_spec(hub, settings, None, config_known=True)  # known to have no config.json
-    whisper = {"model_type": "whisper", "architectures": ["WhisperForConditionalGeneration"]}
-    gguf = JobSpec.model_validate({"source": "hf://org/tiny", "exports": [{"format": "gguf"}]})
-    with pytest.raises(UnsupportedExport):
-        check_spec(gguf, settings, whisper, config_known=True)

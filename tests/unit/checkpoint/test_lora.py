@@ -98,7 +98,7 @@ def test_an_https_adapter_names_the_directory_of_its_two_files() -> None:
 def test_merge_false_needs_every_export_to_take_the_adapter_apart(tmp_path: Path) -> None:
     from service.config import Settings
     from service.errors import InvalidRequest, UnmergedAdapterUnsupported
-    from service.jobs.pipeline import check_spec
+    from service.jobs.service import check_spec
 
     settings = Settings(data_dir=tmp_path, local_roots=[tmp_path])
     lora = {"format": "gguf", "lora": True}

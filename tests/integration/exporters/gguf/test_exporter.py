@@ -248,7 +248,7 @@ def test_llama_cpp_checked_types_without_tokenizer_are_refused_at_submission(
     no_tokenizer: Path, tmp_path: Path, export: dict[str, Any]
 ) -> None:
     """A local source shows it has no tokenizer: 422 missing_tokenizer before the job exists."""
-    from service.jobs.pipeline import check_spec
+    from service.jobs.service import check_spec
     from service.jobs.spec import JobSpec
 
     spec = JobSpec.model_validate({"source": f"file://{no_tokenizer}", "exports": [export]})

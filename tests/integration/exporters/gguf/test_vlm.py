@@ -28,7 +28,8 @@ from service.exporters.gguf import GGUFExporter, GGUFSpec
 from service.exporters.gguf.mmproj import VLM_FAMILIES, check_tower, plan_mmproj, vision_tensors
 from service.exporters.gguf.mtmd_check import LAYOUTS, NEAR_TIE, TOKENS, check_mtmd
 from service.jobs.layout import JobLayout
-from service.jobs.pipeline import check_spec, run_pipeline
+from service.jobs.pipeline import run_pipeline
+from service.jobs.service import check_spec
 from service.jobs.spec import JobSpec
 from service.stage import InMemoryContext
 from tests.fixtures.vlm import (

@@ -15,7 +15,7 @@ from tests.conftest import TinyCheckpointFactory
 def test_an_imatrix_outside_the_allowed_sources_is_refused_at_submission(
     tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
-    from service.jobs.pipeline import check_spec
+    from service.jobs.service import check_spec
     from service.jobs.spec import JobSpec
 
     ckpt_dir = tiny_checkpoint("llama", "safetensors")
