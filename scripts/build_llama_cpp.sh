@@ -12,7 +12,7 @@
 #         ${XDG_CACHE_HOME:-~/.cache}/modelprep), and .../$VERSION/convert/{conversion,gguf-py}: the
 #         same llama.cpp's HF->GGUF converter classes (and convert_lora_to_gguf.py, whose LoRA
 #         tensor class the GGUF LoRA export uses), used as a library by
-#         service/shims/llama_cpp_convert.py, and the gguf-py they need (newer than PyPI's gguf
+#         service/shims/llama_cpp_convert/, and the gguf-py they need (newer than PyPI's gguf
 #         of the same version string), which scripts/install_gguf_py.sh makes the venv's `gguf`.
 #         A second run with everything present does nothing.
 set -euo pipefail

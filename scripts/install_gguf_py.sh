@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the pinned llama.cpp's gguf-py as the one `gguf` package of a virtual environment.
 #
-# Why: llama.cpp's converter classes (service/shims/llama_cpp_convert.py) need the gguf-py of
+# Why: llama.cpp's converter classes (service/shims/llama_cpp_convert/) need the gguf-py of
 # the same llama.cpp, which is newer than PyPI's `gguf` of the same version string; the service's
 # other users of `gguf` (the GGUF writer and reader, offload/quant.py's GGML blocks) work with it
 # too. So the venv holds exactly that one `gguf` (tests/integration/test_one_gguf.py checks it) and no
