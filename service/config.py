@@ -1,4 +1,14 @@
-"""Service settings, read from ``MODELPREP_*`` environment variables.
+"""Service settings, read from ``MODELPREP_*`` environment variables, and from the variables the
+AWS SDKs, the Hugging Face tools, curl and OpenSSL read where they mean the same thing.
+
+Precedence (:data:`STANDARD_VARIABLES`): a ``MODELPREP_*`` variable first, then the ecosystem's
+own (``AWS_ENDPOINT_URL_S3`` then ``AWS_ENDPOINT_URL`` for the store, ``AWS_REGION`` then
+``AWS_DEFAULT_REGION``, ``HF_ENDPOINT``, ``HF_TOKEN``, ``HTTPS_PROXY`` / ``HTTP_PROXY`` /
+``NO_PROXY``, ``SSL_CERT_FILE`` then ``REQUESTS_CA_BUNDLE``), then the default. Each of those is
+a field of its own (named ``env_<variable>``), so ``docs/settings.md`` lists it and a test can set
+it; the model validator copies the first one set into the setting the code reads and records
+which variable that was (:meth:`Settings.source_of`), for start-up's log line, ``/readyz`` and
+the errors that name the setting to change.
 
 Built exactly once, by ``create_app`` or the CLI, and passed down explicitly. Child job
 processes receive the settings serialized (``model_dump_json``) rather than re-reading the
@@ -18,10 +28,18 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from service.egress import EgressPolicy
+from service.egress import EgressPolicy, Proxy, without_userinfo
 from service.memory import MemoryBudget, default_job_budget, read_memory_limit
 from service.units import parse_duration, parse_size
 
@@ -50,8 +68,26 @@ class S3Credentials(BaseModel):
     session_token: SecretStr | None = None
 
 
+STANDARD_VARIABLES: dict[str, tuple[str, ...]] = {
+    "s3_endpoint": ("env_aws_endpoint_url_s3", "env_aws_endpoint_url"),
+    "s3_region": ("env_aws_region", "env_aws_default_region"),
+    "hf_endpoint": ("env_hf_endpoint",),
+    "hf_token": ("env_hf_token",),
+    "no_proxy": ("env_no_proxy",),
+    "ca_bundle": ("env_ssl_cert_file", "env_requests_ca_bundle"),
+}
+"""A setting and the ecosystem's variables that set it when its ``MODELPREP_*`` one is unset,
+in order. ``proxy`` is resolved apart: ``HTTPS_PROXY`` and ``HTTP_PROXY`` each serve one
+scheme (:attr:`Settings.proxy_routes`); the STS endpoint too (:meth:`Settings._sts_endpoint`)."""
+
+DEFAULT = "default"
+""":meth:`Settings.source_of` of a setting no variable set."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MODELPREP_", extra="ignore")
+
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     data_dir: Path = Field(
         default=Path("var"),
@@ -106,12 +142,28 @@ class Settings(BaseSettings):
 
     # sources
     hf_endpoint: str | None = Field(
-        default=None, description="Hub mirror or private hub for hf:// sources; default: the "
-        "hub's own.",
+        default=None, description="Hub mirror or private hub for hf:// sources; default: "
+        "HF_ENDPOINT, else the hub's own.",
     )
     hf_token: SecretStr | None = Field(
         default=None, description="Hub token for hf:// sources when a job gives none (never "
-        "logged or returned).",
+        "logged or returned); default: HF_TOKEN. A token cached under ~/.cache/huggingface is "
+        "never read.",
+    )
+    env_hf_endpoint: str | None = Field(
+        default=None, validation_alias="HF_ENDPOINT",
+        description="huggingface_hub's variable: the hub endpoint when MODELPREP_HF_ENDPOINT is "
+        "unset.",
+    )
+    env_hf_token: SecretStr | None = Field(
+        default=None, validation_alias="HF_TOKEN",
+        description="huggingface_hub's variable: the service-wide hub token when "
+        "MODELPREP_HF_TOKEN is unset.",
+    )
+    hf_hub_offline: bool = Field(
+        default=False, validation_alias="HF_HUB_OFFLINE",
+        description="huggingface_hub's variable (1, ON, YES or TRUE, as it reads them): hf:// "
+        "sources are refused at submission (source_not_allowed).",
     )
     cache_max_bytes: int = Field(
         default=50 * 1024**3, description="Size of the download cache (data_dir/cache) beyond "
@@ -138,7 +190,19 @@ class Settings(BaseSettings):
     s3_endpoint: str | None = Field(
         default=None,
         description="Endpoint URL of an S3-compatible store (MinIO, Ceph RGW, SeaweedFS) for "
-        "s3:// sources and the artifact store; default: AWS S3 of s3_region.",
+        "s3:// sources and the artifact store; default: AWS_ENDPOINT_URL_S3, else "
+        "AWS_ENDPOINT_URL, else AWS S3 of s3_region.",
+    )
+    env_aws_endpoint_url_s3: str | None = Field(
+        default=None, validation_alias="AWS_ENDPOINT_URL_S3",
+        description="The AWS SDKs' and CLI's variable: the store's endpoint when "
+        "MODELPREP_S3_ENDPOINT is unset.",
+    )
+    env_aws_endpoint_url: str | None = Field(
+        default=None, validation_alias="AWS_ENDPOINT_URL",
+        description="The AWS SDKs' and CLI's variable for every service: the store's endpoint "
+        "when neither MODELPREP_S3_ENDPOINT nor AWS_ENDPOINT_URL_S3 is set, and the STS's "
+        "when AWS_ENDPOINT_URL_STS is unset.",
     )
     s3_public_endpoint: str | None = Field(
         default=None,
@@ -148,7 +212,32 @@ class Settings(BaseSettings):
     )
     s3_region: str = Field(
         default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$",
-        description="Region of s3:// sources and of the artifact store.",
+        description="Region of s3:// sources and of the artifact store; default: AWS_REGION, "
+        "else AWS_DEFAULT_REGION, else us-east-1.",
+    )
+    env_aws_region: str | None = Field(
+        default=None, validation_alias="AWS_REGION", pattern=r"^[a-z0-9-]{1,32}$",
+        description="The AWS SDKs' variable: the region when MODELPREP_S3_REGION is unset.",
+    )
+    env_aws_default_region: str | None = Field(
+        default=None, validation_alias="AWS_DEFAULT_REGION", pattern=r"^[a-z0-9-]{1,32}$",
+        description="The AWS CLI's variable: the region when neither MODELPREP_S3_REGION nor "
+        "AWS_REGION is set.",
+    )
+    aws_profile: str | None = Field(
+        default=None, validation_alias="AWS_PROFILE",
+        description="The AWS SDKs' variable: the profile of the shared credentials and config "
+        "files whose keys the service uses when neither the tenant nor the environment gives "
+        "keys and no web identity is configured; default: default.",
+    )
+    aws_config_file: Path | None = Field(
+        default=None, validation_alias="AWS_CONFIG_FILE",
+        description="The AWS SDKs' variable: the shared config file; default: ~/.aws/config.",
+    )
+    aws_shared_credentials_file: Path | None = Field(
+        default=None, validation_alias="AWS_SHARED_CREDENTIALS_FILE",
+        description="The AWS SDKs' variable: the shared credentials file; default: "
+        "~/.aws/credentials.",
     )
     s3_credentials: dict[str, S3Credentials] = Field(
         default_factory=dict,
@@ -177,8 +266,9 @@ class Settings(BaseSettings):
     s3_sts_endpoint: str | None = Field(
         default=None, validation_alias="AWS_ENDPOINT_URL_STS",
         description="Endpoint URL of the STS that AssumeRoleWithWebIdentity is sent to; "
-        "default: MODELPREP_S3_ENDPOINT (MinIO, SeaweedFS and Ceph RGW serve STS on their S3 "
-        "endpoint), else AWS STS of s3_region. The egress policy applies to it.",
+        "default: AWS_ENDPOINT_URL, else the store's endpoint (MinIO, SeaweedFS and Ceph RGW "
+        "serve STS on their S3 endpoint), else AWS STS of s3_region. The egress policy applies "
+        "to it.",
     )
     artifact_store: str | None = Field(
         default=None,
@@ -212,7 +302,52 @@ class Settings(BaseSettings):
         examples=['["mirror.internal", "10.0.0.0/8"]'],
         description="JSON list of host names and CIDRs that HTTP sources, redirects and "
         "callbacks may reach although not global (internal mirrors); everything else "
-        "non-global (loopback, link-local, private) is refused.",
+        "non-global (loopback, link-local, private) is refused. Through a proxy a host name "
+        "listed here is not resolved by the service (the proxy resolves it).",
+    )
+
+    # how connections leave: a forward proxy, a private CA (service/egress.py)
+    proxy: str | None = Field(
+        default=None, examples=["http://proxy.internal:3128"],
+        description="Forward proxy (HTTP CONNECT) of every outbound connection: hub, HTTP "
+        "sources, object store, STS, callbacks; default: HTTPS_PROXY for https:// targets and "
+        "HTTP_PROXY for http:// ones. A target the egress policy refuses is refused before the "
+        "proxy is asked.",
+    )
+    env_https_proxy: str | None = Field(
+        default=None, validation_alias="HTTPS_PROXY",
+        description="curl's and requests' variable (https_proxy too): the proxy of https:// "
+        "targets when MODELPREP_PROXY is unset.",
+    )
+    env_http_proxy: str | None = Field(
+        default=None, validation_alias="HTTP_PROXY",
+        description="curl's and requests' variable (http_proxy too): the proxy of http:// "
+        "targets when MODELPREP_PROXY is unset.",
+    )
+    no_proxy: str | None = Field(
+        default=None, examples=["localhost,.svc.cluster.local"],
+        description="Comma-separated hosts and .domain suffixes reached directly, not through "
+        "the proxy; * for all; default: NO_PROXY.",
+    )
+    env_no_proxy: str | None = Field(
+        default=None, validation_alias="NO_PROXY",
+        description="curl's and requests' variable (no_proxy too): see MODELPREP_NO_PROXY.",
+    )
+    ca_bundle: Path | None = Field(
+        default=None, examples=["/etc/ssl/certs/corporate-ca.pem"],
+        description="PEM file of the CAs every TLS connection trusts (hub, HTTP sources, "
+        "object store, STS, callbacks; a TLS-intercepting proxy's CA); default: SSL_CERT_FILE, "
+        "else REQUESTS_CA_BUNDLE, else certifi's public CAs. The llama.cpp tools and other "
+        "child processes make no connection.",
+    )
+    env_ssl_cert_file: Path | None = Field(
+        default=None, validation_alias="SSL_CERT_FILE",
+        description="OpenSSL's variable: the CA bundle when MODELPREP_CA_BUNDLE is unset.",
+    )
+    env_requests_ca_bundle: Path | None = Field(
+        default=None, validation_alias="REQUESTS_CA_BUNDLE",
+        description="requests' variable: the CA bundle when neither MODELPREP_CA_BUNDLE nor "
+        "SSL_CERT_FILE is set.",
     )
 
     # completion callbacks (service/jobs/callbacks.py)
@@ -450,11 +585,130 @@ class Settings(BaseSettings):
             raise ValueError("artifact_store must be an s3://bucket/prefix URI")
         return value
 
-    @field_validator("s3_web_identity_token_file", "s3_role_arn", "s3_sts_endpoint", mode="before")
+    @field_validator(
+        "s3_web_identity_token_file", "s3_role_arn", "s3_sts_endpoint", "aws_profile",
+        "aws_config_file", "aws_shared_credentials_file", "proxy", "no_proxy", "ca_bundle",
+        *(name for names in STANDARD_VARIABLES.values() for name in names),
+        "env_https_proxy", "env_http_proxy", mode="before",
+    )
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
-        """An AWS_* variable set to "" is unset, as the AWS SDKs read it."""
+        """A variable set to "" is unset, as the AWS SDKs, curl and OpenSSL read it."""
         return None if value == "" else value
+
+    @field_validator("hf_hub_offline", mode="before")
+    @classmethod
+    def _hub_truthy(cls, value: object) -> object:
+        """HF_HUB_OFFLINE as huggingface_hub reads it: 1, ON, YES, TRUE (any case) are true,
+        anything else is false."""
+        if isinstance(value, str):
+            return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+        return value
+
+    @field_validator("proxy", "env_https_proxy", "env_http_proxy")
+    @classmethod
+    def _proxy_url(cls, value: str | None) -> str | None:
+        """A proxy given as host:port is an http:// one, as curl reads it."""
+        if value is not None and "://" not in value:
+            return "http://" + value
+        return value
+
+    @model_validator(mode="after")
+    def _standard_variables(self) -> Settings:
+        # Each setting of STANDARD_VARIABLES: its own variable, else the first of the
+        # ecosystem's that is set, else the default; which one is recorded for messages.
+        for name, fallbacks in STANDARD_VARIABLES.items():
+            if name in self.model_fields_set and getattr(self, name) is not None:
+                self._sources[name] = env_name(name)
+                continue
+            self._sources[name] = DEFAULT
+            for fallback in fallbacks:
+                value = getattr(self, fallback)
+                if value is not None:
+                    setattr(self, name, value)
+                    self._sources[name] = env_name(fallback)
+                    break
+        if self.s3_sts_endpoint is not None:
+            self._sources["s3_sts_endpoint"] = env_name("s3_sts_endpoint")
+        elif self.env_aws_endpoint_url is not None:
+            self.s3_sts_endpoint = self.env_aws_endpoint_url
+            self._sources["s3_sts_endpoint"] = env_name("env_aws_endpoint_url")
+        else:  # the store's own, else AWS STS of the region
+            self._sources["s3_sts_endpoint"] = self._sources["s3_endpoint"]
+        if self.ca_bundle is not None and not self.ca_bundle.is_file():
+            raise ValueError(
+                f"{self._sources['ca_bundle']}: the CA bundle {self.ca_bundle} is not a file"
+            )
+        return self
+
+    def source_of(self, name: str) -> str:
+        """The variable that set the setting ``name`` (``MODELPREP_S3_ENDPOINT``,
+        ``AWS_ENDPOINT_URL_S3``...), or ``default``: what a message names for the operator."""
+        return self._sources.get(name) or (
+            env_name(name) if name in self.model_fields_set else DEFAULT
+        )
+
+    def variables_of(self, name: str) -> str:
+        """Every variable that sets ``name``, in their order of precedence, for a message
+        that says how to change it: ``MODELPREP_S3_ENDPOINT, AWS_ENDPOINT_URL_S3 or
+        AWS_ENDPOINT_URL``."""
+        names = [env_name(name), *(env_name(f) for f in STANDARD_VARIABLES.get(name, ()))]
+        return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+    def origin(self, name: str) -> str:
+        """Where the setting ``name`` comes from and what sets it, for an error message:
+        ``from AWS_ENDPOINT_URL_S3; set by MODELPREP_S3_ENDPOINT, AWS_ENDPOINT_URL_S3 or
+        AWS_ENDPOINT_URL``."""
+        source = self.source_of(name)
+        where = "the default" if source == DEFAULT else f"from {source}"
+        return f"{where}; set by {self.variables_of(name)}"
+
+    @property
+    def proxy_routes(self) -> Proxy:
+        """The forward proxy of each target scheme: ``MODELPREP_PROXY`` for both, else
+        ``HTTPS_PROXY`` and ``HTTP_PROXY``; ``no_proxy`` bypasses it."""
+        no_proxy = self.no_proxy or ""
+        if self.proxy is not None:
+            return Proxy(self.proxy, self.proxy, no_proxy, "MODELPREP_PROXY", "MODELPREP_PROXY")
+        return Proxy(self.env_http_proxy, self.env_https_proxy, no_proxy,
+                     "HTTP_PROXY", "HTTPS_PROXY")
+
+    def outbound(self) -> dict[str, dict[str, str]]:
+        """Where outbound connections go and how, each with the variable it comes from
+        (``{"s3_endpoint": {"value": ..., "source": "AWS_ENDPOINT_URL_S3"}}``), never a secret:
+        the hub token only says whether one is set. Start-up logs it and ``/readyz`` shows it."""
+        proxies = self.proxy_routes
+
+        def entry(value: str | None, source: str, default: str) -> dict[str, str]:
+            return {"value": value or default, "source": source if value else DEFAULT}
+
+        return {
+            "s3_endpoint": entry(self.s3_endpoint, self.source_of("s3_endpoint"),
+                                 f"https://s3.{self.s3_region}.amazonaws.com"),
+            "s3_region": {"value": self.s3_region, "source": self.source_of("s3_region")},
+            "sts_endpoint": entry(self.s3_sts_endpoint or self.s3_endpoint,
+                                  self.source_of("s3_sts_endpoint"),
+                                  f"https://sts.{self.s3_region}.amazonaws.com"),
+            "hf_endpoint": entry(self.hf_endpoint, self.source_of("hf_endpoint"),
+                                 "https://huggingface.co"),
+            "hf_token": entry("set" if self.hf_token else None, self.source_of("hf_token"),
+                              "none"),
+            "hf_hub_offline": {"value": str(self.hf_hub_offline).lower(),
+                               "source": "HF_HUB_OFFLINE" if self.hf_hub_offline else DEFAULT},
+            "https_proxy": entry(proxies.https and without_userinfo(proxies.https),
+                                 proxies.https_source, "none"),
+            "http_proxy": entry(proxies.http and without_userinfo(proxies.http),
+                                proxies.http_source, "none"),
+            "no_proxy": entry(self.no_proxy, self.source_of("no_proxy"), ""),
+            "ca_bundle": entry(str(self.ca_bundle) if self.ca_bundle else None,
+                               self.source_of("ca_bundle"), "certifi"),
+        }
+
+    def outbound_line(self) -> str:
+        """:meth:`outbound` as one line of text: ``s3_endpoint=http://x (AWS_ENDPOINT_URL_S3),
+        ...``."""
+        return ", ".join(f"{name}={entry['value'] or '-'} ({entry['source']})"
+                         for name, entry in self.outbound().items())
 
     @field_validator("egress_allowlist")
     @classmethod
@@ -465,8 +719,12 @@ class Settings(BaseSettings):
 
     @property
     def egress_policy(self) -> EgressPolicy:
-        """The allowlist parsed (cheap; the entries were validated with the settings)."""
-        return EgressPolicy.from_allowlist(self.egress_allowlist)
+        """The allowlist parsed (cheap; the entries were validated with the settings), with the
+        proxy and CA bundle connections leave through."""
+        return EgressPolicy.from_allowlist(
+            self.egress_allowlist, proxy=self.proxy_routes, ca_bundle=self.ca_bundle,
+            ca_source=self.source_of("ca_bundle"),
+        )
 
     @field_validator("data_dir")
     @classmethod
@@ -525,6 +783,18 @@ def settings_reference() -> str:
         "Every setting is an environment variable, read once at start-up by `modelprep serve` and",
         "`modelprep worker` (`make serve` passes them on). Lists and maps are JSON. A malformed",
         "value stops start-up with one line naming the variable and an example.",
+        "",
+        "The variables that the AWS SDKs, the Hugging Face tools, curl and OpenSSL read are read",
+        "too where they mean the same thing, after the service's own: the first one set wins.",
+        "Start-up logs, and `/readyz` shows under `outbound`, which value each of these took and",
+        "from which variable (never a secret).",
+        "",
+        "| setting | then | then |",
+        "|---|---|---|",
+        *(f"| `{env_name(name)}` | " + " | ".join(f"`{env_name(f)}`" for f in fallbacks)
+          + " |" * (3 - len(fallbacks)) for name, fallbacks in STANDARD_VARIABLES.items()),
+        "| `MODELPREP_PROXY` (both schemes) | `HTTPS_PROXY` (https://), `HTTP_PROXY` (http://) | |",
+        "| `AWS_ENDPOINT_URL_STS` | `AWS_ENDPOINT_URL` | the store's endpoint |",
         "",
         "| variable | default | meaning |",
         "|---|---|---|",

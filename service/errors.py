@@ -230,6 +230,15 @@ class SourceUnreachable(DownloadFailed):
     title = "Source unreachable"
 
 
+class CertificateUntrusted(ConnectionError, SourceError):
+    """A TLS server's certificate is not signed by a CA the service trusts (its CA bundle:
+    ``MODELPREP_CA_BUNDLE``, ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``, else certifi's). Not
+    retried: another attempt meets the same certificate."""
+
+    code = "certificate_untrusted"
+    title = "Certificate not trusted"
+
+
 class DownloadStalled(DownloadFailed):
     """The source sent less than ``download_min_bytes_per_second`` for
     ``download_stall_seconds``: a trickle that would hold a worker slot for days. Not retried."""

@@ -63,6 +63,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     ensure_writable_dir(settings.data_dir, "MODELPREP_DATA_DIR")
     ensure_writable_dir(settings.jobs_dir, "MODELPREP_DATA_DIR")
+    log.info("outbound connections: %s", settings.outbound_line(),
+             extra={"outbound": settings.outbound()})
     store = JobStore.from_url(settings.sqlalchemy_url)
     executor = executor_for(settings, store)
     job_service = JobService(settings=settings, store=store, executor=executor)

@@ -84,20 +84,24 @@ FIXES: dict[str, str] = {
     "service lists.",
     "source_not_allowed": "A `file://` source must lie under a directory of "
     "`MODELPREP_LOCAL_ROOTS`, a JSON list set by the operator (e.g. "
-    "`MODELPREP_LOCAL_ROOTS='[\"/srv/models\"]'`).",
+    "`MODELPREP_LOCAL_ROOTS='[\"/srv/models\"]'`); an `hf://` source needs `HF_HUB_OFFLINE` "
+    "unset on the service.",
     "egress_refused": "The host is loopback, private or otherwise not global: the operator "
     "allows an internal mirror or receiver with `MODELPREP_EGRESS_ALLOWLIST`.",
     "source_not_found": "Check the path or URL; a `file://` path must be absolute.",
-    "repository_not_found": "Check the repository name (and `MODELPREP_HF_ENDPOINT` for a "
-    "mirror).",
+    "repository_not_found": "Check the repository name (and `MODELPREP_HF_ENDPOINT` or "
+    "`HF_ENDPOINT` for a mirror).",
     "revision_not_found": "Check `revision`: a branch, tag or commit of the repository.",
     "source_unreadable": "Make the files readable by the service's user (in the container: "
     "`chmod -R a+rX models`).",
     "source_unauthorized": "Give a token with access: `hf_token` on the job or "
-    "`MODELPREP_HF_TOKEN`.",
+    "`MODELPREP_HF_TOKEN` (or `HF_TOKEN`) on the service.",
     "no_weight_files": "The source has no `.safetensors`, `.bin` or `.pt` weights.",
     "download_failed": "Retries did not get the file: check the source is reachable from the "
     "service, then submit again.",
+    "certificate_untrusted": "The server's certificate comes from a CA the service does not "
+    "trust: the operator names its bundle in `MODELPREP_CA_BUNDLE` (or `SSL_CERT_FILE`, "
+    "`REQUESTS_CA_BUNDLE`); a TLS-intercepting proxy's CA included.",
     "download_stalled": "The source sent too little for too long "
     "(`MODELPREP_DOWNLOAD_STALL_SECONDS`, `MODELPREP_DOWNLOAD_MIN_BYTES_PER_SECOND`).",
     "checksum_mismatch": "The file's sha256 is not the `sha256` the job gave: check both.",

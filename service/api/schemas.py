@@ -275,10 +275,23 @@ class MemoryReport(BaseModel):
     api_rss_bytes: int | None = Field(default=None, description="The API process's RSS now.")
 
 
+class OutboundSetting(BaseModel):
+    """Where one kind of outbound connection goes, and the variable that said so."""
+
+    value: str = Field(description="The endpoint, region, proxy (no credentials) or CA "
+                       "bundle in use; a token is only `set` or `none`.")
+    source: str = Field(description="The variable it comes from (`MODELPREP_S3_ENDPOINT`, "
+                        "`AWS_ENDPOINT_URL_S3`, `HTTPS_PROXY`...), or `default`.")
+
+
 class Health(BaseModel):
     status: str
     checks: dict[str, str] = Field(default_factory=dict)
     memory: MemoryReport | None = None
+    outbound: dict[str, OutboundSetting] | None = Field(
+        default=None, description="Object store, STS and hub endpoints, region, proxy and CA "
+        "bundle in use, each with its source (docs/settings.md); never a secret.",
+    )
 
 
 class JobEvent(BaseModel):

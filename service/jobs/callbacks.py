@@ -28,7 +28,10 @@ Redirects are not followed (a 3xx is a failed attempt): the URL must be the rece
 **Egress.** The URL is checked at submission when its host is a literal address, and the
 address actually connected to is checked at every attempt (service/egress.py); a refused
 destination fails the callback at once, with ``egress_refused`` as its last error (a name that
-does not resolve is retried: DNS may be down for a moment).
+does not resolve is retried: DNS may be down for a moment). The POST goes through the
+settings' proxy (a receiver the policy refuses is refused before the proxy is asked) and is
+verified with their CA bundle; a receiver whose certificate that bundle does not trust is
+retried with ``certificate_untrusted`` as its last error.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import httpx
 
 from service.config import Settings
 from service.egress import egress_client, system_resolver
-from service.errors import CallbackNotConfigured, EgressRefused
+from service.errors import CallbackNotConfigured, CertificateUntrusted, EgressRefused
 from service.jobs.model import CallbackDelivery, CallbackState, Job
 from service.jobs.spec import JobSpec
 from service.jobs.store import JobStore, utcnow
@@ -282,6 +285,8 @@ class CallbackDeliverer:
                 )
         except EgressRefused as exc:
             return self._record(job, None, f"{EgressRefused.code}: {exc.message}", final=True)
+        except CertificateUntrusted as exc:  # the operator may yet trust its CA: retried
+            return self._record(job, None, f"{CertificateUntrusted.code}: {exc.message}")
         except httpx.HTTPError as exc:
             return self._record(job, None, f"{type(exc).__name__}: {exc}"[:500])
 

@@ -293,6 +293,8 @@ async def serve(
     delivers completion callbacks, on a thread of its own (never in a job slot)."""
     ensure_writable_dir(settings.data_dir, "MODELPREP_DATA_DIR")
     ensure_writable_dir(settings.jobs_dir, "MODELPREP_DATA_DIR")
+    log.info("outbound connections: %s", settings.outbound_line(),
+             extra={"outbound": settings.outbound()})
     store = JobStore.from_url(settings.sqlalchemy_url)
     await asyncio.to_thread(store.create_schema)
     runtime = WorkerRuntime(

@@ -34,7 +34,7 @@ from service.errors import (
     SourceError,
     SourceUnreachable,
 )
-from service.objectstore.locations import endpoint_of
+from service.objectstore.locations import describe_endpoint
 from service.retry import Backoff
 
 T = TypeVar("T")
@@ -127,6 +127,6 @@ def call(fn: Callable[[], T], what: str, settings: Settings) -> T:
                 raise mapped from exc
             if not backoff.failed():
                 raise SourceUnreachable(
-                    f"the object store at {endpoint_of(settings)} did not answer for {what} "
-                    f"after {backoff.failures} attempts"
+                    f"the object store at {describe_endpoint(settings)} did not answer for "
+                    f"{what} after {backoff.failures} attempts"
                 ) from exc

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from service.config import Settings
-from service.errors import InvalidRequest
+from service.errors import EgressRefused, InvalidRequest
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -89,9 +89,33 @@ def public_endpoint_of(settings: Settings) -> str:
         return settings.s3_public_endpoint.rstrip("/")
     return endpoint_of(settings)
 
+def describe_endpoint(settings: Settings) -> str:
+    """The endpoint, where it comes from and what would change it, for a message: the
+    operator who meant another store sees which variable to set."""
+    if settings.s3_endpoint:
+        where = settings.origin("s3_endpoint")
+    else:
+        where = (f"AWS S3 of region {settings.s3_region}, {settings.origin('s3_region')}; "
+                 f"another store is set by {settings.variables_of('s3_endpoint')}")
+    parts = urlsplit(endpoint_of(settings))
+    proxy = settings.proxy_routes.for_target(parts.scheme, parts.hostname or "")
+    through = f"; through {settings.proxy_routes.describe(proxy)}" if proxy else ""
+    return f"{endpoint_of(settings)} ({where}{through})"
+
+
 def check_egress(settings: Settings) -> None:
     """The egress policy applied to the endpoint: it must resolve to an address the policy
-    allows. ``object_store`` connects by itself, so the address is checked, not pinned."""
+    allows (every address, through a proxy). ``object_store`` connects by itself, so the
+    address is checked, not pinned. A refusal names the endpoint and its variables."""
     parts = urlsplit(endpoint_of(settings))
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    settings.egress_policy.resolve(parts.hostname or "", port)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    proxy = settings.proxy_routes.for_target(parts.scheme, host)
+    try:
+        if proxy is not None:
+            settings.egress_policy.check_through_proxy(host, port, proxy)
+        else:
+            settings.egress_policy.resolve(host, port)
+    except EgressRefused as exc:
+        raise EgressRefused(
+            f"the object store endpoint {describe_endpoint(settings)}: {exc.message}"
+        ) from None

@@ -7,8 +7,11 @@ streams both ways without holding an object in memory."""
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import obstore
 from obstore.store import S3Store
@@ -32,6 +35,12 @@ def stall_read_seconds(settings: Settings) -> float:
     answering fails each of them as soon as it fails a download."""
     return min(60.0, settings.download_stall_seconds)
 
+@functools.cache
+def _pem(path: Path) -> bytes:
+    """The CA bundle's certificates, read once per process."""
+    return path.read_bytes()
+
+
 def store_for(
     bucket: str, settings: Settings, tenant: str | None, *, checksum: bool = False,
     endpoint: str | None = None,
@@ -42,7 +51,10 @@ def store_for(
     server checks against the bytes it received. ``endpoint``: another address of the same
     store (presigning for clients elsewhere); default :func:`endpoint_of`."""
     endpoint = endpoint or endpoint_of(settings)
-    config: S3Config = {"region": settings.s3_region, "endpoint": endpoint}
+    # obstore reads AWS_ENDPOINT_URL_S3 from the environment itself and lets it override
+    # ``endpoint`` (an empty one panics it): the settings' choice is given under both names.
+    config: S3Config = {"region": settings.s3_region, "endpoint": endpoint,
+                        "aws_endpoint_url_s3": endpoint}
     if checksum:
         config["checksum_algorithm"] = "sha256"
     entry = settings.s3_credentials.get(tenant) if tenant is not None else None
@@ -62,6 +74,12 @@ def store_for(
         "connect_timeout": timedelta(seconds=10),
         "read_timeout": timedelta(seconds=stall_read_seconds(settings)),
     }
+    parts = urlsplit(endpoint)
+    proxy = settings.proxy_routes.for_target(parts.scheme, parts.hostname or "")
+    if proxy is not None:
+        client["proxy_url"] = proxy
+    if settings.ca_bundle is not None:  # added to the roots object_store trusts
+        client["root_certificate"] = _pem(settings.ca_bundle)
     # Retries are the caller's (:func:`call`, the source's resumable reads): one policy,
     # service/retry.py, for every transfer.
     retry: RetryConfig = {"max_retries": 0}

@@ -11,6 +11,11 @@ pyproject.toml):
 * ``huggingface_hub.utils.httpx`` is the HTTP client module the hub client raises from (httpx2
   in huggingface_hub 2.x): a network failure is its ``TransportError``, which the source
   retries. Reached through that exported name, so modelprep imports no second HTTP client.
+* ``set_client_factory`` (public) takes a function returning the client every hub call shares;
+  :func:`client_factory` builds it as ``default_client_factory`` does (its request hook
+  ``hf_request_event_hook``, a private name: the offline check, request ids, the download
+  counter; redirects followed; no timeout of its own), with a transport of ours that sends each
+  request directly or through the service's proxy and verifies TLS with its CA bundle.
 * ``hf_hub_download(tqdm_class=...)`` instantiates the class with tqdm's arguments and calls
   ``update(n)`` with bytes, for plain HTTP and Xet downloads alike; the Xet reporter reads
   ``total`` and ``format_dict``, so the class is a real, enabled ``tqdm.std.tqdm`` (tqdm is
@@ -21,9 +26,12 @@ pyproject.toml):
 from __future__ import annotations
 
 import io
+import ssl
+from collections.abc import Callable
 from typing import Any
 
 import huggingface_hub.utils as hub_utils
+from huggingface_hub.utils import _http as hub_http
 from tqdm.std import tqdm
 
 from service.stage import JobContext
@@ -31,6 +39,7 @@ from service.stage import JobContext
 __all__ = [
     "TransportError",
     "build_hf_headers",
+    "client_factory",
     "filter_repo_objects",
     "job_progress_bar",
     "validate_repo_id",
@@ -42,6 +51,48 @@ validate_repo_id = hub_utils.validate_repo_id  # type: ignore[attr-defined]
 build_hf_headers = hub_utils.build_hf_headers  # type: ignore[attr-defined]
 TransportError: type[Exception] = hub_utils.httpx.TransportError  # type: ignore[attr-defined]
 """A network failure of the hub client (connection refused or reset, timeout)."""
+set_client_factory = hub_utils.set_client_factory  # type: ignore[attr-defined]
+_http: Any = hub_utils.httpx  # type: ignore[attr-defined]
+_BaseTransport: Any = _http.BaseTransport
+
+
+class _ProxyChoice(_BaseTransport):  # type: ignore[misc]  # the hub's httpx, typed Any here
+    """Sends each request directly or through the proxy ``choose(scheme, host)`` names."""
+
+    def __init__(self, choose: Callable[[str, str], str | None], verify: ssl.SSLContext) -> None:
+        self._choose = choose
+        self._verify = verify
+        self._direct = _http.HTTPTransport(verify=verify)
+        self._proxied: dict[str, Any] = {}
+
+    def handle_request(self, request: Any) -> Any:
+        proxy = self._choose(request.url.scheme, request.url.host)
+        if proxy is None:
+            return self._direct.handle_request(request)
+        if proxy not in self._proxied:
+            self._proxied[proxy] = _http.HTTPTransport(proxy=proxy, verify=self._verify)
+        return self._proxied[proxy].handle_request(request)
+
+    def close(self) -> None:
+        self._direct.close()
+        for transport in self._proxied.values():
+            transport.close()
+
+
+def client_factory(
+    choose: Callable[[str, str], str | None], verify: ssl.SSLContext
+) -> Callable[[], Any]:
+    """What to hand ``set_client_factory``: huggingface_hub's own client, whose connections
+    go through the proxy ``choose(scheme, host)`` names (None: directly), verified with
+    ``verify``."""
+
+    def make() -> Any:
+        return _http.Client(
+            event_hooks={"request": [hub_http.hf_request_event_hook]},
+            follow_redirects=True, timeout=None, transport=_ProxyChoice(choose, verify),
+        )
+
+    return make
 
 
 class _NullFile(io.TextIOBase):

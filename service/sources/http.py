@@ -9,7 +9,8 @@ zero); a server that ignores ``Range`` restarts the body from zero too.
 With a ``sha256`` the file is content-addressed and goes to the shared download cache (two jobs
 of the same file download it once); without one it is downloaded into the job's work directory.
 The job's token is a Hub credential and is never sent to an arbitrary URL. Every connection,
-each redirect hop included, goes through the egress policy (service/egress.py).
+each redirect hop included, goes through the egress policy (service/egress.py), and through
+its proxy and CA bundle when the settings name them.
 
 Why one module of over 450 lines: resuming is one protocol spread over three parts that must
 agree on every byte count: the part file (:class:`PartWriter`, written and hashed on a thread
@@ -36,7 +37,7 @@ import httpx
 
 from service.checkpoint.headers import PROBE_BYTES, CheckpointHeaders, HeaderBuffer
 from service.config import Settings
-from service.egress import egress_client
+from service.egress import egress_client, transport_failure
 from service.errors import (
     ChecksumMismatch,
     DiskFull,
@@ -253,7 +254,7 @@ def download_file(
                 if not backoff.failed(progressed=download.progressed):
                     raise DownloadFailed(
                         f"download of {public_url(url)} failed after {backoff.failures} "
-                        f"attempts: {type(exc).__name__}"
+                        f"attempts: {transport_failure(exc)}"
                     ) from exc
             except DownloadTooLarge:
                 download.part.unlink(missing_ok=True)
@@ -450,7 +451,8 @@ class HttpFetcher:
                 size, header = remote_header(client, request.uri, name)
         except httpx.TransportError as exc:
             raise DownloadFailed(
-                f"reading the header of {public_url(request.uri)} failed: {type(exc).__name__}"
+                f"reading the header of {public_url(request.uri)} failed: "
+                f"{transport_failure(exc)}"
             ) from exc
         if size is None:
             raise DownloadFailed(f"{public_url(request.uri)} does not announce its size")

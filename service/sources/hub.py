@@ -10,8 +10,15 @@ and ONE weight format (safetensors when present, else ``.bin``/``.pt``), the sha
 index when sharded. Files land in the shared :class:`~service.sources.cache.DownloadCache`
 under the commit, so two jobs of one repo and commit download it once.
 
-The token (per job, else ``settings.hf_token``) is passed to ``huggingface_hub`` and nowhere
-else: it is not logged, not put in messages, details or the ResolvedSource.
+The token (per job, else ``settings.hf_token``: ``MODELPREP_HF_TOKEN``, else ``HF_TOKEN``) is
+passed to ``huggingface_hub`` and nowhere else: it is not logged, not put in messages, details
+or the ResolvedSource. The endpoint is ``MODELPREP_HF_ENDPOINT``, else ``HF_ENDPOINT``; with
+``HF_HUB_OFFLINE`` set, hub sources are refused (``source_not_allowed``) at submission and in a
+job. Every hub call goes through huggingface_hub's shared client, which :func:`_hub_network`
+configures from the settings: the proxy (``MODELPREP_PROXY``, else ``HTTPS_PROXY`` /
+``HTTP_PROXY``, not for ``NO_PROXY``) and the CA bundle. The hub endpoint is the operator's
+choice, so, unlike a job's HTTP URL, the egress policy does not judge it or its redirects.
+A failure names the endpoint, the variable it came from and the proxy it went through.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import hashlib
 import json
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from huggingface_hub import HfApi, get_session, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
@@ -44,6 +53,7 @@ from pydantic import SecretStr
 from service.checkpoint import AUX_PATTERNS
 from service.checkpoint.headers import CheckpointHeaders, TensorHeader, config_of
 from service.config import Settings
+from service.egress import Proxy, untrusted_certificate
 from service.errors import (
     DiskFull,
     DownloadFailed,
@@ -53,6 +63,7 @@ from service.errors import (
     RepositoryNotFound,
     RevisionNotFound,
     ServiceError,
+    SourceNotAllowed,
     SourceNotFound,
     SourceUnauthorized,
 )
@@ -60,8 +71,10 @@ from service.retry import Backoff
 from service.shims.huggingface_hub import (
     TransportError,
     build_hf_headers,
+    client_factory,
     filter_repo_objects,
     job_progress_bar,
+    set_client_factory,
     validate_repo_id,
 )
 from service.sources.base import ResolvedSource, SourceIdentity, SourceRequest
@@ -171,9 +184,14 @@ def _secret(request: SourceRequest, settings: Settings) -> str | Literal[False]:
     return token.get_secret_value() if token is not None else False
 
 
-def _map_error(exc: Exception, ref: HubRef) -> ServiceError | None:
+def _map_error(exc: Exception, ref: HubRef, settings: Settings) -> ServiceError | None:
     """The typed error for a hub failure, or None when it is worth retrying."""
     what = f"{ref.repo_id}@{ref.revision}"
+    refused = untrusted_certificate(exc)
+    if refused is not None:
+        return settings.egress_policy.untrusted(
+            f"the hub at {_endpoint(settings)} ({settings.origin('hf_endpoint')})", refused
+        )
     if isinstance(exc, GatedRepoError | DisabledRepoError):
         return SourceUnauthorized(f"access to {ref.repo_id} refused (gated or disabled)")
     if isinstance(exc, RevisionNotFoundError):
@@ -216,18 +234,48 @@ def _with_retries(call: Callable[[], T], ref: HubRef, settings: Settings) -> T:
         except ServiceError:
             raise
         except Exception as exc:  # every failure is mapped below, none is swallowed
-            mapped = _map_error(exc, ref)
+            mapped = _map_error(exc, ref, settings)
             if mapped is not None:
                 raise mapped from exc
             if not backoff.failed():
                 raise DownloadFailed(
-                    f"fetching {ref.repo_id}@{ref.revision} failed after {backoff.failures} "
-                    f"attempts: {type(exc).__name__}"
+                    f"fetching {ref.repo_id}@{ref.revision} from the hub at {_endpoint(settings)} "
+                    f"({settings.origin('hf_endpoint')}{_through(settings)}) failed after "
+                    f"{backoff.failures} attempts: {type(exc).__name__}"
                 ) from exc
 
 
 def _endpoint(settings: Settings) -> str:
     return (settings.hf_endpoint or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def _through(settings: Settings) -> str:
+    """``; through the proxy ...`` when hub requests go through one, for a message."""
+    parts = urlsplit(_endpoint(settings))
+    proxy = settings.proxy_routes.for_target(parts.scheme, parts.hostname or "")
+    return f"; through {settings.proxy_routes.describe(proxy)}" if proxy else ""
+
+
+_network_lock = threading.Lock()
+_network: list[tuple[Proxy, Path | None]] = []
+"""The proxy and CA bundle huggingface_hub's shared client was last built with."""
+
+
+def _hub_network(settings: Settings) -> str:
+    """The hub endpoint, once huggingface_hub's shared client goes through the settings' proxy
+    and trusts their CA bundle (rebuilt only when those change). Raises SourceNotAllowed under
+    ``HF_HUB_OFFLINE``."""
+    if settings.hf_hub_offline:
+        raise SourceNotAllowed(
+            "hf:// sources are refused: HF_HUB_OFFLINE is set on the service"
+        )
+    wanted = (settings.proxy_routes, settings.ca_bundle)
+    with _network_lock:
+        if _network[-1:] != [wanted]:
+            policy = settings.egress_policy
+            set_client_factory(client_factory(policy.proxy.for_target, policy.ssl_context()))
+            _network[:] = [wanted]
+    return _endpoint(settings)
 
 
 def _resolve_commit(api: HfApi, ref: HubRef, settings: Settings) -> str:
@@ -264,6 +312,8 @@ class HubFetcher:
 
     def check(self, request: SourceRequest, settings: Settings) -> None:
         parse_hf_uri(request.uri, request.revision)
+        if settings.hf_hub_offline:
+            _hub_network(settings)  # raises, naming HF_HUB_OFFLINE
 
     def identify(
         self,
@@ -275,7 +325,7 @@ class HubFetcher:
         """``hf:<endpoint>/<repo>@<commit>``: one API call resolves a branch or tag, before
         any file is downloaded; the returned request is pinned to that commit."""
         ref = parse_hf_uri(request.uri, request.revision)
-        endpoint = _endpoint(settings)
+        endpoint = _hub_network(settings)
         if fetched is not None and fetched.revision:
             commit = fetched.revision
         else:
@@ -295,7 +345,7 @@ class HubFetcher:
         its range request, which from a server that ignores ``Range`` (olah's mirror, some
         proxies) is the whole shard; here the body is cut off after the header."""
         ref = parse_hf_uri(request.uri, request.revision)
-        endpoint = _endpoint(settings)
+        endpoint = _hub_network(settings)
         token = _secret(request, settings)
         api = HfApi(endpoint=endpoint, token=token)
         commit = request.pinned or _resolve_commit(api, ref, settings)
@@ -337,7 +387,7 @@ class HubFetcher:
 
     def fetch(self, request: SourceRequest, settings: Settings, ctx: JobContext) -> ResolvedSource:
         ref = parse_hf_uri(request.uri, request.revision)
-        endpoint = _endpoint(settings)
+        endpoint = _hub_network(settings)
         token = _secret(request, settings)
         api = HfApi(endpoint=endpoint, token=token)
         ctx.set_phase(Phase.DOWNLOAD, None, "bytes")

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from service.api.deps import JobsDep
-from service.api.schemas import Health, MemoryReport
+from service.api.schemas import Health, MemoryReport, OutboundSetting
 from service.config import Settings
 from service.memory import current_rss
 
@@ -23,7 +23,9 @@ def readyz(jobs: JobsDep) -> JSONResponse:
     checks = jobs.readiness()
     ok = all(v == "ok" for v in checks.values())
     health = Health(
-        status="ok" if ok else "unavailable", checks=checks, memory=memory_report(jobs.settings)
+        status="ok" if ok else "unavailable", checks=checks, memory=memory_report(jobs.settings),
+        outbound={name: OutboundSetting(**entry)
+                  for name, entry in jobs.settings.outbound().items()},
     )
     return JSONResponse(health.model_dump(), status_code=200 if ok else 503)
 
