@@ -243,7 +243,8 @@ class Settings(BaseSettings):
         default_factory=dict,
         description='JSON {"tenant": {"access_key_id", "secret_access_key"}}: the keys a '
         "tenant's s3:// sources and destinations use; other jobs use the standard chain "
-        "(AWS_* environment, shared credentials file, web identity).",
+        "(AWS_* environment, web identity, the profile's shared files, container or instance "
+        "credentials).",
     )
     s3_web_identity_token_file: Path | None = Field(
         default=None, validation_alias="AWS_WEB_IDENTITY_TOKEN_FILE",
@@ -653,6 +654,8 @@ class Settings(BaseSettings):
         that says how to change it: ``MODELPREP_S3_ENDPOINT, AWS_ENDPOINT_URL_S3 or
         AWS_ENDPOINT_URL``."""
         names = [env_name(name), *(env_name(f) for f in STANDARD_VARIABLES.get(name, ()))]
+        if name == "s3_sts_endpoint":
+            names += ["AWS_ENDPOINT_URL", "the store's endpoint"]
         return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
     def origin(self, name: str) -> str:
@@ -704,12 +707,6 @@ class Settings(BaseSettings):
                                self.source_of("ca_bundle"), "certifi"),
         }
 
-    def outbound_line(self) -> str:
-        """:meth:`outbound` as one line of text: ``s3_endpoint=http://x (AWS_ENDPOINT_URL_S3),
-        ...``."""
-        return ", ".join(f"{name}={entry['value'] or '-'} ({entry['source']})"
-                         for name, entry in self.outbound().items())
-
     @field_validator("egress_allowlist")
     @classmethod
     def _valid_allowlist(cls, value: list[str]) -> list[str]:
@@ -754,6 +751,13 @@ class Settings(BaseSettings):
     def cache_dir(self) -> Path:
         """The download cache shared by all jobs and workers."""
         return self.data_dir / "cache"
+
+
+def outbound_line(outbound: dict[str, dict[str, str]]) -> str:
+    """:meth:`Settings.outbound` (and the object store's credential source) as one line of
+    text: ``s3_endpoint=http://x (AWS_ENDPOINT_URL_S3), ...``."""
+    return ", ".join(f"{name}={entry['value'] or '-'} ({entry['source']})"
+                     for name, entry in outbound.items())
 
 
 def _default_text(field: str) -> str:

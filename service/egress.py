@@ -264,18 +264,25 @@ class EgressTransport(httpx.BaseTransport):
     and rewritten to the allowed IP literal before it reaches the connection pool; one that goes
     through the proxy is checked (:meth:`EgressPolicy.check_through_proxy`) and sent by name."""
 
-    def __init__(self, policy: EgressPolicy, inner: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self, policy: EgressPolicy, inner: httpx.BaseTransport | None = None,
+        judged: bool = True,
+    ) -> None:
         self._policy = policy
         self._inner = inner or httpx.HTTPTransport(verify=policy.ssl_context())
         self._proxied: dict[str, httpx.HTTPTransport] = {}
+        self._judged = judged
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         port = request.url.port or (443 if request.url.scheme == "https" else 80)
         proxy = self._policy.proxy.for_target(request.url.scheme, host)
         if proxy is not None:
-            self._policy.check_through_proxy(host, port, proxy)
+            if self._judged:
+                self._policy.check_through_proxy(host, port, proxy)
             return self._send(request, host, self._through(proxy), proxy)
+        if not self._judged:
+            return self._send(request, host, self._inner, None)
         address = self._policy.resolve(host, port)
         if _literal(host) is None:
             # Host header is already set from the URL; the TLS name must follow the host too.
@@ -326,8 +333,12 @@ def transport_failure(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def egress_client(policy: EgressPolicy, timeout: httpx.Timeout) -> httpx.Client:
+def egress_client(
+    policy: EgressPolicy, timeout: httpx.Timeout, judged: bool = True,
+) -> httpx.Client:
     """An ``httpx.Client`` whose every connection goes through :class:`EgressTransport`;
-    redirects are not followed (each hop must be sent, hence checked, by the caller)."""
-    return httpx.Client(transport=EgressTransport(policy), timeout=timeout,
+    redirects are not followed (each hop must be sent, hence checked, by the caller).
+    ``judged=False``: the proxy and CA bundle only, for an endpoint the operator chose and
+    that is judged apart (the object store's, by ``service.objectstore.check_egress``)."""
+    return httpx.Client(transport=EgressTransport(policy, judged=judged), timeout=timeout,
                         follow_redirects=False)

@@ -4,6 +4,7 @@ the fast tier's guard: a test under tests/unit that uses a built tool or a model
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -16,6 +17,9 @@ from tests.fixtures.models import Arch, CheckpointKind, build_checkpoint
 
 def pytest_configure(config: pytest.Config) -> None:
     fast_tier.install()
+    # The AWS SDK chain (botocore) asks a cloud's instance metadata service last, at
+    # 169.254.169.254: no test may send it a packet, here or from a service it starts.
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -18,12 +18,13 @@ from service.api.routes import artifacts, docs, events, health, jobs, metrics, o
 from service.api.schemas import job_json
 from service.api.telemetry import RequestTelemetry, request_latency_histogram
 from service.api.watch import JobWatch
-from service.config import Settings
+from service.config import Settings, outbound_line
 from service.fsutil import ensure_writable_dir
 from service.jobs.callbacks import CallbackDeliverer
 from service.jobs.executors import executor_for
 from service.jobs.service import JobService
 from service.jobs.store import JobStore
+from service.objectstore import outbound_report
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     ensure_writable_dir(settings.data_dir, "MODELPREP_DATA_DIR")
     ensure_writable_dir(settings.jobs_dir, "MODELPREP_DATA_DIR")
-    log.info("outbound connections: %s", settings.outbound_line(),
-             extra={"outbound": settings.outbound()})
+    outbound = outbound_report(settings)
+    log.info("outbound connections: %s", outbound_line(outbound), extra={"outbound": outbound})
     store = JobStore.from_url(settings.sqlalchemy_url)
     executor = executor_for(settings, store)
     job_service = JobService(settings=settings, store=store, executor=executor)

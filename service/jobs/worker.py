@@ -48,7 +48,7 @@ from procrastinate.exceptions import ConnectorException
 from procrastinate.job_context import AbortReason, JobContext
 from procrastinate.manager import JobManager
 
-from service.config import Settings
+from service.config import Settings, outbound_line
 from service.errors import JobNotFound, WorkerStopped
 from service.fsutil import ensure_writable_dir
 from service.jobs.callbacks import CallbackDeliverer, RenderJob
@@ -68,6 +68,7 @@ from service.jobs.layout import JobLayout
 from service.jobs.model import JobStatus
 from service.jobs.recovery import release_interrupted
 from service.jobs.store import JobStore, utcnow
+from service.objectstore import outbound_report
 
 log = logging.getLogger(__name__)
 
@@ -293,8 +294,8 @@ async def serve(
     delivers completion callbacks, on a thread of its own (never in a job slot)."""
     ensure_writable_dir(settings.data_dir, "MODELPREP_DATA_DIR")
     ensure_writable_dir(settings.jobs_dir, "MODELPREP_DATA_DIR")
-    log.info("outbound connections: %s", settings.outbound_line(),
-             extra={"outbound": settings.outbound()})
+    outbound = outbound_report(settings)
+    log.info("outbound connections: %s", outbound_line(outbound), extra={"outbound": outbound})
     store = JobStore.from_url(settings.sqlalchemy_url)
     await asyncio.to_thread(store.create_schema)
     runtime = WorkerRuntime(

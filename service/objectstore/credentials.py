@@ -7,66 +7,51 @@ Credentials, in order (read when a client is made, never at import):
 2. ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``;
 3. web identity (``AWS_WEB_IDENTITY_TOKEN_FILE`` + ``AWS_ROLE_ARN``: Kubernetes service
    accounts), exchanged for temporary keys by this service
-   (service/objectstore/web_identity.py: its STS request obeys the egress policy, goes to the
-   store's own STS, and the keys also sign the requests obstore cannot make), handed to obstore
-   as its ``credential_provider``;
-4. the rest of the chain ``object_store`` implements (ECS container credentials, the instance
-   metadata service);
-5. the shared credentials file (``AWS_SHARED_CREDENTIALS_FILE``, default
-   ``~/.aws/credentials``, profile ``AWS_PROFILE`` or ``default``), which ``object_store`` does
-   not read itself, used when the environment names neither keys nor a web identity.
+   (service/objectstore/web_identity.py: its STS request obeys the egress policy and goes to
+   the store's own STS), handed to obstore as its ``credential_provider``;
+4. the rest of the AWS SDKs' chain, resolved by botocore as every SDK does
+   (service/objectstore/aws.py): the shared credentials and config files of ``AWS_PROFILE``
+   (``AWS_SHARED_CREDENTIALS_FILE``, ``AWS_CONFIG_FILE``; ``credential_process`` and assumed
+   roles included), then container and instance credentials. Temporary ones reach obstore
+   through a ``credential_provider`` that asks botocore, which renews them.
 
-A job's request never carries a key: ``s3://`` URIs with user info are refused. Keys are not
-logged nor put in error messages (obstore's messages name the URL and status, never headers)."""
+Every source's keys also sign the requests botocore's S3 client makes (UploadPartCopy,
+ListMultipartUploads, AbortMultipartUpload): :func:`static_credentials`. A job's request never
+carries a key: ``s3://`` URIs with user info are refused. Keys are not logged nor put in error
+messages (obstore's messages name the URL and status, never headers)."""
 
 from __future__ import annotations
 
-import configparser
 import os
-from dataclasses import dataclass
-from pathlib import Path
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
+
+from botocore.credentials import RefreshableCredentials
+from botocore.exceptions import BotoCoreError
 
 from service.config import Settings
 from service.errors import AccessDenied
-from service.objectstore.web_identity import web_identity_configured, web_identity_for
+from service.objectstore.aws import StaticCredentials, local_source, sdk_credentials
+from service.objectstore.web_identity import (
+    WebIdentityCredentials,
+    web_identity_configured,
+    web_identity_for,
+)
 
 if TYPE_CHECKING:
-    from obstore.store import S3Config
+    from botocore.credentials import Credentials
+    from obstore.store import S3Config, S3Credential
 
+SDK_ASK_EVERY = timedelta(minutes=1)
+"""How often obstore asks for temporary keys of the SDK chain again (botocore answers from its
+cache until they are due for renewal): obstore asks 5 minutes before the expiry it is given."""
 
-def _shared_file_credentials() -> S3Config | None:
-    """Keys of the shared credentials file's profile, when the environment names no other
-    source of credentials (the chain's order: environment and web identity first)."""
-    env = os.environ
-    if env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_WEB_IDENTITY_TOKEN_FILE") \
-            or env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") \
-            or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        return None
-    path = Path(env.get("AWS_SHARED_CREDENTIALS_FILE") or Path.home() / ".aws" / "credentials")
-    if not path.is_file():
-        return None
-    parser = configparser.ConfigParser(interpolation=None)
-    try:
-        parser.read(path)
-    except configparser.Error:
-        return None
-    profile = env.get("AWS_PROFILE") or "default"
-    if not parser.has_section(profile):
-        return None
-    section = parser[profile]
-    key, secret = section.get("aws_access_key_id"), section.get("aws_secret_access_key")
-    if not key or not secret:
-        return None
-    found: S3Config = {"access_key_id": key, "secret_access_key": secret}
-    if section.get("aws_session_token"):
-        found["session_token"] = section["aws_session_token"]
-    return found
 
 def _uses_web_identity(settings: Settings) -> bool:
     """Web identity is the chain's choice: configured, and no key pair in the environment
     (which comes first, as in the AWS SDKs)."""
     return web_identity_configured(settings) and not os.environ.get("AWS_ACCESS_KEY_ID")
+
 
 def presign_seconds(settings: Settings, tenant: str | None, wanted: int) -> int:
     """How long a URL presigned now for ``tenant`` may be valid: ``wanted``, unless it is
@@ -76,40 +61,110 @@ def presign_seconds(settings: Settings, tenant: str | None, wanted: int) -> int:
         return web_identity_for(settings).url_seconds(wanted)
     return wanted
 
-@dataclass(frozen=True)
-class StaticCredentials:
-    """A key pair (and session token) this process holds itself, to sign requests obstore
-    cannot make."""
 
-    access_key_id: str
-    secret_access_key: str
-    session_token: str | None = None
+def _sdk(settings: Settings) -> Credentials:
+    """The SDK chain's credentials; AccessDenied naming the sources when none has any."""
+    try:
+        found = sdk_credentials(settings)
+    except BotoCoreError as exc:  # a profile that names a missing one, a failing process...
+        raise AccessDenied(f"no object-store credentials: {exc}") from None
+    if found is None:
+        raise AccessDenied(
+            "no object-store credentials: no tenant key (MODELPREP_S3_CREDENTIALS), no "
+            "AWS_ACCESS_KEY_ID, no web identity (AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN), "
+            f"nothing in profile {settings.aws_profile or 'default'} of the shared files, no "
+            "container or instance credentials"
+        )
+    return found
+
 
 def static_credentials(settings: Settings, tenant: str | None) -> StaticCredentials:
     """The keys :func:`store_for` would use, now: the tenant's, the environment's, web
     identity's temporary ones (with their session token; valid for minutes at least, so ask
-    again for each request), or the shared file's. Container and instance credentials are
-    resolved inside object_store, out of reach: copying a > 5 GB object then fails typed
-    (:class:`AccessDenied`, naming the reason), never by moving the bytes through here."""
+    again for each request), or those of the rest of the SDK chain."""
     entry = settings.s3_credentials.get(tenant) if tenant is not None else None
     if entry is not None:
         return StaticCredentials(
             entry.access_key_id, entry.secret_access_key.get_secret_value(),
             entry.session_token.get_secret_value() if entry.session_token else None,
         )
-    env = os.environ
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        return StaticCredentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
-                                 env.get("AWS_SESSION_TOKEN") or None)
     if _uses_web_identity(settings):
         found = web_identity_for(settings).current()
         return StaticCredentials(found.access_key_id, found.secret_access_key,
                                  found.session_token)
-    shared = _shared_file_credentials()
-    if shared is not None:
-        return StaticCredentials(shared["access_key_id"], shared["secret_access_key"],
-                                 shared.get("session_token"))
-    raise AccessDenied(
-        "copying an object larger than 5 GB needs a key pair (tenant, AWS_* environment, web "
-        "identity or shared credentials file); instance credentials cannot sign it here"
-    )
+    frozen = _sdk(settings).get_frozen_credentials()
+    return StaticCredentials(frozen.access_key, frozen.secret_key, frozen.token or None)
+
+
+class _SdkKeys:
+    """obstore's ``credential_provider`` for temporary keys of the SDK chain (an assumed
+    role, container or instance credentials): botocore renews them; obstore asks again every
+    :data:`SDK_ASK_EVERY`."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        self._credentials = credentials
+
+    def __call__(self) -> S3Credential:
+        frozen = self._credentials.get_frozen_credentials()
+        return {
+            "access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": datetime.now(UTC) + SDK_ASK_EVERY + timedelta(minutes=5),
+        }
+
+
+def obstore_credentials(
+    settings: Settings, tenant: str | None,
+) -> tuple[S3Config, WebIdentityCredentials | _SdkKeys | None]:
+    """What obstore is given: keys in its config, or a ``credential_provider`` for keys that
+    expire. Fails typed (AccessDenied, or the STS unreachable) before any request."""
+    entry = settings.s3_credentials.get(tenant) if tenant is not None else None
+    if entry is not None:
+        config: S3Config = {"access_key_id": entry.access_key_id,
+                            "secret_access_key": entry.secret_access_key.get_secret_value()}
+        if entry.session_token is not None:
+            config["session_token"] = entry.session_token.get_secret_value()
+        return config, None
+    if _uses_web_identity(settings):
+        provider = web_identity_for(settings)
+        provider.current()  # STS refusing or unreachable fails here, typed, before any request
+        return {}, provider
+    found = _sdk(settings)
+    if isinstance(found, RefreshableCredentials):
+        return {}, _SdkKeys(found)
+    frozen = found.get_frozen_credentials()
+    config = {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key}
+    if frozen.token:
+        config["session_token"] = frozen.token
+    return config, None
+
+
+def credential_source(settings: Settings) -> dict[str, dict[str, str]]:
+    """Which credentials a request would be signed with, named and never shown, without asking
+    the network: the tenants with keys of their own, and the chain's source for the others
+    (start-up's log line and ``/readyz``, beside :meth:`Settings.outbound`)."""
+    tenants = sorted(settings.s3_credentials)
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        chain = {"value": "environment keys", "source": "AWS_ACCESS_KEY_ID"}
+    elif web_identity_configured(settings):
+        chain = {"value": f"web identity: role {settings.s3_role_arn}",
+                 "source": "AWS_WEB_IDENTITY_TOKEN_FILE, AWS_ROLE_ARN"}
+    elif (method := local_source(settings)) is not None:
+        files = "AWS_SHARED_CREDENTIALS_FILE" if method == "shared-credentials-file" \
+            else "AWS_CONFIG_FILE"
+        chain = {"value": f"profile {settings.aws_profile or 'default'} ({method})",
+                 "source": f"{'AWS_PROFILE, ' if settings.aws_profile else ''}{files}"}
+    else:
+        chain = {"value": "the SDK chain's other sources (assumed role, process, SSO, container "
+                 "or instance credentials), resolved at first use", "source": "default"}
+    return {
+        "s3_tenant_keys": {"value": ", ".join(tenants) or "none",
+                           "source": "MODELPREP_S3_CREDENTIALS" if tenants else "default"},
+        "s3_credentials": chain,
+    }
+
+
+def outbound_report(settings: Settings) -> dict[str, dict[str, str]]:
+    """:meth:`Settings.outbound` with the object store's :func:`credential_source`: what
+    start-up logs and ``/readyz`` shows."""
+    return {**settings.outbound(), **credential_source(settings)}

@@ -6,7 +6,9 @@ the checksum sent with them (``BadDigest``) :class:`ChecksumMismatch`, a connect
 transient error that is retried and then :class:`SourceUnreachable`. ``obstore`` raises typed
 exceptions for object requests (NotFoundError, PermissionDeniedError, UnauthenticatedError)
 but a bare ``GenericError`` for listings; for those the HTTP status and S3 error code in its
-message are read (tests/unit/objectstore/test_objectstore.py pins that assumption)."""
+message are read (tests/unit/objectstore/test_objectstore.py pins that assumption). botocore's
+requests (service/objectstore/aws.py) fail with ``ClientError``, whose status and S3 error code
+are mapped the same way, or with a connection failure of the egress client, retried."""
 
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ import re
 from collections.abc import Callable
 from typing import TypeVar
 
+import httpx
+from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.parsers import ResponseParserError
 from obstore.exceptions import (
     BaseError,
     NotFoundError,
@@ -34,6 +40,7 @@ from service.errors import (
     SourceError,
     SourceUnreachable,
 )
+from service.objectstore.aws import error_of
 from service.objectstore.locations import describe_endpoint
 from service.retry import Backoff
 
@@ -108,9 +115,28 @@ def classify(exc: BaseException, what: str) -> ServiceError | None:
         if status is not None and 400 <= status < 500 and status not in (408, 429):
             return SourceError(f"the object store answered HTTP {status} for {what}")
         return None
+    if isinstance(exc, ClientError):
+        return _client_error(exc, what)
+    if isinstance(exc, httpx.TransportError | BotoConnectionError | ResponseParserError):
+        return None  # a dropped connection, or a gateway's page where an answer should be
+    if isinstance(exc, BotoCoreError):  # a request botocore refused to build
+        return SourceError(f"the request about {what} failed: {type(exc).__name__}")
     if isinstance(exc, ValueError):  # obstore's path parsing
         return InvalidRequest(f"refused object path for {what}")
     return None
+
+
+def _client_error(exc: ClientError, what: str) -> ServiceError | None:
+    """:func:`classify` of botocore's error answer (S3 may answer a copy with 200 and an error
+    document: botocore turns that into the error it holds)."""
+    status, code, _ = error_of(exc)
+    if status == 404 or code in (*_NOT_FOUND_CODES, "NoSuchUpload"):
+        return ObjectNotFound(f"{what} not found in the object store ({code})")
+    if status in (401, 403) or code in _DENIED_CODES:
+        return AccessDenied(f"the object store refused access to {what} (HTTP {status})")
+    if (status or 500) >= 500 or status in (408, 429) or code in ("SlowDown", "InternalError"):
+        return None
+    return SourceError(f"the object store answered HTTP {status} {code} for {what}")
 
 def call(fn: Callable[[], T], what: str, settings: Settings) -> T:
     """Run one object-store call, retrying transient failures with backoff; every failure

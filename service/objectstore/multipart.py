@@ -4,23 +4,29 @@ and the uploads left in progress (listed, aborted).
 S3's CopyObject copies at most 5 GB; a larger object is copied with a multipart upload whose
 parts are UploadPartCopy requests (``x-amz-copy-source`` + ``x-amz-copy-source-range``), each
 copying a range server-side. ``obstore.copy`` (object_store 0.12) sends CopyObject only and
-offers no multipart primitives, so these requests are signed here (service/objectstore/
-signing.py) and sent with httpx. SeaweedFS implements UploadPartCopy (``CopyObjectPartHandler``,
-ranges of the source's chunks copied between volume servers); MinIO, Ceph RGW and AWS too."""
+offers no multipart primitives, so these requests are botocore's S3 client's
+(service/objectstore/aws.py), signed with the keys :func:`static_credentials` gives now.
+SeaweedFS implements UploadPartCopy (``CopyObjectPartHandler``, ranges of the source's chunks
+copied between volume servers); MinIO, Ceph RGW and AWS too."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from xml.etree import ElementTree
-
-import httpx
+from operator import methodcaller
+from typing import Any, TypeVar
 
 from service.config import Settings
-from service.errors import ObjectNotFound, ServiceError
-from service.objectstore.signing import _element, _quote_key, _SignedRequests, _Transient
+from service.errors import ObjectNotFound, ServiceError, SourceUnreachable
+from service.objectstore.aws import AwsClient, StaticCredentials, client_for
+from service.objectstore.credentials import static_credentials
+from service.objectstore.errors import call, classify
+from service.objectstore.locations import describe_endpoint, endpoint_of
 from service.objectstore.store import stall_read_seconds
+
+T = TypeVar("T")
 
 COPY_OBJECT_MAX_BYTES = 5 * 1000**3
 """S3's CopyObject limit (5 GB); a larger source is copied part by part."""
@@ -36,19 +42,54 @@ class InProgressUpload:
     key: str
     upload_id: str
     initiated: datetime | None
-    """When the store says it began; None when its answer has no readable ``Initiated``."""
+    """When the store says it began; None when its answer has none."""
 
-def _timestamp(text: str | None) -> datetime | None:
-    """An S3 timestamp (``2026-11-27T01:02:03.000Z``), None when absent or unreadable."""
-    if not text:
-        return None
-    try:
-        parsed = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
-class MultipartUploads(_SignedRequests):
+class _Requests:
+    """botocore S3 requests about one bucket, signed with the keys of
+    :func:`static_credentials` asked for at each request (temporary keys are renewed during a
+    long copy: the client is remade when they change), each through :func:`call` (retries,
+    typed errors) unless ``retry`` is off."""
+
+    def __init__(self, bucket: str, settings: Settings, tenant: str | None,
+                 read_seconds: float) -> None:
+        self._bucket = bucket
+        self._settings = settings
+        self._tenant = tenant
+        self._read_seconds = read_seconds
+        self._keys: StaticCredentials | None = None
+        self._client: AwsClient | None = None
+        static_credentials(settings, tenant)  # none to sign with: fail now, typed
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _s3(self) -> Any:
+        keys = static_credentials(self._settings, self._tenant)
+        if self._client is None or keys != self._keys:
+            self.close()
+            self._client = client_for("s3", self._settings, endpoint_of(self._settings), keys,
+                                      self._read_seconds)
+            self._keys = keys
+        return self._client.api
+
+    def _request(self, send: Callable[[Any], T], key: str, retry: bool = True) -> T:
+        what = f"s3://{self._bucket}/{key}"
+        if retry:
+            return call(lambda: send(self._s3()), what, self._settings)
+        try:
+            return send(self._s3())
+        except Exception as exc:  # every failure ends typed, none is swallowed
+            mapped = classify(exc, what)
+            raise (mapped or SourceUnreachable(
+                f"the object store at {describe_endpoint(self._settings)} did not answer for "
+                f"{what}"
+            )) from exc
+
+
+class MultipartUploads(_Requests):
     """The multipart uploads in progress under a prefix: ListMultipartUploads and
     AbortMultipartUpload (obstore has neither, and ``obstore.put`` leaves the upload of a failed
     streamed put in progress: its stored parts stay on the server, unlisted, until aborted)."""
@@ -60,19 +101,14 @@ class MultipartUploads(_SignedRequests):
 
     def in_progress(self, prefix: str, retry: bool = True) -> list[InProgressUpload]:
         """Every upload initiated under ``prefix``, neither completed nor aborted."""
-        found: list[InProgressUpload] = []
-        query = {"uploads": "", "prefix": prefix}
-        while True:
-            body = self._request("GET", "", query, retry=retry).content
-            root = ElementTree.fromstring(body)
-            for upload in root.findall("{*}Upload"):
-                found.append(InProgressUpload(upload.findtext("{*}Key") or "",
-                                              upload.findtext("{*}UploadId") or "",
-                                              _timestamp(upload.findtext("{*}Initiated"))))
-            if root.findtext("{*}IsTruncated") != "true":
-                return found
-            query = {**query, "key-marker": root.findtext("{*}NextKeyMarker") or "",
-                     "upload-id-marker": root.findtext("{*}NextUploadIdMarker") or ""}
+
+        def listing(s3: Any) -> list[InProgressUpload]:
+            pages = s3.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self._bucket, Prefix=prefix)
+            return [InProgressUpload(upload["Key"], upload["UploadId"], _aware(upload))
+                    for page in pages for upload in page.get("Uploads", [])]
+
+        return self._request(listing, prefix, retry)
 
     def abort_all(
         self, prefix: str, retry: bool = True, initiated_before: datetime | None = None,
@@ -86,20 +122,31 @@ class MultipartUploads(_SignedRequests):
                    or (u.initiated is not None and u.initiated < initiated_before)]
         for upload in uploads:
             with contextlib.suppress(ObjectNotFound):  # NoSuchUpload: already gone
-                self._request("DELETE", upload.key, {"uploadId": upload.upload_id}, retry=retry)
+                self._request(methodcaller("abort_multipart_upload", Bucket=self._bucket,
+                                           Key=upload.key, UploadId=upload.upload_id),
+                              upload.key, retry)
         return len(uploads)
+
+
+def _aware(upload: dict[str, Any]) -> datetime | None:
+    """An upload's ``Initiated`` (botocore parsed it), with a time zone."""
+    initiated = upload.get("Initiated")
+    if not isinstance(initiated, datetime):
+        return None
+    return initiated.astimezone(UTC) if initiated.tzinfo else initiated.replace(tzinfo=UTC)
+
 
 def abort_uploads(
     bucket: str, prefix: str, settings: Settings, tenant: str | None, *, quick: bool = False,
     initiated_before: datetime | None = None,
 ) -> int | None:
     """Best effort: abort the multipart uploads in progress under ``prefix``; returns how many,
-    or None when that failed (the store or its STS unreachable, or no key pair to sign with:
-    instance credentials stay inside object_store). ``quick``: one attempt with a short
-    timeout, for cleaning up after a failure the store itself may have caused.
-    ``initiated_before``: only uploads begun before then (:meth:`MultipartUploads.abort_all`).
-    What is left is for the bucket's AbortIncompleteMultipartUpload lifecycle rule, a later
-    removal, or the sweep of orphaned uploads."""
+    or None when that failed (the store or its STS unreachable, no credentials). ``quick``:
+    one attempt with a short timeout, for cleaning up after a failure the store itself may
+    have caused. ``initiated_before``: only uploads begun before then
+    (:meth:`MultipartUploads.abort_all`). What is left is for the bucket's
+    AbortIncompleteMultipartUpload lifecycle rule, a later removal, or the sweep of orphaned
+    uploads."""
     try:
         uploads = MultipartUploads(bucket, settings, tenant,
                                    min(10.0, stall_read_seconds(settings)) if quick else None)
@@ -107,12 +154,13 @@ def abort_uploads(
         return None
     try:
         return uploads.abort_all(prefix, retry=not quick, initiated_before=initiated_before)
-    except (ServiceError, _Transient, httpx.HTTPError, ElementTree.ParseError):
+    except ServiceError:
         return None
     finally:
         uploads.close()
 
-class MultipartCopy(_SignedRequests):
+
+class MultipartCopy(_Requests):
     """Copy one object of a bucket to another key with UploadPartCopy, no byte through here.
 
     Each request goes through :func:`call` (retries, typed errors); a failure aborts the
@@ -126,29 +174,27 @@ class MultipartCopy(_SignedRequests):
     def copy(self, source: str, target: str, size: int, etag: str | None = None) -> str:
         """Copy ``source`` (``size`` bytes; ``etag``: refuse a source that changed meanwhile)
         to ``target`` in parts of :data:`COPY_PART_BYTES`; returns the new object's ETag."""
-        created = self._request("POST", target, {"uploads": ""})
-        upload_id = _element(created.content, "UploadId")
+        bucket = self._bucket
+        created = self._request(
+            lambda s3: s3.create_multipart_upload(Bucket=bucket, Key=target), target)
+        upload_id: str = created["UploadId"]
         try:
             parts = []
-            copy_source = f"/{self._bucket}/{_quote_key(source)}"
+            condition = {"CopySourceIfMatch": etag} if etag else {}
             for number, start in enumerate(range(0, max(size, 1), COPY_PART_BYTES), 1):
-                end = min(size, start + COPY_PART_BYTES) - 1
-                headers = {"x-amz-copy-source": copy_source,
-                           "x-amz-copy-source-range": f"bytes={start}-{end}"}
-                if etag:
-                    headers["x-amz-copy-source-if-match"] = etag
-                copied = self._request("PUT", target, {"partNumber": str(number),
-                                                       "uploadId": upload_id}, headers)
-                parts.append((number, _element(copied.content, "ETag")))
-            body = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{e}</ETag></Part>"
-                           for n, e in parts)
-            done = self._request(
-                "POST", target, {"uploadId": upload_id},
-                {"content-type": "application/xml"},
-                f"<CompleteMultipartUpload>{body}</CompleteMultipartUpload>".encode(),
-            )
-            return _element(done.content, "ETag")
+                part: dict[str, Any] = {
+                    "Bucket": bucket, "Key": target, "UploadId": upload_id, "PartNumber": number,
+                    "CopySource": {"Bucket": bucket, "Key": source},
+                    "CopySourceRange": f"bytes={start}-{min(size, start + COPY_PART_BYTES) - 1}",
+                    **condition,
+                }
+                copied = self._request(methodcaller("upload_part_copy", **part), target)
+                parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
+            done = self._request(lambda s3: s3.complete_multipart_upload(
+                Bucket=bucket, Key=target, UploadId=upload_id,
+                MultipartUpload={"Parts": parts}), target)
+            return str(done["ETag"])
         except BaseException:
             with contextlib.suppress(Exception):  # the store may be why it failed
-                self._request("DELETE", target, {"uploadId": upload_id})
+                self._s3().abort_multipart_upload(Bucket=bucket, Key=target, UploadId=upload_id)
             raise

@@ -2,24 +2,25 @@
 
 A pod whose service account is bound to a role gets a token file (``AWS_WEB_IDENTITY_TOKEN_FILE``,
 rotated by the kubelet) and a role (``AWS_ROLE_ARN``). :class:`WebIdentityCredentials` sends
-STS ``AssumeRoleWithWebIdentity`` (the query API: a form POST that carries the token and needs no
-signature) and keeps the answer, an access key, secret and session token, until
-its margin before it expires (at least :data:`REFRESH_MARGIN`, and longer than a presigned
-URL lives); the token file is read again at each refresh.
+STS ``AssumeRoleWithWebIdentity`` with botocore's STS client (unsigned: the request carries the
+token) and keeps the answer, an access key, secret and session token, until its margin before
+it expires (at least :data:`REFRESH_MARGIN`, and longer than a presigned URL lives); the token
+file is read again at each refresh.
 
-Why here and not object_store's own chain: object_store asks only AWS's STS (S3-compatible stores
-such as MinIO, Ceph RGW and SeaweedFS serve STS on their S3 endpoint), its requests bypass the
-egress policy, and the keys it gets stay inside it, so the requests this service signs itself
-(``service.objectstore.multipart``: UploadPartCopy, ListMultipartUploads, AbortMultipartUpload)
-could not use them. One provider per role and process serves both: obstore through its
-``credential_provider`` callback (:meth:`WebIdentityCredentials.__call__`), the signed requests
-through :meth:`WebIdentityCredentials.current`.
+Why this cache and not botocore's own web identity provider, whose refreshable credentials
+renew 15 minutes before expiry: a presigned download URL lives ``artifact_url_seconds`` (up to
+7 days), and a URL dies with the keys that signed it, so the keys handed out must outlive it;
+obstore's cache, too, must be told when to ask again (:meth:`WebIdentityCredentials.__call__`).
+And the STS is the store's own by default (S3-compatible stores such as MinIO, Ceph RGW and
+SeaweedFS serve STS on their S3 endpoint), where botocore's provider asks AWS's. One provider
+per role and process serves obstore (``credential_provider``) and the requests botocore's S3
+client makes (:meth:`WebIdentityCredentials.current`).
 
-The STS endpoint: ``AWS_ENDPOINT_URL_STS``, else the store's (``MODELPREP_S3_ENDPOINT``), else
-AWS STS of the region. Errors: an STS that refuses the token or the role is
-:class:`AccessDenied` naming the role; one that cannot be reached (connection failures, 5xx,
-throttling) is retried with the download policy, then :class:`SourceUnreachable`. Neither the
-token nor a key is ever logged or put in a message.
+The STS endpoint: ``AWS_ENDPOINT_URL_STS``, else ``AWS_ENDPOINT_URL``, else the store's, else AWS
+STS of the region; its request goes through the egress client. Errors: an STS that refuses the
+token or the role is :class:`AccessDenied` naming the role; one that cannot be reached
+(connection failures, 5xx, throttling) is retried with the download policy, then
+:class:`SourceUnreachable`. Neither the token nor a key is ever logged or put in a message.
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
-from xml.etree import ElementTree
 
 import httpx
+from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.parsers import ResponseParserError
 
 from service.config import Settings
-from service.egress import egress_client
+from service.egress import transport_failure
 from service.errors import AccessDenied, SourceError, SourceUnreachable
+from service.objectstore.aws import client_for, error_of
 from service.retry import Backoff
 
 if TYPE_CHECKING:
@@ -58,7 +62,7 @@ given (:meth:`WebIdentityCredentials.__call__` moves that expiry so it asks when
 URL_SLACK = timedelta(minutes=1)
 """Beyond a presigned URL's lifetime, what the keys that sign it must still have left."""
 
-STS_TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+STS_READ_SECONDS = 30.0
 _JWT = re.compile(r"[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*")
 _TRANSIENT_CODES = ("IDPCommunicationError", "Throttling", "ServiceUnavailable", "InternalError")
 """STS error codes another attempt may get past (AWS SDKs retry these too)."""
@@ -88,14 +92,6 @@ def sts_endpoint_of(settings: Settings) -> str:
     if endpoint:
         return endpoint.rstrip("/")
     return f"https://sts.{settings.s3_region}.amazonaws.com"
-
-
-def _local(root: ElementTree.Element, name: str) -> str | None:
-    """The text of the first element named ``name`` in any namespace."""
-    for element in root.iter():
-        if element.tag.rpartition("}")[2] == name and element.text:
-            return element.text.strip()
-    return None
 
 
 class WebIdentityCredentials:
@@ -177,87 +173,72 @@ class WebIdentityCredentials:
 
     def _assume_role(self) -> TemporaryCredentials:
         token = self._read_token()  # each refresh: the kubelet rewrites it before it expires
-        form = {
-            "Action": "AssumeRoleWithWebIdentity",
-            "Version": "2011-06-15",
-            "RoleArn": self.role_arn,
-            "RoleSessionName": self._session_name,
-            "WebIdentityToken": token,
-        }
         backoff = Backoff(self._settings.download_retries, self._settings.download_backoff_seconds)
-        with egress_client(self._settings.egress_policy, STS_TIMEOUT) as client:
+        sts = client_for("sts", self._settings, self.endpoint, None, STS_READ_SECONDS)
+        try:
             while True:
                 try:
-                    response = client.post(
-                        self.endpoint + "/", data=form, headers={"accept": "application/xml"}
+                    answer = sts.api.assume_role_with_web_identity(
+                        RoleArn=self.role_arn, RoleSessionName=self._session_name,
+                        WebIdentityToken=token,
                     )
-                    credentials = self._answer(response, token)
-                except _Transient as exc:
-                    reason = str(exc)
-                except httpx.TransportError as exc:
-                    reason = type(exc).__name__
+                except ClientError as exc:
+                    reason = self._refusal(exc, token)
+                except (httpx.TransportError, BotoConnectionError, ResponseParserError) as exc:
+                    reason = transport_failure(exc)
+                except BotoCoreError as exc:  # a request botocore would not send
+                    raise SourceError(
+                        f"AssumeRoleWithWebIdentity for role {self.role_arn} was not sent: "
+                        f"{type(exc).__name__}"
+                    ) from None
                 else:
-                    log.info(
-                        "assumed role %s at %s until %s",
-                        self.role_arn,
-                        self.endpoint,
-                        credentials.expires_at.isoformat(),
-                    )
+                    credentials = self._keys(answer)
+                    log.info("assumed role %s at %s until %s", self.role_arn, self.endpoint,
+                             credentials.expires_at.isoformat())
                     return credentials
                 if not backoff.failed():
                     raise SourceUnreachable(
-                        f"the STS at {self.endpoint} did not answer AssumeRoleWithWebIdentity "
-                        f"for role {self.role_arn} after {backoff.failures} attempts ({reason})"
+                        f"the STS at {self.endpoint} ({self._settings.origin('s3_sts_endpoint')}) "
+                        f"did not answer AssumeRoleWithWebIdentity for role {self.role_arn} "
+                        f"after {backoff.failures} attempts ({reason})"
                     )
+        finally:
+            sts.close()
 
-    def _answer(self, response: httpx.Response, token: str) -> TemporaryCredentials:
-        """The keys in STS's answer, or the typed error it stands for."""
-        try:
-            root: ElementTree.Element | None = ElementTree.fromstring(response.content)
-        except ElementTree.ParseError:
-            root = None
-        status = response.status_code
-        if response.is_success and root is not None:
-            values = {
-                name: _local(root, name)
-                for name in ("AccessKeyId", "SecretAccessKey", "SessionToken", "Expiration")
-            }
-            missing = [name for name, value in values.items() if not value]
-            if missing:
-                raise SourceError(f"the STS at {self.endpoint} answered without {missing}")
-            try:
-                expires = datetime.fromisoformat(str(values["Expiration"]))
-            except ValueError:
-                raise SourceError(
-                    f"the STS at {self.endpoint} answered an unreadable Expiration"
-                ) from None
-            if expires.tzinfo is None:
-                expires = expires.replace(tzinfo=UTC)
-            return TemporaryCredentials(
-                str(values["AccessKeyId"]),
-                str(values["SecretAccessKey"]),
-                str(values["SessionToken"]),
-                expires,
-            )
-        code = (_local(root, "Code") if root is not None else None) or f"HTTP {status}"
-        if status >= 500 or status in (408, 429) or code in _TRANSIENT_CODES:
-            raise _Transient(f"HTTP {status} {code}")
-        detail = (_local(root, "Message") if root is not None else None) or ""
-        detail = _JWT.sub("<token>", detail.replace(token, "<token>"))[:300]
+    def _refusal(self, exc: ClientError, token: str) -> str:
+        """What another attempt may get past (5xx, throttling) as a reason to retry; anything
+        else raised as the typed error it stands for."""
+        status, code, message = error_of(exc)
+        code = code or f"HTTP {status}"
+        if (status or 0) >= 500 or status in (408, 429) or code in _TRANSIENT_CODES:
+            return f"HTTP {status} {code}"
+        detail = _JWT.sub("<token>", message.replace(token, "<token>"))[:300]
         if status in (400, 401, 403):
             raise AccessDenied(
                 f"the STS at {self.endpoint} refused to let this service assume role "
                 f"{self.role_arn} with its web identity token: {code}"
                 + (f" ({detail})" if detail else "")
-            )
+            ) from None
         raise SourceError(
             f"the STS at {self.endpoint} answered AssumeRoleWithWebIdentity with HTTP {status} "
             f"{code}"
-        )
+        ) from None
 
-
-class _Transient(Exception):
-    """An answer another attempt may get past (5xx, throttling)."""
+    def _keys(self, answer: dict[str, object]) -> TemporaryCredentials:
+        """The keys of STS's answer (botocore parsed it: ``Expiration`` is a datetime)."""
+        found = answer.get("Credentials")
+        values = found if isinstance(found, dict) else {}
+        missing = [name for name in ("AccessKeyId", "SecretAccessKey", "SessionToken",
+                                     "Expiration") if not values.get(name)]
+        if missing:
+            raise SourceError(f"the STS at {self.endpoint} answered without {missing}")
+        expires = values["Expiration"]
+        if not isinstance(expires, datetime):
+            raise SourceError(f"the STS at {self.endpoint} answered an unreadable Expiration")
+        # in UTC's own tzinfo: obstore refuses dateutil's tzutc, which botocore's parser gives
+        expires = expires.replace(tzinfo=UTC) if expires.tzinfo is None else expires.astimezone(UTC)
+        return TemporaryCredentials(str(values["AccessKeyId"]), str(values["SecretAccessKey"]),
+                                    str(values["SessionToken"]), expires)
 
 
 _providers: dict[tuple[object, ...], WebIdentityCredentials] = {}

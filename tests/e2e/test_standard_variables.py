@@ -101,7 +101,10 @@ def test_the_store_is_reached_with_only_aws_endpoint_url_s3(
                                        "source": "AWS_ENDPOINT_URL_S3"}
     assert outbound["s3_region"] == {"value": "us-east-1", "source": "AWS_REGION"}
     assert outbound["hf_hub_offline"]["value"] == "true"
+    assert outbound["s3_credentials"] == {"value": "environment keys",
+                                          "source": "AWS_ACCESS_KEY_ID"}
     assert seaweedfs.secret_key not in str(outbound)
+    assert seaweedfs.access_key not in str(outbound)
 
 
 def test_hub_sources_are_refused_typed_under_hf_hub_offline(

@@ -29,6 +29,7 @@ from service.objectstore import (
     static_credentials,
     store_for,
 )
+from service.objectstore.aws import client_for
 from service.objectstore.web_identity import (
     OBSTORE_EARLY,
     REFRESH_MARGIN,
@@ -123,15 +124,18 @@ def test_signed_multipart_copy_list_and_abort_carry_the_session_token(
     assert etag.strip('"').endswith("-1"), etag  # a multipart object of one copied part
     assert bytes(obstore.get(store, "dst/model.bin").bytes()) == data
 
+    s3 = client_for("s3", settings, settings.s3_endpoint or "", static_credentials(settings, None),
+                    30.0)
     uploads = MultipartUploads(bucket, settings, None)
     try:
-        created = uploads._request("POST", "left/open.bin", {"uploads": ""})
-        assert b"UploadId" in created.content
+        created = s3.api.create_multipart_upload(Bucket=bucket, Key="left/open.bin")
+        assert created["UploadId"]
         assert [u.key for u in uploads.in_progress("left/")] == ["left/open.bin"]
         assert uploads.abort_all("left/") == 1
         assert uploads.in_progress("left/") == []
     finally:
         uploads.close()
+        s3.close()
 
 
 def test_a_rotated_token_file_is_read_at_the_next_refresh(

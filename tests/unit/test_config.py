@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config import STANDARD_VARIABLES, Settings, env_name, load_settings
+from service.config import STANDARD_VARIABLES, Settings, env_name, load_settings, outbound_line
 from service.errors import ConfigurationError
 
 ECOSYSTEM = (
@@ -89,7 +89,7 @@ def test_hub_variables_are_service_wide_defaults(monkeypatch: pytest.MonkeyPatch
     assert settings.hf_token is not None
     assert settings.hf_token.get_secret_value() == "hf_secretFromThePlatform"
     assert settings.source_of("hf_token") == "HF_TOKEN"
-    shown = settings.outbound_line() + str(settings.outbound())
+    shown = outbound_line(settings.outbound()) + str(settings.outbound())
     assert "hf_secretFromThePlatform" not in shown
     assert settings.outbound()["hf_token"] == {"value": "set", "source": "HF_TOKEN"}
     monkeypatch.setenv("MODELPREP_HF_ENDPOINT", "http://own:1")
@@ -120,7 +120,7 @@ def test_the_proxy_is_the_services_for_both_schemes_else_one_variable_per_scheme
     assert routes.describe(routes.https or "") == "the proxy http://secure:3128 (from HTTPS_PROXY)"
     outbound = Settings().outbound()
     assert outbound["https_proxy"] == {"value": "http://secure:3128", "source": "HTTPS_PROXY"}
-    assert "pw" not in Settings().outbound_line()
+    assert "pw" not in outbound_line(Settings().outbound())
     monkeypatch.setenv("MODELPREP_PROXY", "http://own:8080")
     routes = Settings().proxy_routes
     assert routes.https == routes.http == "http://own:8080"

@@ -9,6 +9,7 @@ from service.api.deps import JobsDep
 from service.api.schemas import Health, MemoryReport, OutboundSetting
 from service.config import Settings
 from service.memory import current_rss
+from service.objectstore import outbound_report
 
 router = APIRouter(tags=["health"])
 
@@ -25,7 +26,7 @@ def readyz(jobs: JobsDep) -> JSONResponse:
     health = Health(
         status="ok" if ok else "unavailable", checks=checks, memory=memory_report(jobs.settings),
         outbound={name: OutboundSetting(**entry)
-                  for name, entry in jobs.settings.outbound().items()},
+                  for name, entry in outbound_report(jobs.settings).items()},
     )
     return JSONResponse(health.model_dump(), status_code=200 if ok else 503)
 

