@@ -62,3 +62,25 @@ def test_hf_hub_download_takes_a_tqdm_class_and_ours_reports_bytes(tmp_path: Pat
     ctx.cancel_event.set()
     with pytest.raises(Exception, match="cancelled"):
         bar_type(total=1).update(1)
+
+
+def test_the_client_given_to_set_client_factory_is_built_as_the_hubs_own() -> None:
+    """client_factory mirrors default_client_factory (its request hook, redirects followed, no
+    timeout of its own) with a transport of ours: an upgrade that changes the default must
+    change it too."""
+    from huggingface_hub.utils import _http as hub_http
+
+    from service.egress import EgressPolicy
+    from service.shims.huggingface_hub import client_factory
+
+    default = hub_http.default_client_factory()
+    ours = client_factory(lambda scheme, host: None, EgressPolicy().ssl_context())()
+    try:
+        for name in ("follow_redirects", "timeout", "event_hooks"):
+            assert getattr(ours, name) == getattr(default, name), (
+                f"assumption broken: huggingface_hub's default client's {name} is "
+                f"{getattr(default, name)!r}, client_factory builds {getattr(ours, name)!r}"
+            )
+    finally:
+        ours.close()
+        default.close()
