@@ -28,8 +28,11 @@ install: $(VENV)/.installed llama-cpp gguf-py
 serve: install
 	$(VENV)/bin/modelprep serve
 
+# On two pytest-xdist workers, each running a whole test module at a time, the fast tier first
+# (tests/conftest.py: how modules are handed out)
+TEST_WORKERS ?= 2
 test: install chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The fast tier (tests/unit): no built tools, model packages or servers, so only the venv is needed;
 # tests/fixtures/fast_tier.py fails a test there that uses one. `make test` runs it too.

@@ -4,6 +4,7 @@ the fast tier's guard: a test under tests/unit that uses a built tool or a model
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -16,11 +17,21 @@ from tests.fixtures.models import Arch, CheckpointKind, build_checkpoint
 
 def pytest_configure(config: pytest.Config) -> None:
     fast_tier.install()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A worker of ``make test`` leads a process group of its own, as a serial pytest does:
+        # a test reading its own group's memory (service.memory.process_group_private_bytes)
+        # sees this worker and what it started, not the other worker's allocations too.
+        os.setpgid(0, 0)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fast tier first, in ``make test`` as in ``make test-fast``: it fails soonest, and its
-    guard sees imports before a slower test has made them."""
+    guard sees imports before a slower test has made them.
+
+    ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadfile``: each test
+    module runs whole on one worker, so its module fixtures (a job shared by its tests, a
+    service) are built once, as in a serial run; ``--no-loadscope-reorder`` hands the modules
+    out in this order, so each worker too runs its fast-tier modules before any other."""
     items.sort(key=lambda item: not fast_tier.in_fast_tier(item))
 
 
