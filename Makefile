@@ -28,8 +28,13 @@ install: $(VENV)/.installed llama-cpp gguf-py
 serve: install
 	$(VENV)/bin/modelprep serve
 
+# Serial by default: a full run on two pytest-xdist workers (`make test TEST_WORKERS=2`, each
+# worker running a whole test module at a time, the fast tier first; tests/conftest.py) has not
+# yet passed whole on 2 cores, where the timing-bounded lifecycle tests share the cores.
+TEST_WORKERS ?= 1
+XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # The fast tier (tests/unit): no built tools, model packages or servers, so only the venv is needed;
 # tests/fixtures/fast_tier.py fails a test there that uses one. `make test` runs it too.

@@ -20,11 +20,21 @@ def pytest_configure(config: pytest.Config) -> None:
     # The AWS SDK chain (botocore) asks a cloud's instance metadata service last, at
     # 169.254.169.254: no test may send it a packet, here or from a service it starts.
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A worker of ``make test`` leads a process group of its own, as a serial pytest does:
+        # a test reading its own group's memory (service.memory.process_group_private_bytes)
+        # sees this worker and what it started, not the other worker's allocations too.
+        os.setpgid(0, 0)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fast tier first, in ``make test`` as in ``make test-fast``: it fails soonest, and its
-    guard sees imports before a slower test has made them."""
+    guard sees imports before a slower test has made them.
+
+    ``make test TEST_WORKERS=2`` runs the suite on two pytest-xdist workers with ``--dist
+    loadfile``: each test module runs whole on one worker, so its module fixtures (a job shared by its tests, a
+    service) are built once, as in a serial run; ``--no-loadscope-reorder`` hands the modules
+    out in this order, so each worker too runs its fast-tier modules before any other."""
     items.sort(key=lambda item: not fast_tier.in_fast_tier(item))
 
 

@@ -32,7 +32,7 @@ from service.exporters.onnx.exporter import (
     ONNXExporter,
     ONNXSpec,
 )
-from service.exporters.onnx.verify import verify_causal_lm
+from service.exporters.onnx.verify import ORT_BASE_BYTES, verify_causal_lm
 from service.offload.build import build_on_meta
 from service.stage import InMemoryContext
 from tests.conftest import TinyCheckpointFactory
@@ -119,6 +119,10 @@ def test_llama_exports_in_optimum_layout_and_decodes_like_transformers(
     assert all(verify["argmax_agreed"]) and len(verify["tokens"]) == 4
     assert verify["max_abs_err"] <= verify["tolerance"]
     assert 0 < verify["ort_peak_rss_bytes"] < 1 << 30
+    # onnxruntime ran on mapped weights, its own allocations within the footprint the plan
+    # gives it (bench/memory_budget.py --check holds this at twice a cgroup's limit)
+    assert verify["weights"] == "mapped", verify
+    assert 0 < verify["ort_peak_anon_bytes"] < ORT_BASE_BYTES, verify
     # A fresh session here decodes the tokens transformers generates with its own cache.
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama", "safetensors")).eval()
     prompt = [11, 40, 90, 3]
