@@ -12,12 +12,10 @@ under the commit, so two jobs of one repo and commit download it once.
 
 The token (per job, else ``settings.hf_token``: ``MODELPREP_HF_TOKEN``, else ``HF_TOKEN``) is
 passed to ``huggingface_hub`` and nowhere else: it is not logged, not put in messages, details
-or the ResolvedSource. The endpoint is ``MODELPREP_HF_ENDPOINT``, else ``HF_ENDPOINT``; with
-``HF_HUB_OFFLINE`` set, hub sources are refused (``source_not_allowed``) at submission and in a
-job. Every hub call goes through huggingface_hub's shared client, which :func:`_hub_network`
-configures from the settings: the proxy (``MODELPREP_PROXY``, else ``HTTPS_PROXY`` /
-``HTTP_PROXY``, not for ``NO_PROXY``) and the CA bundle. The hub endpoint is the operator's
-choice, so, unlike a job's HTTP URL, the egress policy does not judge it or its redirects.
+or the ResolvedSource. The endpoint is ``MODELPREP_HF_ENDPOINT``, else ``HF_ENDPOINT``; under
+``HF_HUB_OFFLINE`` hub sources are refused (``source_not_allowed``). huggingface_hub's shared
+client goes through the settings' proxy and trusts their CA bundle (:func:`_hub_network`); the
+hub endpoint is the operator's choice, so the egress policy does not judge it or its redirects.
 A failure names the endpoint, the variable it came from and the proxy it went through.
 """
 
