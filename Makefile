@@ -34,7 +34,7 @@ serve: install
 TEST_WORKERS ?= 1
 XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install chromium
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) -m pytest -q --durations=40 $(XDIST)
 
 # The fast tier (tests/unit): no built tools, model packages or servers, so only the venv is needed;
 # tests/fixtures/fast_tier.py fails a test there that uses one. `make test` runs it too.

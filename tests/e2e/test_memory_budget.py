@@ -6,8 +6,8 @@ service reads the limit it lives under, keeps its own share and gives each job t
 memory cgroup of the job's own. One job, verify on, goes through and records its consumer's
 check and its memory figures; a job that asks for more than its budget fails typed
 (``memory_budget_exceeded``), never through the container's OOM killer, with a cgroup and without
-one. Meanwhile the API answers every poll in under a second, and the service's cgroup never
-runs into its own limit.
+one. Meanwhile the API never stalls (no poll takes ``STALL_S``, tests/fixtures/service.py), and
+the service's cgroup never runs into its own limit.
 
 Every export alone and all in one job, at twice the limit, is ``bench/memory_budget.py
 --check`` (its docstring has the command): a measurement of minutes, not a test.
@@ -191,8 +191,7 @@ def test_a_verified_job_from_a_checkpoint_larger_than_the_limit_fits_its_budget_
     assert all(phase.get("cgroup_peak_bytes") for phase in figures["phases"]), figures
 
     assert not poller.failures, poller.failures[:5]
-    path, slowest = poller.slowest()
-    assert slowest < 1.0, f"{path} took {slowest:.2f} s"
+    assert not poller.stalls(), f"the API stalled: {poller.stalls()[:5]}"
     assert cgroup.oom_kills() == 0
     eventually(lambda: cgroup.children() == [], what="the job's memory cgroup removed after it",
                timeout=CGROUP_GONE_S, context=lambda: str(cgroup.children()))
@@ -211,8 +210,7 @@ def test_a_job_asking_for_more_than_its_budget_fails_typed_and_the_api_keeps_ans
         assert done["status"] == "failed"
         assert done["error"]["type"] == "memory_budget_exceeded", done["error"]
         assert "GiB" in done["error"]["message"]
-    path, slowest = poller.slowest()
-    assert slowest < 1.0, f"{path} took {slowest:.2f} s"
+    assert not poller.stalls(), f"the API stalled: {poller.stalls()[:5]}"
     assert cgroup.oom_kills() == 0
     with service.client() as client:
         assert client.get("/healthz").status_code == 200
