@@ -9,12 +9,16 @@ On-disk format (version 1) of ``<settings.jobs_dir>/<job id>/offload/``::
                          "path": "/abs/source/file" (ref) | "data/000007.bin" (owned),
                          "offset": int, "length": int,
                          "dtype": "float32" | "bfloat16" | ..., "shape": [int, ...],
-                         "encoding": "raw" | "q8_0" | "q4_0"}}}
+                         "encoding": "raw" | "q8_0" | "q4_0",
+                         "parts": [["/abs/source/file", offset, length], ...]}}}   (optional)
     metrics.json    {"reloads": int, "bytes_read": int}   (last persisted counters)
     data/NNNNNN.bin the bytes of one owned tensor, little-endian, C order
 
 * ``ref`` entries point *in place* into a source file (a safetensors shard): nothing is copied,
-  they cost no disk. Their path must lie under one of ``roots`` (checked on every read).
+  they cost no disk. Their path must lie under one of ``roots`` (checked on every read). A
+  tensor made of several stored ones (a MoE layer's expert stack packed from per-expert
+  tensors, ``checkpoint.experts``) lists its byte runs in order in ``parts``; ``path`` and
+  ``offset`` are then the first run's, ``length`` the sum.
 * ``owned`` entries were written by the store (tensors from pickles, casts, quantized packs).
   Their path is relative to the store and must stay inside it.
 * ``raw`` bytes are ``dtype`` elements of ``shape``; ``q8_0``/``q4_0`` bytes are GGML blocks
@@ -45,7 +49,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -87,14 +91,24 @@ class StoreEntry:
     dtype: str
     shape: tuple[int, ...]
     encoding: Encoding = "raw"
+    parts: tuple[tuple[str, int, int], ...] = ()
+    """A ``ref`` made of several runs: ``(path, offset, length)`` each, in order."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
 
+    def runs(self) -> tuple[tuple[str, int, int], ...]:
+        """The entry's bytes as ``(path, offset, length)`` runs, in order."""
+        return self.parts or ((self.path, self.offset, self.length),)
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["shape"] = list(self.shape)
+        if self.parts:
+            data["parts"] = [list(p) for p in self.parts]
+        else:
+            del data["parts"]
         return data
 
     @classmethod
@@ -107,6 +121,7 @@ class StoreEntry:
             dtype=data["dtype"],
             shape=tuple(int(d) for d in data["shape"]),
             encoding=data.get("encoding", "raw"),
+            parts=tuple((str(p), int(o), int(n)) for p, o, n in data.get("parts", ())),
         )
 
 
@@ -193,6 +208,32 @@ class OffloadStore:
                 f"{name}: region holds {region.length} bytes, {dtype} {list(shape)} needs {expected}"
             )
         entry = StoreEntry("ref", str(path), region.offset, region.length, dtype_name(dtype), shape)
+        return self._index(name, entry)
+
+    def put_reference_parts(
+        self, name: str, regions: list[FileRegion], dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> StoreEntry:
+        """Index ``name`` as the concatenation of ``regions`` already on disk (zero copy)."""
+        self._check_usable()
+        if not regions:
+            raise OffloadStoreError(f"{name}: no regions to reference")
+        if len(regions) == 1:
+            return self.put_reference(name, regions[0], dtype, shape)
+        runs = []
+        for region in regions:
+            path = region.path.resolve()
+            if not any(path.is_relative_to(r) for r in self._roots):
+                raise PathOutsideRoot(f"{region.path} is outside the checkpoint roots of the store")
+            runs.append((str(path), region.offset, region.length))
+        expected = _numel(shape) * dtype.itemsize
+        total = sum(n for _, _, n in runs)
+        if total != expected:
+            raise OffloadStoreError(
+                f"{name}: regions hold {total} bytes, {dtype} {list(shape)} needs {expected}"
+            )
+        entry = StoreEntry(
+            "ref", runs[0][0], runs[0][1], total, dtype_name(dtype), shape, parts=tuple(runs)
+        )
         return self._index(name, entry)
 
     def put_tensor(self, name: str, tensor: torch.Tensor) -> StoreEntry:
@@ -319,21 +360,42 @@ class OffloadStore:
         self, name: str, entry: StoreEntry, start: int, length: int, count_reload: bool
     ) -> torch.Tensor:
         self._check_usable()
-        path = self._resolve(entry)
         out = torch.empty(length, dtype=torch.uint8)
         view = out.numpy().data
-        with path.open("rb", buffering=0) as f:
-            f.seek(entry.offset + start)
-            got = 0
-            while got < length:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise OffloadStoreError(f"{path} is shorter than the index says ({name})")
-                got += n
+        got = 0
+        for path, offset, n in self._spans(entry, start, length):
+            with path.open("rb", buffering=0) as f:
+                f.seek(offset)
+                end = got + n
+                while got < end:
+                    read = f.readinto(view[got:end])
+                    if not read:
+                        raise OffloadStoreError(f"{path} is shorter than the index says ({name})")
+                    got += read
         with self._lock:
             self.reloads += int(count_reload)
             self.bytes_read += length
         return out
+
+    def _spans(
+        self, entry: StoreEntry, start: int, length: int
+    ) -> Iterator[tuple[Path, int, int]]:
+        """``(file, offset, bytes)`` of the entry's bytes ``[start, start + length)``, in order
+        (one span, but for a reference in several parts)."""
+        if not entry.parts:
+            yield self._resolve(entry), entry.offset + start, length
+            return
+        at = 0
+        for path, offset, n in entry.runs():
+            if length <= 0:
+                return
+            if start < at + n:
+                skip = start - at
+                take = min(length, n - skip)
+                yield self._resolve(replace(entry, path=path, parts=())), offset + skip, take
+                start += take
+                length -= take
+            at += n
 
     def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``name`` as a fresh CPU tensor (decoded, cast to ``dtype``); the caller owns it."""
@@ -384,6 +446,13 @@ class OffloadStore:
             raise OffloadStoreError(f"{name} is {entry.encoding}-packed; use load()")
         dtype = entry.torch_dtype
         step = max(dtype.itemsize, max_bytes - max_bytes % dtype.itemsize)
+        if entry.parts:
+            for start in range(0, entry.length, step):
+                n = min(step, entry.length - start)
+                yield self._read_range(name, entry, start, n, count_reload=False).view(dtype)
+            with self._lock:
+                self.reloads += 1
+            return
         path = self._resolve(entry)
         with path.open("rb", buffering=0) as f:
             f.seek(entry.offset)

@@ -66,6 +66,34 @@ def test_safetensors_regions_are_referenced_in_place_not_copied(
     assert metrics["tensors_referenced"] == len(store.names())
 
 
+def test_a_reference_in_parts_reads_as_one_tensor_and_survives_reopen(tmp_path: Path) -> None:
+    """A stack packed from tensors of two files (a MoE layer's experts) is referenced in place,
+    run after run: every read (whole, rows, chunks) sees the concatenation."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    want = torch.arange(24.0).reshape(4, 6)
+    raw = want.numpy().tobytes()
+    (ckpt / "a.bin").write_bytes(b"x" * 8 + raw[:40] + raw[64:])  # rows 0-1 minus 2 elements, 3
+    (ckpt / "b.bin").write_bytes(raw[40:64])
+    regions = [FileRegion(ckpt / "a.bin", 8, 40), FileRegion(ckpt / "b.bin", 0, 24),
+               FileRegion(ckpt / "a.bin", 48, 32)]  # fmt: skip
+    store = OffloadStore(tmp_path / "s", allowed_roots=[ckpt])
+    store.put_reference_parts("w", regions, torch.float32, (4, 6))
+    store.commit()
+    for opened in (store, OffloadStore(tmp_path / "s")):
+        assert torch.equal(opened.load("w"), want)
+        assert torch.equal(opened.load_rows("w", 1, 3), want[1:3])
+        assert torch.equal(torch.cat(list(opened.iter_chunks("w", 28))), want.reshape(-1))
+    assert list((tmp_path / "s" / "data").iterdir()) == []
+    assert store.metrics()["bytes_written"] == 0
+    with pytest.raises(PathOutsideRoot):
+        OffloadStore(tmp_path / "t", allowed_roots=[tmp_path / "other"]).put_reference_parts(
+            "w", regions, torch.float32, (4, 6)
+        )
+    with pytest.raises(OffloadStoreError, match="needs 96"):
+        store.put_reference_parts("v", regions[:2], torch.float32, (4, 6))
+
+
 def test_reference_outside_the_checkpoint_roots_is_refused(tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere.bin"
     outside.write_bytes(b"\0" * 16)
