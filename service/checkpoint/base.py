@@ -87,6 +87,18 @@ class ReadsInto(Protocol):
         ...
 
 
+@runtime_checkable
+class ReadsInParts(Protocol):
+    """Optional reader capability: a tensor served from several stored ones (a MoE layer's
+    expert stack, ``checkpoint.experts``) whose bytes still lie in files, piece after piece, so
+    the offload store can reference them in place instead of copying them."""
+
+    def regions(self, name: str) -> list[FileRegion] | None:
+        """The tensor's bytes as consecutive file regions, in order, or None when some piece
+        cannot be used in place."""
+        ...
+
+
 @dataclass
 class Checkpoint:
     """A local checkpoint: weights plus the files that travel with them."""

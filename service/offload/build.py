@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from service.checkpoint.base import Checkpoint, TensorInfo
+from service.checkpoint.experts import as_model_names
 from service.config import Settings
 from service.errors import NoModelConfig
 from service.shims.transformers_keys import key_renamer
@@ -304,12 +305,13 @@ def build_on_meta(
     infos = checkpoint.reader.tensor_infos()
     natural = _config_dtype(config) or _checkpoint_dtype(infos) or torch.float32
     dtype = dtype or natural
-    names = [i.name for i in infos]
-    aliases = checkpoint.reader.aliases()
     best: tuple[int, nn.Module, KeysReport] | None = None
     for cls in candidate_classes(config) or [None]:
         candidate = build_meta_model(config, settings, dtype, cls)
-        report = match_keys(candidate, names, aliases)
+        # a MoE's per-expert tensors as the model's expert stacks (what dispatch will load)
+        reader = as_model_names(checkpoint.reader, candidate)
+        names = [i.name for i in reader.tensor_infos()]
+        report = match_keys(candidate, names, reader.aliases())
         misfit = len(report.missing) + len(report.unexpected)
         if best is None or misfit < best[0]:
             best = (misfit, candidate, report)

@@ -15,7 +15,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from service.checkpoint.base import TensorInfo, WeightReader
+from service.checkpoint.base import ReadsInParts, TensorInfo, WeightReader
+from service.checkpoint.experts import as_model_names
 from service.errors import WeightsMismatch
 from service.offload.build import BuiltModel, resolve_name, tied_names
 from service.offload.device_map import DeviceMap, placement_of, resolve_device_map
@@ -98,8 +99,10 @@ def dispatch_checkpoint(
     ``quantization`` packs 2-D float weights on disk as GGML q8_0/q4_0 blocks (they stay
     offloaded, dequantized on each use). With ``strict``, a parameter left on meta (absent from
     the checkpoint and not tied) raises :class:`WeightsMismatch`. Publishes the OFFLOAD phase
-    and ``details.offload``.
+    and ``details.offload``. A MoE's per-expert tensors fill the model's expert stacks as
+    transformers converts them (``checkpoint.experts``), referenced in place, run by run.
     """
+    reader = as_model_names(reader, model)
     infos = reader.tensor_infos()
     ctx.set_phase(Phase.OFFLOAD, total=sum(i.nbytes for i in infos), unit="bytes")
     dispatcher = _Dispatcher.for_model(model, reader, device_map, store, quantization)
@@ -212,14 +215,20 @@ class _Dispatcher:
 
     def _offload(self, info: TensorInfo, source_name: str, canonical: str) -> None:
         """Into the store: quantized when asked and possible, else a reference to the bytes in
-        the checkpoint file when they can be read in place, else a copy in chunks."""
+        the checkpoint file(s) when they can be read in place, else a copy in chunks."""
         region = self.reader.region(source_name)
+        runs = None
+        if region is None and isinstance(self.reader, ReadsInParts):
+            runs = self.reader.regions(source_name)
         if _quantizable(info, self.quantization):
             assert self.quantization is not None
             self.store.put_quantized(canonical, self.reader.read(source_name), self.quantization)
             self.placed["disk_owned"] += 1
         elif region is not None:
             self.store.put_reference(canonical, region, info.dtype, tuple(info.shape))
+            self.placed["disk_ref"] += 1
+        elif runs is not None:
+            self.store.put_reference_parts(canonical, runs, info.dtype, tuple(info.shape))
             self.placed["disk_ref"] += 1
         else:
             self.store.put_chunks(

@@ -15,6 +15,7 @@ from service.offload.streaming import offloaded_modules, streamed, streamed_forw
 from service.offload.tensor import StoreTensor
 from service.stage import InMemoryContext, Phase
 from tests.fixtures.models import sample_inputs
+from tests.fixtures.moe import save_moe
 from tests.unit.offload.conftest import OpenModelFactory, eager_output
 
 CASES = [
@@ -58,6 +59,27 @@ def test_all_on_disk_streamed_forward_equals_the_in_memory_model(
     assert metrics["bytes_referenced"] == (n_bytes if in_place else 0)
     assert Phase.OFFLOAD in ctx.phases_seen
     assert ctx.details["offload"]["placed"] == result.placed
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_per_expert_moe_fills_the_models_stacks_in_place_and_computes_like_transformers(
+    open_model: OpenModelFactory, tmp_path: Path, family: str
+) -> None:
+    """The Hub's layout (one tensor per expert) into transformers 5's packed expert stacks:
+    every stack referenced in the checkpoint's file run by run, nothing copied, nothing
+    missing, and the streamed forward equals the in-memory model's."""
+    model = save_moe(family, tmp_path / family, "per_expert", hidden=16, tokenizer=False)
+    m = open_model(tmp_path / family)
+    assert m.built.keys.missing == [] and m.built.keys.unexpected == []
+    result = m.to_disk()
+    params = dict(m.built.model.named_parameters())
+    assert result.placed == {"cpu": 0, "disk_ref": len(params), "disk_owned": 0}
+    assert result.missing == [] and m.store.metrics()["bytes_written"] == 0
+    ids = torch.tensor([[3, 17, 250, 41, 9]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    out, _ = streamed_forward(m.built.model, inputs)
+    with torch.no_grad():
+        assert torch.equal(out, model(**inputs).logits)
 
 
 def test_reloads_grow_by_exactly_one_pass_per_forward(
