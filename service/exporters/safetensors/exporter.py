@@ -16,6 +16,13 @@ too, so every shard file is ``<= max_shard_size`` unless a single tensor is larg
 Only floating tensors are cast; integer and bool tensors keep their dtype. Tied weights are
 stored once under the name transformers expects (see :mod:`service.checkpoint.ties`).
 
+A mixture of experts is written in the layout asked (``experts``), by default the source's: one
+tensor per expert (the Hub's layout, what ``save_pretrained`` writes) or one packed tensor per
+projection for all of a layer's experts (what transformers 5's modules hold, what
+``save_pretrained(save_original_format=False)`` writes). Which tensors make which stack is
+transformers' own conversion (:mod:`service.checkpoint.experts`); a stack is streamed from its
+experts' tensors chunk by chunk like any tensor, never held whole.
+
 This module is what the API process needs (the spec, the submission check); the writer, which
 needs torch, is :mod:`service.exporters.safetensors.writer`, imported by ``export``; it takes
 the spec's fields and never imports this module (no import cycle).
@@ -30,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from service.checkpoint.base import Checkpoint
+from service.checkpoint.experts import ExpertLayout
 from service.errors import InvalidRequest
 from service.exporters.base import (
     Exporter,
@@ -66,6 +74,16 @@ class SafetensorsSpec(ExportSpec):
         description="Largest shard file: bytes, or \"5GB\" (10^9), \"500MB\", \"1GiB\" (2^30); "
         "a larger model is written as model-0000i-of-0000N.safetensors with an index.",
         examples=["5GB"],
+    )
+    experts: ExpertLayout | None = Field(
+        default=None,
+        description="How a mixture of experts' expert weights are written: \"per_expert\", one "
+        "tensor per expert (the Hub's layout: Mixtral's block_sparse_moe.experts.N.w1, "
+        "Qwen-MoE's mlp.experts.N.gate_proj...), or \"packed\", one tensor per projection for "
+        "all of a layer's experts (mlp.experts.gate_up_proj, mlp.experts.down_proj: what "
+        "transformers 5's modules hold). Both load with from_pretrained. null keeps the "
+        "source's layout; a model without experts is written as it is either way.",
+        examples=["packed"],
     )
 
     @field_validator("dtype", mode="before")
@@ -106,8 +124,9 @@ class SafetensorsExporter(Exporter):
 
         sspec = _safetensors_spec(spec)
         return export_safetensors(
-            inputs, out_dir, ctx, dtype_name=sspec.dtype, max_shard_size=sspec.max_shard_size
-        )
+            inputs, out_dir, ctx, dtype_name=sspec.dtype, max_shard_size=sspec.max_shard_size,
+            experts=sspec.experts,
+        )  # fmt: skip
 
     def verify(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext

@@ -63,7 +63,11 @@ def plan_safetensors(spec: Any, inputs: PlanInputs) -> ExportPlan:
     casts = out_itemsize is not None and any(
         t.floating and ITEMSIZE[t.dtype] != out_itemsize for t in headers.tensors
     )
-    ring = _ring_bytes(headers)
+    # A stack packed from small experts' tensors is read in pieces larger than any of them:
+    # the plan cannot tell which tensors transformers packs (the API process has no torch), so
+    # a conversion of the experts' layout is planned at the ring's full size.
+    converts = getattr(spec, "experts", None) is not None
+    ring = SAFETENSORS_SLOTS * SAFETENSORS_CHUNK_BYTES if converts else _ring_bytes(headers)
     buffers = ring * (2 if casts else 1)
     writing = JOB_BASE_BYTES + buffers + SAFETENSORS_WRITE_EXTRA_BYTES
     notes = [

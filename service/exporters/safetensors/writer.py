@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from service.checkpoint.base import ReadsInto, TensorInfo, WeightReader
+from service.checkpoint.experts import ExpertLayout, in_layout, stored_layout
 from service.checkpoint.safetensors import DTYPE_NAMES
 from service.checkpoint.ties import tied_targets_from_config, tied_targets_of_model
 from service.errors import DiskFull, ExportFailed, UnsupportedDtype
@@ -410,16 +411,23 @@ def export_safetensors(
     *,
     dtype_name: str | None,
     max_shard_size: str | int,
+    experts: ExpertLayout | None = None,
 ) -> ExportResult:
     """The whole export: plan every shard from metadata, then stream the data shard by shard.
 
-    Takes the spec's fields, not the spec, so that this module never imports
-    :mod:`service.exporters.safetensors` (which imports it when exporting)."""
+    ``experts`` is the layout a MoE's experts are written in (None: the source's; see
+    :func:`service.checkpoint.experts.in_layout`). Takes the spec's fields, not the spec, so
+    that this module never imports :mod:`service.exporters.safetensors` (which imports it when
+    exporting)."""
     max_shard = parse_size(max_shard_size)
     ckpt = inputs.checkpoint
     reader = ckpt.reader
+    written_experts: ExpertLayout | None = None
     if inputs.model is not None and isinstance(inputs.model, torch.nn.Module):
         tied: set[str] | None = tied_targets_of_model(inputs.model)
+        written_experts = stored_layout(reader, inputs.model)
+        if experts is not None and written_experts is not None:
+            reader, written_experts = in_layout(reader, inputs.model, experts), experts
     else:
         tied = tied_targets_from_config(ckpt.config) if reader.aliases() else set()
     dtype = _TORCH_DTYPES[dtype_name] if dtype_name else None
@@ -457,6 +465,7 @@ def export_safetensors(
             "tensors": sum(len(s.tensors) for s in plan.shards),
             "total_size": plan.total_size,
             "tied_not_stored": plan.dropped,
+            "experts": written_experts,
         },
     )
 
