@@ -28,10 +28,10 @@ install: $(VENV)/.installed llama-cpp gguf-py
 serve: install
 	$(VENV)/bin/modelprep serve
 
-# Serial by default: a full run on two pytest-xdist workers (`make test TEST_WORKERS=2`, each
-# worker running a whole test module at a time, the fast tier first; tests/conftest.py) has not
-# yet passed whole on 2 cores, where the timing-bounded lifecycle tests share the cores.
-TEST_WORKERS ?= 1
+# Two pytest-xdist workers by default (the machine's two cores), each running a whole test
+# module at a time, the fast tier first and then the heaviest modules (tests/conftest.py,
+# tests/durations.json); TEST_WORKERS=1 runs serially.
+TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install chromium
 	$(PY) -m pytest -q --durations=40 $(XDIST)

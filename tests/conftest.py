@@ -4,7 +4,9 @@ the fast tier's guard: a test under tests/unit that uses a built tool or a model
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -13,6 +15,8 @@ import pytest
 
 from tests.fixtures import fast_tier
 from tests.fixtures.models import Arch, CheckpointKind, build_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,13 +33,31 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fast tier first, in ``make test`` as in ``make test-fast``: it fails soonest, and its
-    guard sees imports before a slower test has made them.
+    guard sees imports before a slower test has made them. Then the other modules, heaviest
+    first by tests/durations.json (scripts/test_weights.py says why and how it is made).
 
-    ``make test TEST_WORKERS=2`` runs the suite on two pytest-xdist workers with ``--dist
-    loadfile``: each test module runs whole on one worker, so its module fixtures (a job shared by its tests, a
+    ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadfile``: each test
+    module runs whole on one worker, so its module fixtures (a job shared by its tests, a
     service) are built once, as in a serial run; ``--no-loadscope-reorder`` hands the modules
-    out in this order, so each worker too runs its fast-tier modules before any other."""
-    items.sort(key=lambda item: not fast_tier.in_fast_tier(item))
+    out in this order, so each worker runs its fast-tier modules first and the longest module
+    is not the last one started. Within a module the order is the file's."""
+    weights = _module_weights()
+    default = statistics.median(weights.values()) if weights else 0.0
+
+    def key(item: pytest.Item) -> tuple[bool, float]:
+        if fast_tier.in_fast_tier(item):
+            return (False, 0.0)
+        module = Path(str(item.path)).resolve().relative_to(ROOT).as_posix()
+        return (True, -weights.get(module, default))
+
+    items.sort(key=key)  # stable: a module's tests stay together, in their order
+
+
+def _module_weights() -> dict[str, float]:
+    """Each test module's seconds in the last measured full run (module path -> seconds)."""
+    path = ROOT / "tests" / "durations.json"
+    weights: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
+    return weights
 
 
 def _guard(item: pytest.Item) -> AbstractContextManager[None]:

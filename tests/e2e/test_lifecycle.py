@@ -17,6 +17,10 @@ from tests.fixtures.models import build_checkpoint
 from tests.fixtures.service import ServiceProcess, running_service
 
 SLOW = 20_000  # bytes per second: the weights file takes minutes to arrive
+STARTED_S = 180.0
+"""A deadline, not a bound: how long a new job may take to be seen downloading (its process
+started, its imports done, its first request sent). Seconds when the machine is idle; two
+workers of the suite and their jobs on two cores made 60 s too short once."""
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,7 @@ def start_slow_job(svc: ServiceProcess, server: FileServer, weights: bytes) -> s
         )
     assert response.status_code == 202, response.text
     job_id: str = response.json()["id"]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + STARTED_S
     with svc.client() as client:
         while time.monotonic() < deadline:
             job = client.get(f"/v1/jobs/{job_id}").json()
