@@ -59,7 +59,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
 from service.exporters.base import (
@@ -77,7 +77,9 @@ from service.exporters.common.families import (
     is_causal_lm,
     refuse_multimodal,
 )
+from service.exporters.onnx.genai import write_genai_config
 from service.exporters.onnx.plan import plan_onnx
+from service.exporters.onnx.quantize import NBits, quantize_matmuls
 from service.plan import ExportPlan, PlanInputs
 from service.stage import Phase
 from service.tensors import dtype_name
@@ -133,6 +135,46 @@ class ONNXSpec(ExportSpec):
     rtol: float | None = Field(
         default=None, ge=0, description="Relative tolerance (of max |reference|); default by dtype"
     )
+    weights: Literal["float", "int4", "int8"] = Field(
+        default="float",
+        description="Causal LMs: float keeps every weight in dtype; int4/int8 write each linear "
+        "layer's weight (the output head included; the embedding stays float) as onnxruntime's "
+        "MatMulNBits, block-wise round-to-nearest, byte for byte what onnxruntime's own "
+        "MatMulNBitsQuantizer writes",
+    )
+    block_size: Literal[16, 32, 64, 128, 256] | None = Field(
+        default=None,
+        description="int4/int8: weights per quantization block along the input dimension; "
+        "default 32 (onnxruntime-genai's model builder's)",
+    )
+    symmetric: bool | None = Field(
+        default=None,
+        description="int4/int8: blocks centred on zero (no zero point) or with a zero point "
+        "each (asymmetric); default true (the model builder's)",
+    )
+    layout: Literal["genai", "optimum"] | None = Field(
+        default=None,
+        description="Causal LMs: genai adds genai_config.json so that onnxruntime_genai.Model "
+        "loads the directory (and is checked in its generator); optimum is the graph, config "
+        "and tokenizer alone, as optimum.onnxruntime loads them. Both hold the same graph. "
+        "Default genai for a causal LM",
+    )
+
+    @model_validator(mode="after")
+    def _quantization_fields(self) -> ONNXSpec:
+        if self.weights == "float" and (self.block_size is not None or self.symmetric is not None):
+            raise ValueError('"block_size" and "symmetric" apply to "weights": "int4" or "int8"')
+        return self
+
+    def nbits(self) -> NBits | None:
+        """The quantization asked for (None: float weights)."""
+        if self.weights == "float":
+            return None
+        return NBits(
+            bits=4 if self.weights == "int4" else 8,
+            block_size=self.block_size or 32,
+            symmetric=True if self.symmetric is None else self.symmetric,
+        )
 
 
 def resolve_task(config: dict[str, Any], task: Task | None) -> Task:
@@ -183,7 +225,13 @@ class ONNXExporter(GraphExporter):
         if config is None:
             raise UnsupportedExport("ONNX export builds the model graph and needs a config.json")
         refuse_multimodal(config, "ONNX")
-        resolve_task(config, ospec.task)
+        task = resolve_task(config, ospec.task)
+        if task != "text-generation-with-past" and (
+            ospec.weights != "float" or ospec.layout is not None
+        ):
+            raise UnsupportedExport(
+                f"ONNX {ospec.weights} weights and a layout apply to causal LMs, not to {task}"
+            )
 
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
@@ -239,26 +287,94 @@ def export_onnx(
             graph = capture_graph(skeleton, task, dtype)
             ctx.check_abort()
             attach_weights(graph.model, weights.module)
+            nbits = spec.nbits()
+            quantized: list[str] = []
+            if nbits is not None:
+                done = quantize_matmuls(
+                    graph.model.graph, nbits, _rows_of(graph.model), work / "nbits-spool"
+                )
+                quantized = [q.name for q in done]
             timings["write"] = time.monotonic()
             _save(graph.model, out_dir)
             ctx.check_abort()
+            files = [MODEL_NAME, DATA_NAME, *copy_aux_files(checkpoint, out_dir)]
+            layout = _layout(spec, task)
+            if layout == "genai":
+                files.append(
+                    write_genai_config(checkpoint.config, graph.inputs, out_dir, MODEL_NAME)
+                )
             report = None
             timings["verify"] = time.monotonic()
             if spec.verify:
-                report = _verify(spec, task, weights.module, dtype, out_dir, work, ctx)
+                report = _verify(spec, task, weights.module, dtype, out_dir, work, ctx, quantized)
                 independent = inputs.independent
                 causal = task == "text-generation-with-past"
                 if causal and independent is not None and independent.chunks is not None:
-                    figures = _check_logits(independent, dtype, out_dir, work, ctx)
-                    report = dataclasses.replace(report, extra={**report.extra, "logits": figures})
+                    figures = _check_logits(independent, dtype, out_dir, work, ctx, nbits is None)
+                    key = "logits" if nbits is None else "quality"
+                    report = dataclasses.replace(report, extra={**report.extra, key: figures})
             timings["end"] = time.monotonic()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    files = [MODEL_NAME, DATA_NAME, *copy_aux_files(checkpoint, out_dir)]
     summary = _summary(task, dtype, graph, weights.weight_bytes, out_dir, started, timings)
+    summary["layout"] = layout
+    summary["weights"] = _weights_summary(spec, quantized)
     summary["verify"] = report.summary() if report is not None else None
     return ExportResult(files=files, summary=summary)
+
+
+def _layout(spec: ONNXSpec, task: Task) -> Literal["genai", "optimum"] | None:
+    """The package's layout: genai unless optimum is asked for (None for an encoder)."""
+    if task != "text-generation-with-past":
+        return None
+    return spec.layout or "genai"
+
+
+def _weights_summary(spec: ONNXSpec, quantized: list[str]) -> dict[str, Any]:
+    """The manifest's account of the weights' encoding."""
+    nbits = spec.nbits()
+    if nbits is None:
+        return {"type": "float"}
+    return {
+        "type": spec.weights, "op": "com.microsoft.MatMulNBits", "bits": nbits.bits,
+        "block_size": nbits.block_size, "symmetric": nbits.symmetric, "method": "rtn",
+        "quantized_matmuls": len(quantized), "float": "embedding, norms, biases",
+    }  # fmt: skip
+
+
+def _rows_of(model: ir.Model) -> Any:
+    """For :func:`~service.exporters.onnx.quantize.quantize_matmuls`: a weight's rows in the
+    export's dtype, read from the offload store a slice at a time (else evaluated once)."""
+
+    def rows_of(name: str) -> tuple[Any, int]:
+        value = model.graph.initializers[name]
+        tensor: Any = value.const_value
+        assert value.dtype is not None
+        target = _torch_dtype(value.dtype)
+        source = getattr(tensor, "_source", None)
+        stored = _in_store(source) if source is not None else None
+        hook = getattr(source, "hook", None)
+        if stored is not None:
+            store, key = stored
+
+            def rows(start: int, stop: int) -> Any:
+                part = store.load_rows(key, start, stop, dtype=target)
+                if hook is not None:
+                    hook(part.nbytes)
+                return part.contiguous().numpy()
+
+            return rows, target.itemsize
+        whole: list[Any] = []
+
+        def evaluated(start: int, stop: int) -> Any:
+            if not whole:
+                whole.append(tensor.numpy())
+            return whole[0][start:stop]
+
+        return evaluated, target.itemsize
+
+    return rows_of
 
 
 def _summary(
@@ -535,6 +651,7 @@ def _verify(
     out_dir: Path,
     work: Path,
     ctx: JobContext,
+    quantized: list[str],
 ) -> ParityReport:
     from service.exporters.onnx import verify as ver
     from service.verification.parity import tolerance_for
@@ -544,9 +661,12 @@ def _verify(
     ver.ensure_ort_fits((out_dir / DATA_NAME).stat().st_size, ctx.settings.ort_max_memory)
     if task == "text-generation-with-past":
         ctx.set_phase(Phase.VERIFY, total=spec.decode_steps + 1, unit="steps")
+        nbits = spec.nbits()
         report = ver.verify_causal_lm(
             out_dir / MODEL_NAME, module, spec.prompt_tokens, spec.decode_steps, atol, rtol,
             work=work / "verify", check_abort=ctx.check_abort,
+            nbits=(nbits, quantized) if nbits is not None else None,
+            genai=_layout(spec, task) == "genai",
         )  # fmt: skip
         ctx.advance(spec.decode_steps + 1)
         return report
@@ -560,13 +680,14 @@ def _verify(
 
 
 def _check_logits(
-    reference: Any, dtype: torch.dtype, out_dir: Path, work: Path, ctx: JobContext
+    reference: Any, dtype: torch.dtype, out_dir: Path, work: Path, ctx: JobContext, judged: bool
 ) -> dict[str, Any]:
     from service.exporters.onnx import verify as ver
 
     return ver.check_logits(
-        out_dir / MODEL_NAME, dtype_name(dtype), reference, work / "verify", ctx.check_abort
-    )
+        out_dir / MODEL_NAME, dtype_name(dtype), reference, work / "verify", ctx.check_abort,
+        judged=judged,
+    )  # fmt: skip
 
 
 def _module_inputs(module: nn.Module) -> list[str]:

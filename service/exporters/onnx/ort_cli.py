@@ -10,6 +10,12 @@ directory, whose ``onnx.py`` would shadow the ``onnx`` package, off ``sys.path``
 
     ort_cli.py MODEL.onnx run    REQUEST.npz OUTPUTS.npz   # one run, feeds named as the inputs
     ort_cli.py MODEL.onnx decode REQUEST.npz OUTPUTS.npz   # greedy decode with the KV cache
+    ort_cli.py MODEL.onnx generate REQUEST.npz OUTPUTS.npz # onnxruntime-genai's generator
+
+``generate`` loads the model's directory with ``onnxruntime_genai.Model`` (its
+``genai_config.json``) and decodes ``prompt`` [1,S] greedily for ``steps`` tokens with
+``onnxruntime_genai.Generator``, saving them as ``tokens`` (fewer if it stopped at an end of
+sequence token).
 
 ``decode`` requests hold ``prompt`` [1,S] and ``tokens`` [n]: the prompt runs with empty
 ``past_key_values.*`` inputs, then each given token is fed with onnxruntime's own ``present.*``
@@ -120,6 +126,24 @@ def run_chunks(session: Any, request: dict[str, np.ndarray]) -> np.ndarray:
     return np.stack(found)
 
 
+def run_generate(model: Path, request: dict[str, np.ndarray]) -> np.ndarray:
+    """onnxruntime-genai's greedy generator from the package directory; the tokens it chose."""
+    import onnxruntime_genai as og
+
+    genai_model = og.Model(str(model.parent))
+    prompt = [int(t) for t in np.asarray(request["prompt"]).reshape(-1)]
+    steps = int(request["steps"])
+    params = og.GeneratorParams(genai_model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + steps, num_beams=1)
+    generator = og.Generator(genai_model, params)
+    generator.append_tokens(prompt)
+    tokens: list[int] = []
+    while not generator.is_done() and len(tokens) < steps:
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return np.asarray(tokens, dtype=np.int64)
+
+
 def peak_rss_bytes() -> int:
     """This process's resident high-water mark since ``exec`` (``VmHWM``)."""
     with open("/proc/self/status", encoding="ascii") as status:
@@ -132,18 +156,23 @@ def peak_rss_bytes() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: exit status 2 and one line on stderr for a wrong invocation."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 4 or args[1] not in ("run", "decode", "logits"):
-        print("usage: ort_cli.py MODEL.onnx run|decode|logits REQUEST.npz OUTPUTS.npz", file=sys.stderr)
+    if len(args) != 4 or args[1] not in ("run", "decode", "logits", "generate"):
+        print(
+            "usage: ort_cli.py MODEL.onnx run|decode|logits|generate REQUEST.npz OUTPUTS.npz",
+            file=sys.stderr,
+        )
         return 2
     model, command, request_path, outputs_path = Path(args[0]), args[1], args[2], args[3]
     anonymous = AnonymousPeak()
     started = time.monotonic()
-    session = open_session(model)
+    session: Any = open_session(model) if command != "generate" else None
     loaded = time.monotonic()
     with np.load(request_path) as bundle:
         request = {k: bundle[k] for k in bundle.files}
     named: dict[str, Any]
-    if command == "logits":
+    if command == "generate":
+        named = {"tokens": run_generate(model, request)}
+    elif command == "logits":
         named = {"logits": run_chunks(session, request)}
     elif command == "decode":
         named = {"logits": run_decode(session, request)}

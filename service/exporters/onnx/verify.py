@@ -16,6 +16,7 @@ divergence). Encoders are run once on a fixed input and ``last_hidden_state`` co
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -34,10 +35,12 @@ from service.verification.parity import (
     Tolerance,
     compare_outputs,
 )
-from service.verification.reference import greedy_reference, prompt_ids
+from service.verification.reference import GreedyReference, greedy_reference, prompt_ids
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from service.exporters.onnx.quantize import NBits
 
 ORT_BASE_BYTES = 256 * 2**20
 """onnxruntime's own footprint (runtime, arena, a short prompt's tensors and KV cache): the
@@ -102,11 +105,24 @@ def verify_causal_lm(
     *,
     work: Path,
     check_abort: Callable[[], None] | None = None,
+    nbits: tuple[NBits, list[str]] | None = None,
+    genai: bool = False,
 ) -> ParityReport:
-    """PyTorch's greedy decode (``module``, a transformers causal LM) replayed in onnxruntime."""
+    """PyTorch's greedy decode (``module``, a transformers causal LM) replayed in onnxruntime.
+
+    With ``nbits`` (the scheme and the quantized weights' names) PyTorch runs each quantized
+    linear layer on the weight the artifact holds, dequantized from its own bytes
+    (:func:`artifact_weights`): an exact check of the file, at the float tolerances, that a
+    correct int4/int8 file cannot fail for being quantized. With ``genai`` onnxruntime-genai's
+    generator then decodes the same prompt greedily from the package directory
+    (:func:`check_genai`)."""
     config: Any = module.config
     prompt = prompt_ids(prompt_tokens, int(config.vocab_size))
-    expected = greedy_reference(module, prompt, decode_steps)
+    if nbits is None:
+        expected = greedy_reference(module, prompt, decode_steps)
+    else:
+        with artifact_weights(module, model_path, *nbits):
+            expected = greedy_reference(module, prompt, decode_steps)
     if check_abort is not None:
         check_abort()
     request = {
@@ -130,10 +146,129 @@ def verify_causal_lm(
                 f"onnxruntime's greedy token differs from PyTorch's at step {step} "
                 f"(PyTorch's margin {float(top2[1] - top2[0]):.3g}, error {err:.3g})"
             )
+    extra = _mapped_run(run)
+    if nbits is not None:
+        extra["reference_weights"] = "dequantized from the artifact"
+    if genai:
+        extra["genai"] = check_genai(model_path.parent, expected, err, work, check_abort)
     return ParityReport.of(
         "ort", comparison, len(found), expected.tokens, agreed, peak_rss_bytes=run.peak_rss_bytes,
-        extra=_mapped_run(run),
+        extra=extra,
     )  # fmt: skip
+
+
+def check_genai(
+    package: Path,
+    expected: GreedyReference,
+    err: float,
+    work: Path,
+    check_abort: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """onnxruntime-genai's greedy generator on the package directory against PyTorch's tokens.
+
+    The generator runs free (its own tokens fed back), so the first token it differs on ends
+    the comparison: a divergence where PyTorch's own top two logits lie within twice the
+    error measured in onnxruntime is a tie and passes, any other fails. A stop on an end of
+    sequence token PyTorch also chose ends it too."""
+    request = {
+        "prompt": np.asarray([expected.prompt], dtype=np.int64),
+        "steps": np.asarray(len(expected.tokens), dtype=np.int64),
+    }
+    run = run_ort(package / "model.onnx", "generate", request, work / "genai", check_abort)
+    tokens = [int(t) for t in run.outputs["tokens"]]
+    agreed = 0
+    for step, (got, want) in enumerate(zip(tokens, expected.tokens, strict=False)):
+        if got != want:
+            top2 = np.sort(expected.logits[step].astype(np.float64))[-2:]
+            margin = float(top2[1] - top2[0])
+            if margin > 2 * err:
+                raise VerificationFailed(
+                    f"onnxruntime-genai's greedy token differs from PyTorch's at step {step} "
+                    f"({got} vs {want}; PyTorch's margin {margin:.3g}, error {err:.3g})"
+                )
+            break
+        agreed += 1
+    return {"tokens": tokens, "agreed_steps": agreed, "steps": len(expected.tokens),
+            "peak_rss_bytes": run.peak_rss_bytes, **_seconds(run)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def artifact_weights(module: nn.Module, model_path: Path, scheme: NBits, names: list[str]) -> Any:
+    """While inside, each linear layer of ``module`` whose weight was quantized (initializer
+    ``names``) multiplies by the weight ``MatMulNBits`` reads from the artifact: its packed
+    blocks, scales and zero points dequantized (:func:`service.exporters.onnx.quantize.dequantize`),
+    one layer at a time, when the layer runs."""
+    import torch
+    from torch import nn
+
+    from service.exporters.onnx.quantize import dequantize
+
+    stored = _external_initializers(model_path)
+    by_tensor: dict[int, set[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), set()).add(name)
+    wanted = set(names)
+    patched: list[nn.Module] = []
+
+    def forward_with(layer: nn.Linear, name: str) -> Any:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            suffix = {"packed": f"Q{scheme.bits}", "scales": "scales", "zero_points": "zp"}
+            parts = {p: stored(f"{name}_{s}") for p, s in suffix.items()}
+            packed, scales = parts["packed"], parts["scales"]
+            if packed is None or scales is None:
+                raise VerificationFailed(f"the artifact lacks {name}'s quantized blocks")
+            weight = dequantize(scheme, layer.in_features, packed, scales, parts["zero_points"])
+            w = torch.from_numpy(weight).to(x.dtype)
+            bias = None if layer.bias is None else layer.bias.as_subclass(torch.Tensor)
+            return torch.nn.functional.linear(x.as_subclass(torch.Tensor), w, bias)
+
+        return forward
+
+    try:
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear):
+                found = by_tensor.get(id(layer.weight), set()) & wanted
+                if found:
+                    layer.forward = forward_with(layer, min(found))  # type: ignore[method-assign]
+                    patched.append(layer)
+        if len(wanted) > len(patched):
+            raise VerificationFailed(
+                f"{len(wanted)} weights were quantized, {len(patched)} linear layers read them"
+            )
+        yield
+    finally:
+        for layer in patched:
+            del layer.forward
+
+
+def _external_initializers(model_path: Path) -> Callable[[str], np.ndarray | None]:
+    """A reader of the graph's initializers by name, memory-mapped from the data file (small
+    ones, which ``ir.save`` keeps inside the graph, from the graph); None for a name the graph
+    lacks."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    where: dict[str, tuple[Path, int, Any, tuple[int, ...]]] = {}
+    inline: dict[str, np.ndarray] = {}
+    for init in model.graph.initializer:
+        info = {e.key: e.value for e in init.external_data}
+        if "location" not in info:
+            inline[init.name] = numpy_helper.to_array(init)
+            continue
+        dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+        where[init.name] = (
+            model_path.parent / info["location"], int(info.get("offset", 0)), dtype,
+            tuple(int(d) for d in init.dims),
+        )  # fmt: skip
+
+    def read(name: str) -> np.ndarray | None:
+        if name not in where:
+            return inline.get(name)
+        path, offset, dtype, shape = where[name]
+        return np.array(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape))
+
+    return read
 
 
 def verify_encoder(
@@ -193,17 +328,24 @@ def check_logits(
     reference: Any,
     work: Path,
     check_abort: Callable[[], None] | None = None,
+    *,
+    judged: bool = True,
 ) -> dict[str, Any]:
     """onnxruntime's logits on each chunk of the fixed text against transformers' (the job's
     independent reference, :class:`service.verification.independent.IndependentReference`): KL,
     top-1, perplexity ratio (``service.verification.logits``); VerificationFailed beyond the dtype's
-    bounds."""
+    bounds when ``judged``. Quantized weights are reported, not judged: their distance from the
+    float source is the quantization's quality, not the file's correctness (which
+    :func:`verify_causal_lm` checks exactly)."""
     chunks = reference.chunks
     request = window_request(chunks)
     run = run_ort(model_path, "logits", request, work / "logits", check_abort)
     found = run.outputs["logits"]
     figures = compare_logits(reference.chunk_logits(), placed_rows(found, chunks), chunks)
     bounds = runtime_bounds(dtype)
+    if not judged:
+        return {"reference": reference.summary()["implementation"], **figures.as_dict(),
+                "judged": False, **_seconds(run)}  # fmt: skip
     failed = bounds.violations(figures)
     if failed:
         raise VerificationFailed(

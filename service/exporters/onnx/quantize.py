@@ -1,0 +1,262 @@
+"""Weight-only int4/int8 in ONNX: every ``Linear`` as onnxruntime's ``MatMulNBits``, streamed.
+
+The captured graph writes each ``nn.Linear`` as ``MatMul(x, Transpose(W))`` with ``W`` the
+torch weight ``[N, K]``. :func:`quantize_matmuls` replaces each such product by
+``com.microsoft.MatMulNBits(x, W_Q{bits}, W_scales[, W_zero_points])`` (``K``, ``N``, ``bits``,
+``block_size``; no ``accuracy_level``: onnxruntime computes in the activations' float type), the
+layout onnxruntime's own quantizer (``MatMulNBitsQuantizer``, QOperator) and onnxruntime-genai's
+model builder write. A block of ``block_size`` lies along ``K`` within one row of ``W``, so a
+slice of rows quantizes alone: each new initializer is a :class:`NBitsPart` whose ``tofile``
+reads ``W`` a slice of rows at a time from the job's offload store (at most
+:data:`~service.exporters.onnx.exporter.CHUNK_BYTES` of float32), quantizes the slice with
+onnxruntime's kernel (:mod:`service.shims.onnxruntime`, byte for byte what its quantizer writes)
+and writes the slice's bytes. The pass that writes the packed blocks spools the slice's scales
+and zero points to a file beside it, which the next two initializers copy: one read of ``W``.
+
+What is quantized: every weight read by such a product, the output head included; a head tied
+to the embedding gets its own quantized copy and the ``Gather`` keeps the float embedding (what
+the model builder does without ``GatherBlockQuantized``). Norms, biases and the embedding stay
+float. Arithmetic: round to nearest (RTN, onnxruntime's default); symmetric blocks have no zero
+point input (the kernel's implicit ``2**(bits-1)``).
+
+:func:`dequantize` is the inverse the checks use: the float weight ``MatMulNBits`` multiplies
+by, from the artifact's own bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+MS_DOMAIN = "com.microsoft"
+PARTS = ("packed", "scales", "zero_points")
+
+
+@dataclass(frozen=True)
+class NBits:
+    """How weights are quantized: bits per element, block size along ``K``, symmetric or not."""
+
+    bits: int
+    block_size: int
+    symmetric: bool
+
+    def blocks(self, k: int) -> int:
+        return (k + self.block_size - 1) // self.block_size
+
+    def shapes(self, n: int, k: int) -> dict[str, tuple[int, ...]]:
+        """Each initializer's shape for a weight ``[n, k]`` (onnxruntime's layout)."""
+        kpack = 8 // self.bits
+        blocks = self.blocks(k)
+        return {
+            "packed": (n, blocks, (self.block_size + kpack - 1) // kpack),
+            "scales": (n, blocks),
+            "zero_points": (n, (blocks + kpack - 1) // kpack),
+        }
+
+    def quantize_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """(packed, scales, zero_points) of a slice of ``W``'s rows ``[n, K]``."""
+        from service.shims.onnxruntime import quantize_columns
+
+        packed, scales, zero_points = quantize_columns(
+            np.ascontiguousarray(rows.T), self.bits, self.block_size, self.symmetric
+        )
+        return {"packed": packed, "scales": scales, "zero_points": zero_points}
+
+
+def dequantize(
+    scheme: NBits, k: int, packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None
+) -> np.ndarray:
+    """The float ``[N, K]`` weight ``MatMulNBits`` multiplies by: ``(q - zero) * scale`` per
+    block, low nibble first for 4 bits, the implicit zero ``2**(bits-1)`` when symmetric."""
+    n, blocks, _ = packed.shape
+    if scheme.bits == 4:
+        q = np.empty((n, blocks, packed.shape[2] * 2), dtype=np.float32)
+        q[..., 0::2] = packed & 0x0F
+        q[..., 1::2] = packed >> 4
+    else:
+        q = packed.astype(np.float32)
+    if zero_points is None or scheme.symmetric:
+        zero = np.full((n, blocks), 2 ** (scheme.bits - 1), dtype=np.float32)
+    elif scheme.bits == 4:
+        both = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(n, -1)
+        zero = both[:, :blocks].astype(np.float32)
+    else:
+        zero = zero_points[:, :blocks].astype(np.float32)
+    weight = (q - zero[..., None]) * scales.astype(np.float32)[..., None]
+    return weight.reshape(n, -1)[:, :k]
+
+
+class NBitsWeight:
+    """One float weight ``[N, K]`` and its three quantized initializers, written in one pass.
+
+    ``rows(start, stop)`` reads a slice of the weight as float32 or float16 (the export's dtype,
+    which the scales keep). The first part asked for runs the pass: its own bytes go to the
+    data file, the others' to spool files in ``spool``, which their own ``write`` copies and
+    deletes."""
+
+    def __init__(
+        self, name: str, n: int, k: int, scheme: NBits, rows: Any, itemsize: int, spool: Path
+    ) -> None:
+        self.name, self.n, self.k, self.scheme = name, n, k, scheme
+        self._rows = rows
+        self._step = max(1, (64 * 2**20) // max(1, k * max(itemsize, 4)))
+        self._spool = spool
+        self._spooled: dict[str, Path] = {}
+
+    def parts(self) -> tuple[str, ...]:
+        return PARTS[:2] if self.scheme.symmetric else PARTS
+
+    def write(self, part: str, file: BinaryIO) -> None:
+        spooled = self._spooled.pop(part, None)
+        if spooled is not None:
+            with spooled.open("rb") as source:
+                while block := source.read(16 * 2**20):
+                    file.write(block)
+            spooled.unlink()
+            return
+        self._spool.mkdir(parents=True, exist_ok=True)
+        others = {
+            p: (self._spool / f"{abs(hash((self.name, p))):x}.{p}").open("wb")
+            for p in self.parts() if p != part
+        }  # fmt: skip
+        try:
+            for start in range(0, self.n, self._step):
+                quantized = self.scheme.quantize_rows(self._rows(start, min(self.n, start + self._step)))
+                file.write(quantized[part].data)
+                for p, out in others.items():
+                    out.write(quantized[p].data)
+        finally:
+            for p, out in others.items():
+                out.close()
+                self._spooled[p] = Path(out.name)
+
+    def array(self, part: str) -> np.ndarray:
+        """A whole part in memory (onnx-ir's ``numpy()``; the export itself writes with ``tofile``)."""
+        import io
+
+        buffer = io.BytesIO()
+        self.write(part, buffer)
+        dtype = np.uint8 if part != "scales" else self._scales_dtype()
+        return np.frombuffer(buffer.getvalue(), dtype=dtype).reshape(
+            self.scheme.shapes(self.n, self.k)[part]
+        )
+
+    def _scales_dtype(self) -> Any:
+        return self._rows(0, 1).dtype
+
+    def discard(self) -> None:
+        for path in self._spooled.values():
+            path.unlink(missing_ok=True)
+        self._spooled.clear()
+
+
+def _part_tensor_type() -> type[Any]:
+    import onnx_ir as ir
+
+    class NBitsPart(ir.LazyTensor):
+        """One quantized initializer; ``tofile`` streams it (see :class:`NBitsWeight`)."""
+
+        def __init__(self, weight: NBitsWeight, part: str, **kwargs: Any) -> None:
+            super().__init__(lambda: ir.Tensor(weight.array(part)), **kwargs)
+            self._weight, self._part = weight, part
+
+        def tofile(self, file: Any) -> None:
+            self._weight.write(self._part, file)
+
+    return NBitsPart
+
+
+def _is_weight_transpose(node: ir.Node) -> bool:
+    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
+        return False
+    perm = node.attributes.get("perm")
+    source = node.inputs[0]
+    return (
+        perm is not None and tuple(perm.as_ints()) == (1, 0)
+        and source is not None and source.is_initializer()
+        and source.shape is not None and len(source.shape) == 2
+    )  # fmt: skip
+
+
+def quantize_matmuls(
+    graph: ir.Graph, scheme: NBits, rows_of: Any, spool: Path
+) -> list[NBitsWeight]:
+    """Rewrite every ``MatMul(x, Transpose(W))`` of an initializer ``W`` as ``MatMulNBits``.
+
+    ``rows_of(name)`` returns ``(rows(start, stop), itemsize)`` reading the weight ``name``'s
+    rows in the export's dtype. ``W`` leaves the graph unless something else still reads it
+    (a tied embedding's ``Gather``). Returns the quantized weights, in graph order."""
+    import onnx_ir as ir
+
+    done: list[NBitsWeight] = []
+    part_type = _part_tensor_type()
+    for transpose in [n for n in graph if _is_weight_transpose(n)]:
+        weight = transpose.inputs[0]
+        transposed = transpose.outputs[0]
+        products = [use.node for use in transposed.uses()]
+        if not products or any(
+            p.op_type != "MatMul" or p.domain not in ("", "ai.onnx") or p.inputs[1] is not transposed
+            for p in products
+        ):  # fmt: skip
+            continue
+        assert weight is not None and weight.shape is not None and weight.name
+        n, k = (int(d) for d in weight.shape.numpy())
+        rows, itemsize = rows_of(weight.name)
+        quantized = NBitsWeight(weight.name, n, k, scheme, rows, itemsize, spool)
+        shapes = scheme.shapes(n, k)
+        inputs: list[ir.Value] = []
+        for part in quantized.parts():
+            dtype = weight.dtype if part == "scales" else ir.DataType.UINT8
+            assert dtype is not None
+            suffix = {"packed": f"Q{scheme.bits}", "scales": "scales", "zero_points": "zp"}[part]
+            value = ir.Value(name=f"{weight.name}_{suffix}", shape=ir.Shape(shapes[part]),
+                             type=ir.TensorType(dtype))  # fmt: skip
+            value.const_value = part_type(
+                quantized, part, dtype=dtype, shape=ir.Shape(shapes[part]), name=value.name
+            )
+            graph.register_initializer(value)
+            inputs.append(value)
+        for product in products:
+            x = product.inputs[0]
+            node = ir.Node(
+                MS_DOMAIN, "MatMulNBits", [x, *inputs],
+                attributes=[ir.AttrInt64("K", k), ir.AttrInt64("N", n),
+                            ir.AttrInt64("bits", scheme.bits),
+                            ir.AttrInt64("block_size", scheme.block_size)],
+                name=f"{product.name}_Q{scheme.bits}",
+            )  # fmt: skip
+            result = product.outputs[0]
+            node.outputs[0].shape, node.outputs[0].type = result.shape, result.type
+            graph.insert_before(product, node)
+            result.replace_all_uses_with(node.outputs[0], replace_graph_outputs=True)
+            name = result.name
+            result.name = f"{name}_float"
+            node.outputs[0].name = name
+            graph.remove(product, safe=True)
+        graph.remove(transpose, safe=True)
+        if not weight.uses():
+            graph.initializers.pop(weight.name)
+        done.append(quantized)
+    if done and MS_DOMAIN not in graph.opset_imports:
+        graph.opset_imports[MS_DOMAIN] = 1
+    return done
+
+
+def quantized_bytes(scheme: NBits, n: int, k: int, itemsize: int) -> int:
+    """Bytes a weight ``[n, k]`` takes quantized (its scales in the export's float type)."""
+    shapes = scheme.shapes(n, k)
+    total = math.prod(shapes["packed"]) + math.prod(shapes["scales"]) * itemsize
+    return total + (0 if scheme.symmetric else math.prod(shapes["zero_points"]))
+
+
+def spool_dir(work: Path) -> Path:
+    """Where a quantized weight's scales and zero points wait for their turn to be written."""
+    return work / f"nbits-spool-{os.getpid()}"

@@ -1,0 +1,128 @@
+"""int4/int8 ONNX (onnxruntime's MatMulNBits) in both layouts, on a tiny random Llama (untied
+head) and on real SmolLM2 cut to two layers (tied head), each run here in onnxruntime and, for
+the genai layout, in onnxruntime-genai's generator.
+
+The exporter's own check (PyTorch on the weights dequantized from the artifact vs onnxruntime,
+then onnxruntime-genai's greedy tokens) must pass; the tests then check from outside: a quantized
+weight in the file is byte for byte onnxruntime's own quantizer's output on transformers' weight,
+the graph holds MatMulNBits and no float copy of a linear weight, and a fresh onnxruntime /
+onnxruntime-genai session decodes the tokens the check reported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime_genai as og
+import pytest
+import torch
+from onnxruntime.quantization.matmul_nbits_quantizer import (
+    DefaultWeightOnlyQuantConfig,
+    DefaultWeightOnlyQuantizer,
+)
+from transformers import AutoModelForCausalLM
+
+from service.checkpoint import open_checkpoint
+from service.config import Settings
+from service.exporters.base import ExportInputs
+from service.exporters.onnx.exporter import DATA_NAME, MODEL_NAME, ONNXExporter, ONNXSpec
+from service.exporters.onnx.genai import GENAI_CONFIG
+from service.exporters.onnx.verify import _external_initializers
+from service.stage import InMemoryContext
+from tests.conftest import TinyCheckpointFactory
+from tests.fixtures.real_models import Variant, real_variant
+from tests.integration.exporters.test_onnx import _decode_in_ort
+
+CASES = [
+    ("llama", {"weights": "int4", "block_size": 128, "symmetric": False, "layout": "optimum"}),
+    ("llama", {"weights": "int8", "block_size": 32, "symmetric": True, "layout": "genai"}),
+    ("smollm2", {"weights": "int4", "block_size": 32, "symmetric": True, "layout": "genai"}),
+    ("smollm2", {"weights": "int8", "block_size": 128, "symmetric": False, "layout": "optimum"}),
+]
+
+
+def _source(name: str, tiny_checkpoint: TinyCheckpointFactory) -> Path:
+    if name == "llama":
+        return tiny_checkpoint("llama", "safetensors")
+    return real_variant("smollm2", Variant(layers=2))
+
+
+@pytest.mark.parametrize(
+    "name,fields", CASES, ids=[f"{n}-{f['weights']}-{f['layout']}" for n, f in CASES]
+)
+def test_quantized_export_is_onnxruntimes_quantization_and_runs_in_its_layout(
+    name: str, fields: dict[str, Any], tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    source = _source(name, tiny_checkpoint)
+    spec = ONNXSpec(decode_steps=5, **fields)
+    ctx = InMemoryContext(Settings(data_dir=tmp_path / "data"), tmp_path / "work")
+    ctx.work_dir.mkdir()
+    out = tmp_path / "out"
+    with open_checkpoint(source) as ckpt:
+        result = ONNXExporter().export(spec, ExportInputs(checkpoint=ckpt), out, ctx)
+    summary, verify = result.summary, result.summary["verify"]
+    nbits = spec.nbits()
+    assert nbits is not None
+    lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    layers = lm.config.num_hidden_layers
+    assert summary["weights"]["quantized_matmuls"] == 7 * layers + 1  # q k v o gate up down, head
+    assert verify["reference_weights"] == "dequantized from the artifact"
+    assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
+
+    graph = onnx.load(str(out / MODEL_NAME), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("MatMulNBits") == 7 * layers + 1
+    names = {i.name for i in graph.initializer}
+    assert "model.layers.0.mlp.down_proj.weight" not in names  # no float copy left
+    (gather,) = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in names]
+    floats = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    assert gather.input[0] in floats  # the embedding stays float, tied to the head or not
+
+    # One weight's blocks, read back from the data file, are onnxruntime's quantizer's bytes.
+    weight = lm.model.layers[1].self_attn.q_proj.weight.detach().numpy()
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=nbits.block_size, is_symmetric=nbits.symmetric, bits=nbits.bits
+    )
+    packed, scales, zero = DefaultWeightOnlyQuantizer(config).qbits_block_quant(weight.T.copy())
+    read = _external_initializers(out / MODEL_NAME)
+    prefix = "model.layers.1.self_attn.q_proj.weight"
+    assert read(f"{prefix}_Q{nbits.bits}").tobytes() == packed.tobytes()
+    assert read(f"{prefix}_scales").tobytes() == scales.tobytes()
+    zp = read(f"{prefix}_zp")
+    assert (zp is None) == nbits.symmetric
+    if zp is not None:
+        assert zp.tobytes() == zero.tobytes()
+
+    # A fresh onnxruntime session decodes the check's tokens from the package.
+    tokens = verify["tokens"]
+    assert _decode_in_ort(out / MODEL_NAME, _prompt(spec, lm), len(tokens)) == tokens
+    assert summary["layout"] == fields["layout"]
+    if fields["layout"] == "optimum":
+        assert not (out / GENAI_CONFIG).exists() and "genai" not in verify
+        return
+    # onnxruntime-genai loads the directory and generates the same tokens greedily.
+    assert GENAI_CONFIG in result.files
+    assert verify["genai"]["tokens"] == tokens[: len(verify["genai"]["tokens"])]
+    model = og.Model(str(out))
+    params = og.GeneratorParams(model)
+    prompt_ids = _prompt(spec, lm)
+    params.set_search_options(do_sample=False, max_length=len(prompt_ids) + len(tokens))
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt_ids)
+    generated: list[int] = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        generated.append(int(generator.get_next_tokens()[0]))
+    assert generated == verify["genai"]["tokens"]
+    config = json.loads((out / GENAI_CONFIG).read_text())
+    assert config["model"]["decoder"]["num_key_value_heads"] == lm.config.num_key_value_heads
+    assert (out / DATA_NAME).stat().st_size == summary["data_bytes"]
+
+
+def _prompt(spec: ONNXSpec, lm: Any) -> list[int]:
+    from service.verification.reference import prompt_ids
+
+    return prompt_ids(spec.prompt_tokens, int(lm.config.vocab_size))
