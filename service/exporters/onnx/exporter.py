@@ -36,6 +36,11 @@ Output directory::
     model.onnx               the graph; every initializer is external
     model.onnx_data          the weights, one tensor after the other (onnx-ir's layout)
     config.json, tokenizer*  the checkpoint's auxiliary files, as-is
+    genai_config.json        layout "genai" (the default for causal LMs): what
+                             onnxruntime_genai.Model reads (:mod:`service.exporters.onnx.genai`)
+
+Causal LMs may have int4/int8 weights (onnxruntime's ``MatMulNBits``, quantized slice by slice
+as they stream: :mod:`service.exporters.onnx.quantize`).
 
 Why one module of over 450 lines: the spec, the graph capture, the streamed initializers, the
 save and the two task wrappers (:func:`_causal_lm_with_past`, :func:`_feature_extraction`) that
@@ -210,7 +215,7 @@ class ONNXExporter(GraphExporter):
     format: ClassVar[str] = "onnx"
     spec_type: ClassVar[type[ExportSpec]] = ONNXSpec
     producers: ClassVar[Producers] = Producers(
-        distributions=("onnx", "onnx-ir", "onnxscript", "onnxruntime")
+        distributions=("onnx", "onnx-ir", "onnxscript", "onnxruntime", "onnxruntime-genai")
     )
 
     def plan(self, spec: ExportSpec, inputs: PlanInputs) -> ExportPlan:
