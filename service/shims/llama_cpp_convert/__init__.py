@@ -45,6 +45,13 @@ names each assumption):
   experts in transformers' own ``[E, out, in]``: :func:`upstream_modify` sends experts stored in
   transformers' orientation past the first (:data:`TRANSPOSED_EXPERTS_CLASSES`);
 * ``conversion/base.py`` leaving ``sys.path`` alone when ``NO_LOCAL_GGUF`` is set;
+* ``GPTNeoXModel`` reading ``hparams["rotary_pct"]``, which transformers 5's config keeps as
+  ``rope_parameters["partial_rotary_factor"]`` (:func:`upstream_hparams` puts it back);
+* ``map_tensor_name`` raising ``ValueError("Can not map tensor ...")`` for a name the
+  architecture has no tensor for, which the recorder tolerates for the reader's alias of a tied
+  weight only (Command-R has no output tensor);
+* which classes write their vocabulary from ``tokenizer.model`` only, and Gemma 3's reading the
+  tokenizer's size for its embedding (``vocab``);
 * ``convert_lora_to_gguf.py`` importable as a module (its script body runs under ``__main__``),
   its ``LoraTorchTensor(A, B)`` following the base class's tensor transforms, and its
   ``LoraModel`` overriding exactly :data:`LORA_MODEL_METHODS`, which
@@ -66,7 +73,10 @@ module. Its modules, each importing only those above it:
   a stack of (:func:`leading_rows`, :func:`picked_row`, :func:`stacked_rows`), and evaluating
   one once (:class:`OneShot`);
 * ``classes``: upstream's class for a checkpoint (:func:`hf_architecture`,
-  :func:`delegate_class`, :func:`upstream_modify`);
+  :func:`delegate_class`, :func:`upstream_modify`) and the hyperparameters it reads
+  (:func:`upstream_hparams`);
+* ``vocab``: the tokenizer files upstream's classes read, judged from a file list without
+  importing the converter (the GGUF exporter's submission check);
 * ``model``: :func:`plan_conversion`, upstream's class run on a checkpoint's metadata, its hooks
   a :class:`ConversionRecorder`'s methods and what they record its attributes;
 * ``lora``: :func:`plan_lora_conversion`, the same for a PEFT LoRA adapter.
@@ -77,6 +87,7 @@ from service.shims.llama_cpp_convert.classes import (
     break_row_filtered,
     delegate_class,
     hf_architecture,
+    upstream_hparams,
     upstream_modify,
 )
 from service.shims.llama_cpp_convert.lazy import (
@@ -137,5 +148,6 @@ __all__ = [
     "stacked_rows",
     "supported_architectures",
     "supported_mmproj_architectures",
+    "upstream_hparams",
     "upstream_modify",
 ]

@@ -103,3 +103,28 @@ def _in_transformers_orientation(model: Any, name: str, shape: tuple[int, ...]) 
     if base.endswith("mlp.experts.down_proj"):
         return shape[1:] == (hidden, ff)
     return False
+
+
+RENAMED_HPARAMS: dict[str, str] = {"rotary_pct": "partial_rotary_factor"}
+"""Config keys upstream's classes read under their transformers-4 name -> transformers 5's."""
+
+
+def upstream_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """``hparams`` (upstream's ``load_hparams``: transformers' ``AutoConfig(...).to_dict()``) with
+    the keys transformers 5 renamed back under the names upstream's classes read.
+
+    Why: ``GPTNeoXModel.set_gguf_parameters`` reads ``hparams["rotary_pct"]``, which
+    transformers 5's ``GPTNeoXConfig`` keeps as ``rope_parameters["partial_rotary_factor"]``
+    (a checkpoint's own ``rotary_pct`` is moved there on load), so every GPT-NeoX failed with
+    ``KeyError: 'rotary_pct'``. The value is the same number under its new name."""
+    out = dict(hparams)
+    params = out.get("rope_parameters")
+    for old, new in RENAMED_HPARAMS.items():
+        if old in out:
+            continue
+        value = out.get(new)
+        if value is None and isinstance(params, dict):
+            value = params.get(new)
+        if value is not None:
+            out[old] = value
+    return out

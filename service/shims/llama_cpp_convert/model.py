@@ -18,11 +18,12 @@ from hashlib import sha256
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.errors import UnsupportedExport, UnsupportedTokenizer
+from service.errors import ServiceError, UnsupportedExport, UnsupportedTokenizer
 from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 from service.shims.llama_cpp_convert.classes import (
     delegate_class,
     hf_architecture,
+    upstream_hparams,
     upstream_modify,
 )
 from service.shims.llama_cpp_convert.lazy import (
@@ -149,9 +150,12 @@ class ConversionRecorder:
         # a text class may need; a projector class is handed the stored tensors only, as upstream
         # reads them from the files: MmprojModel.filter_tensors drops ``language_model.*`` but not
         # ``lm_head.*``, and Gemma 4's projector class (tied embeddings) failed to map the alias.
+        self.aliases: set[str] = set()
+        """Names handed to upstream that the files do not hold (a tied weight's other half)."""
         for alias, canonical in ({} if mmproj else reader.aliases()).items():
             if alias not in self.infos and canonical in self.infos:
                 self.infos[alias] = self.infos[canonical]
+                self.aliases.add(alias)
         self.renamed: dict[str, str] = {}
         """Upstream's name of each tensor it kept -> the checkpoint's name."""
         self.produced: dict[str, tuple[str, bool, Any]] = {}
@@ -218,7 +222,15 @@ class ConversionRecorder:
     def modify_tensors(self, model: Any, data: Any, name: str, bid: int | None) -> list[Any]:
         """``modify_tensors``: upstream's outputs for one tensor, each recorded as what it is."""
         self.seen.add(name)
-        outputs = list(upstream_modify(self.model_class, model, data, name, bid))
+        try:
+            outputs = list(upstream_modify(self.model_class, model, data, name, bid))
+        except ValueError as exc:
+            if self.renamed.get(name, name) in self.aliases and "Can not map tensor" in str(exc):
+                # a tied weight's other half that the architecture has no tensor for (Command-R
+                # has no output tensor: llama.cpp uses the embedding); upstream, reading the
+                # files, never sees it
+                return []
+            raise
         for new_name, tensor in outputs:
             copied = tensor is data or leading_rows(tensor, data) is not None
             origin = self.renamed.get(name, name)
@@ -265,6 +277,16 @@ class ConversionRecorder:
                 return
             except _Inexpressible as exc:
                 self.no_vocab_reason = str(exc)
+            except ServiceError:
+                raise
+            except (OSError, ValueError, KeyError) as exc:
+                # a tokenizer file the class reads is missing or not what it expects
+                # (GemmaModel's FileNotFoundError, Phi3MiniModel's ValueError for tokenizer.model)
+                detail = str(exc).replace(f"{self.root}/", "")
+                raise UnsupportedTokenizer(
+                    f"llama.cpp's converter ({self.model_class.__name__}) cannot write this "
+                    f"checkpoint's vocabulary: {type(exc).__name__}: {detail}"
+                ) from exc
         kv = model.gguf_writer.kv_data[0]
         for key in [k for k in kv if k.startswith("tokenizer.")]:
             del kv[key]  # whatever a failed writer added before it gave up
@@ -278,7 +300,7 @@ class ConversionRecorder:
         model_class = self.model_class
         work = Path(self.root)
         try:
-            hparams = dict(model_class.load_hparams(work, False))
+            hparams = upstream_hparams(dict(model_class.load_hparams(work, False)))
             hparams["architectures"] = hparams.get("architectures") or [arch]
             if "quantization_config" not in config:
                 # The readers handled it (FP8 dequantized, a contradicted config ignored):
@@ -297,6 +319,13 @@ class ConversionRecorder:
                 model.prepare_metadata(vocab_only=False)
         except (UnsupportedTokenizer, UnsupportedExport):
             raise
+        except FileNotFoundError as exc:
+            missing = Path(exc.filename).name if exc.filename else str(exc)
+            kind = UnsupportedTokenizer if "token" in missing or "vocab" in missing else UnsupportedExport
+            raise kind(
+                f"llama.cpp's converter ({model_class.__name__}) reads a file this checkpoint "
+                f"lacks: {missing}"
+            ) from exc
         except (KeyError, ValueError, AssertionError, NotImplementedError, TypeError) as exc:
             raise UnsupportedExport(
                 f"llama.cpp's converter ({model_class.__name__}) cannot convert this checkpoint: "

@@ -363,3 +363,75 @@ def test_gemma_4s_projector_class_does_not_drop_a_tied_heads_name() -> None:
         "upstream's projector classes now drop lm_head.*: the mmproj guard on aliases in "
         "plan_conversion is no longer needed for them"
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "arch"),
+    [("gemma", "GemmaForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
+     ("internlm3", "InternLM3ForCausalLM"), ("phi3", "Phi3ForCausalLM")],
+)  # fmt: skip
+def test_sentencepiece_classes_read_tokenizer_model_and_nothing_else(
+    family: str, arch: str, tmp_path: Path
+) -> None:
+    """``vocab.SENTENCEPIECE_ONLY``: upstream's class for ``arch`` writes the vocabulary from
+    ``tokenizer.model`` and fails without it although ``tokenizer.json`` is there (the
+    service refuses such a checkpoint at submission, naming the file)."""
+    from service.checkpoint import open_checkpoint
+    from service.errors import UnsupportedTokenizer
+    from service.shims.llama_cpp_convert.vocab import SENTENCEPIECE_ONLY, missing_sentencepiece
+    from tests.fixtures.families import family_checkpoint
+    from tests.fixtures.models import copy_tree
+
+    source = family_checkpoint(family)
+    without = copy_tree(source, tmp_path / "ckpt")
+    (without / "tokenizer.model").unlink()
+    assert missing_sentencepiece(arch, without) is not None
+    for root, fails in ((source, False), (without, True)):
+        with open_checkpoint(root) as ckpt:
+            assert ckpt.config is not None and ckpt.config["architectures"] == [arch]
+            if not fails:
+                plan = conv.plan_conversion(root, ckpt.config, ckpt.reader, "f16")
+                assert plan.model_class == SENTENCEPIECE_ONLY[arch]
+                continue
+            with pytest.raises(Exception) as failed:
+                conv.plan_conversion(root, ckpt.config, ckpt.reader, "f16")
+        assert "tokenizer.model" in str(failed.value), (
+            f"upstream's {SENTENCEPIECE_ONLY[arch]} no longer fails on a checkpoint without "
+            f"tokenizer.model ({failed.value!r}): check vocab.SENTENCEPIECE_ONLY"
+        )
+        assert isinstance(failed.value, UnsupportedTokenizer), failed.value
+
+
+def test_gpt_neox_reads_rotary_pct_which_transformers_5_renamed(tmp_path: Path) -> None:
+    """``classes.upstream_hparams``: ``GPTNeoXModel`` reads ``hparams["rotary_pct"]``, which
+    transformers 5's config keeps as ``rope_parameters["partial_rotary_factor"]``."""
+    from transformers import AutoConfig
+
+    from service.checkpoint import open_checkpoint
+    from tests.fixtures.families import family_checkpoint
+
+    source = family_checkpoint("gpt_neox")
+    loaded = AutoConfig.from_pretrained(source).to_dict()
+    assert "rotary_pct" not in loaded, "transformers has rotary_pct again: drop the renaming"
+    assert conv.upstream_hparams(loaded)["rotary_pct"] == 0.25
+    with open_checkpoint(source) as ckpt:
+        assert ckpt.config is not None
+        plan = conv.plan_conversion(source, ckpt.config, ckpt.reader, "f16", vocab=False)
+    rope = dict(plan.metadata)["gptneox.rope.dimension_count"].value
+    assert rope == int(0.25 * 64 // 4)
+
+
+def test_a_tied_head_upstream_has_no_tensor_for_is_not_handed_over(tmp_path: Path) -> None:
+    """Command-R has no output tensor (llama.cpp uses the embedding): upstream's class cannot
+    map the reader's alias ``lm_head.weight`` of the tied embedding, which it never sees in the
+    files, so it is left out rather than failing the conversion."""
+    from service.checkpoint import open_checkpoint
+    from tests.fixtures.families import family_checkpoint
+
+    source = family_checkpoint("cohere")
+    with open_checkpoint(source) as ckpt:
+        assert ckpt.config is not None
+        assert "lm_head.weight" in ckpt.reader.aliases()
+        plan = conv.plan_conversion(source, ckpt.config, ckpt.reader, "f16", vocab=False)
+    names = {t.name for t in plan.tensors}
+    assert "token_embd.weight" in names and "output.weight" not in names
