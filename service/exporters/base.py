@@ -223,8 +223,9 @@ class Exporter(ABC):
     def check_files(
         self, spec: ExportSpec, config: dict[str, Any] | None, root: Path, settings: Settings
     ) -> None:
-        """:meth:`check` for a local source, whose files (``root``) can be judged at submission
-        too; the default judges the config only."""
+        """:meth:`check` with the checkpoint's files (``root``) at hand: at submission for a
+        local source, and in the job for every source once it is downloaded, before any work;
+        the default judges the config only."""
         self.check(spec, config, settings)
 
     @abstractmethod

@@ -305,13 +305,16 @@ def _export_checkpoint(
         counts["quantization"] = checkpoint.quantization
         _present_config(checkpoint, layout)
     specs = spec.export_specs()
-    for export in specs:
-        exporters[export.format].check(export, checkpoint.config, ctx.settings)
     if not spec.verify:  # the job's "verify": false also skips the exporters' own checks
         specs = [
             s.model_copy(update={"verify": False}) if "verify" in type(s).model_fields else s
             for s in specs
         ]
+    for export in specs:
+        # what submission judged for a local source, now that every source's files are here
+        exporters[export.format].check_files(
+            export, checkpoint.config, checkpoint.root, ctx.settings
+        )
     needs = [_job_needs(exporters[s.format].needs(s), spec) for s in specs]
     model = _build(checkpoint, spec, specs, needs, ctx, counts)
     needs_module = any(n.module for n in needs)

@@ -17,7 +17,11 @@ support is refused at submission (422, listing the supported ones); a BPE pre-to
 not know is a typed ``unsupported_tokenizer`` failure unless the spec accepts a fallback
 (``"pre_tokenizer_fallback": "default"``, recorded in the manifest); a checkpoint without a
 tokenizer is refused (``missing_tokenizer``) for the types llama.cpp must run to check or
-quantize: at submission for a local source, else before any work in the job.
+quantize, and so is what the converter's class for the architecture would fail on or llama.cpp
+would not run as transformers does: a SentencePiece family without its ``tokenizer.model``
+(``unsupported_tokenizer``, naming the file), a configuration llama.cpp's graph contradicts
+(``assumptions``: Falcon's FFN width, Gemma 2/3's attention scale...). All of these at
+submission for a local source, else right after the download, before any work in the job.
 
 Only pydantic and the service's own modules are imported here; ``gguf``, ``numpy`` and the
 tokenizer stack load inside :meth:`GGUFExporter.export`.
@@ -36,7 +40,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from service.checkpoint.vision import is_multimodal
-from service.errors import MissingTokenizer, NoModelConfig, UnsupportedExport
+from service.errors import (
+    MissingTokenizer,
+    NoModelConfig,
+    UnsupportedExport,
+    UnsupportedTokenizer,
+)
 from service.exporters.base import (
     Exporter,
     ExportInputs,
@@ -47,6 +56,7 @@ from service.exporters.base import (
     register,
 )
 from service.exporters.common.families import is_causal_lm
+from service.exporters.gguf.assumptions import check_assumptions
 from service.exporters.gguf.layout import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.lora import LORA_PREFIX
 from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_vlm, mmproj_type
@@ -116,14 +126,12 @@ class GGUFExporter(Exporter):
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
     ) -> None:
-        """Refuse architectures the configured llama.cpp's converter does not write, and
-        vision-language models whose projector is not checked (``mmproj.check_vlm``)."""
+        """Refuse architectures the configured llama.cpp's converter does not write,
+        vision-language models whose projector is not checked (``mmproj.check_vlm``), and
+        configurations llama.cpp would not run as transformers does (``assumptions``)."""
         assert isinstance(spec, GGUFSpec)
         if config is not None:
-            bin_dir = settings.llama_cpp_dir if settings else None
-            check_vlm(config, bin_dir)
-            resolve_architecture(config, bin_dir)
-            _refuse_encoder_on_text(spec, config)
+            _check_config(spec, config, settings.llama_cpp_dir if settings else None)
 
     def check_request(self, spec: ExportSpec, settings: Settings) -> None:
         """An imatrix source is judged like the model's: allowed roots, egress, scheme."""
@@ -136,13 +144,14 @@ class GGUFExporter(Exporter):
     def check_files(
         self, spec: ExportSpec, config: dict[str, Any] | None, root: Path, settings: Settings
     ) -> None:
-        """With the checkpoint's files at hand: the architecture against the configured
-        llama.cpp's converter, and a tokenizer where llama.cpp must run the model."""
+        """With the checkpoint's files at hand: :meth:`check`, a tokenizer where llama.cpp
+        must run the model, and the tokenizer files the converter's class reads
+        (:func:`_check_converter_files`). The job asks again once a remote source is
+        downloaded, before any work."""
         assert isinstance(spec, GGUFSpec)
         if config is not None:
-            check_vlm(config, settings.llama_cpp_dir)
-            resolve_architecture(config, settings.llama_cpp_dir)
-            _refuse_encoder_on_text(spec, config)
+            arch = _check_config(spec, config, settings.llama_cpp_dir)
+            _check_converter_files(arch, root)
         self._check_tokenizer(spec, root)
 
     @staticmethod
@@ -172,9 +181,7 @@ class GGUFExporter(Exporter):
         if config is None:
             raise NoModelConfig("GGUF export needs the checkpoint's config.json")
         bin_dir = ctx.settings.llama_cpp_dir
-        check_vlm(config, bin_dir)
-        resolve_architecture(config, bin_dir)
-        self._check_tokenizer(spec, checkpoint.root)
+        self.check_files(spec, config, checkpoint.root, ctx.settings)
         fetched = None
         if spec.imatrix is not None and spec.imatrix.uri is not None:
             from service.exporters.gguf.quantize import fetch_imatrix
@@ -439,6 +446,32 @@ class GGUFExporter(Exporter):
             "quantizer_peak_anon_bytes": run.peaks.anon,
             **({"llama_cpp": checks} if checks else {}),
         }
+
+
+def _check_config(spec: GGUFSpec, config: dict[str, Any], bin_dir: Path | None) -> str:
+    """What config.json alone says this export cannot be: the architecture (returned, as
+    llama.cpp's converter names it), a VLM's projector, a configuration llama.cpp's graph does
+    not follow, an encoder run as a causal LM."""
+    check_vlm(config, bin_dir)
+    arch = resolve_architecture(config, bin_dir)
+    check_assumptions(config, arch)
+    _refuse_encoder_on_text(spec, config)
+    return arch
+
+
+def _check_converter_files(arch: str, root: Path) -> None:
+    """The tokenizer files llama.cpp's converter class for ``arch`` reads, judged from the file
+    list (``shims.llama_cpp_convert.vocab``): a SentencePiece family without ``tokenizer.model``
+    (:class:`UnsupportedTokenizer`), Gemma 3 without any tokenizer to size its embedding
+    (:class:`MissingTokenizer`)."""
+    from service.shims.llama_cpp_convert.vocab import missing_sentencepiece, unread_embedding
+
+    if (reason := unread_embedding(arch, root)) is not None:
+        raise MissingTokenizer(f"GGUF export: {reason}; add the model's tokenizer files")
+    if has_tokenizer(root) and (reason := missing_sentencepiece(arch, root)) is not None:
+        raise UnsupportedTokenizer(
+            f"GGUF export: {reason}; add the model's own tokenizer.model to the checkpoint"
+        )
 
 
 def _refuse_encoder_on_text(spec: GGUFSpec, config: dict[str, Any]) -> None:
