@@ -28,7 +28,6 @@ from service.errors import (
     VerificationTooLarge,
 )
 from service.exporters.base import ExportInputs
-from service.exporters.common.families import ENCODER_TYPES
 from service.exporters.common.offloaded_model import offloaded_model
 from service.exporters.nnef import NNEFExporter, NNEFSpec
 from service.exporters.nnef.tract_cli import write_launcher
@@ -499,17 +498,13 @@ def test_sliding_window_decoders_run_in_tract_like_pytorch_past_the_window(
     assert all(verify["argmax_agreed"]), verify
 
 
-@pytest.mark.parametrize(
-    "model_type", ["mistral", "qwen2", "qwen3", "gemma3_text", "roberta", "xlm-roberta"]
-)
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta"])
 def test_every_supported_family_exports_and_runs_in_tract(model_type: str, tmp_path: Path) -> None:
-    """Each family the exporter accepts (besides Llama and BERT above), tiny and random."""
-    encoder = model_type in ENCODER_TYPES
-    save_tiny_family(model_type, tmp_path / "ckpt", encoder, head_dim=16)
+    """Each encoder family the exporter accepts (besides BERT above), tiny and random; every
+    decoder family is tests/integration/exporters/test_families.py's, one job each."""
+    save_tiny_family(model_type, tmp_path / "ckpt", True, head_dim=16)
     NNEFExporter().check(NNEFSpec(), json.loads((tmp_path / "ckpt" / "config.json").read_text()))
     exported = _export(tmp_path / "ckpt", tmp_path / "job", NNEFSpec(decode_steps=2))
     verify = exported.result.summary["verify"]
-    assert exported.result.summary["kind"] == ("encoder" if encoder else "causal_lm")
+    assert exported.result.summary["kind"] == "encoder"
     assert verify["max_abs_err"] <= verify["tolerance"], verify
-    if not encoder:
-        assert all(verify["argmax_agreed"]), verify
