@@ -48,7 +48,9 @@ FIXES: dict[str, str] = {
     "GPTQ, AWQ, bitsandbytes or compressed-tensors, submit the float checkpoint it was made from "
     "(or dequantize it with transformers and save it).",
     "unsupported_export": "Pick a format and options the detail lists; GGUF takes the "
-    "architectures llama.cpp's converter knows, ONNX causal LMs and encoders.",
+    "architectures llama.cpp's converter knows, in the configurations llama.cpp runs as "
+    "transformers does (the detail names the config key it contradicts), ONNX causal LMs and "
+    "encoders.",
     "missing_tokenizer": "GGUF types that llama.cpp must run to check or quantize (the K-quants "
     "and IQ4 types such as `Q4_K_M`, or an `imatrix` from calibration text) need a tokenizer "
     "llama.cpp can hold: BPE (`tokenizer.json` with a pre-tokenizer llama.cpp knows), "
@@ -58,7 +60,10 @@ FIXES: dict[str, str] = {
     "f16, bf16, q8_0 and q4_0 need no tokenizer.",
     "unsupported_tokenizer": "llama.cpp does not know the checkpoint's BPE pre-tokenizer: accept "
     "its generic splitting with `\"pre_tokenizer_fallback\": \"default\"` on the GGUF export "
-    "(recorded in the manifest), or export another format.",
+    "(recorded in the manifest), or export another format. Or the family's converter reads a "
+    "file the checkpoint lacks (Gemma, Gemma 2, InternLM3 and Phi-3 write their vocabulary from "
+    "a SentencePiece `tokenizer.model` only): add the model's own tokenizer file the detail "
+    "names.",
     "callback_not_configured": "The operator sets `MODELPREP_CALLBACK_SECRETS` (a tenant's "
     "signing key) or, without API keys, `MODELPREP_CALLBACK_SECRET`; or submit without "
     "`callback`.",
