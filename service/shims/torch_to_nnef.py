@@ -36,6 +36,20 @@ broke; torch-to-nnef capped in pyproject.toml at the series they were checked on
   :func:`sliding_window_masks` gives such a model its window (a ``{"full_attention",
   "sliding_attention"}`` mapping where the model has ``layer_types``, as the library's own
   Gemma 3 VLM handler does).
+* Its LLM exporter sizes each layer's KV cache inputs with ``torch_to_nnef_llm.config.
+  HFConfigHelper.get_num_kv_heads(self, layer_idx)``, which reads a ``num_kv_heads`` config
+  key as OpenELM's per-layer list and otherwise ``num_key_value_heads``: Falcon's
+  ``num_kv_heads`` is one int (a ``TypeError``), and its new decoder architecture caches every
+  head anyway; GPT-NeoX has no ``num_key_value_heads`` (an ``AttributeError``).
+  :func:`cache_heads_from_config` answers for those two (:func:`cached_kv_heads`).
+* Its MoE extractor (``torch_to_nnef.op.custom_extractors.moe``) cuts each MoE block's expert
+  stacks into graph variables through the module global ``_maybe_quantize_expert_weight(node,
+  name, data, ...)``, which returns ``data`` itself unless it quantizes; the graph then holds
+  every layer's stacks in RAM until the archive is written (a 195 MiB Qwen3-MoE: 487 MiB above
+  the job's base, a dense model of the same size 296 MiB). :func:`moe_experts_offloaded` writes
+  each stack to the job's offload directory as an ``OffloadedTensor`` (what the library does for
+  quantized stacks under ``T2N_OFFLOAD_QUANTIZED_EXPERTS``), which the writer writes from its
+  file: 293 MiB.
 
 The patches are context managers: a job process enters them around an export and leaves them
 as they were. This module imports torch and torch-to-nnef at import time: import it inside
@@ -330,6 +344,73 @@ def sliding_window_masks() -> Iterator[None]:
         yield
     finally:
         DefaultArchitectureHandler.build_forward_inputs = original
+
+
+@contextlib.contextmanager
+def cache_heads_from_config() -> Iterator[None]:
+    """Give torch-to-nnef's LLM exporter the number of key/value heads the model's cache holds
+    where its config helper cannot read it (see the module docstring): Falcon's and
+    GPT-NeoX's. Other models keep the library's answer."""
+    from torch_to_nnef_llm.config import HFConfigHelper
+
+    original = HFConfigHelper.__dict__["get_num_kv_heads"]
+
+    def get_num_kv_heads(self: Any, layer_idx: int) -> Any:
+        heads = cached_kv_heads(self.decoder_conf)
+        return original(self, layer_idx) if heads is None else heads
+
+    HFConfigHelper.get_num_kv_heads = get_num_kv_heads
+    try:
+        yield
+    finally:
+        HFConfigHelper.get_num_kv_heads = original
+
+
+def cached_kv_heads(config: Any) -> int | None:
+    """The key/value heads per layer in the cache of a model whose config torch-to-nnef reads
+    wrongly, None for the others: Falcon caches every head with its new decoder architecture
+    (``FalconAttention`` repeats the KV groups before the cache), one with ``multi_query``,
+    else ``num_kv_heads``; GPT-NeoX has one key/value head per attention head and no
+    ``num_key_value_heads``."""
+    if getattr(config, "model_type", None) == "falcon":
+        if config.new_decoder_architecture:
+            return int(config.num_attention_heads)
+        return 1 if config.multi_query else int(config.num_kv_heads)
+    if getattr(config, "model_type", None) == "gpt_neox":
+        return int(config.num_attention_heads)
+    return None
+
+
+@contextlib.contextmanager
+def moe_experts_offloaded(offload_dir: Path) -> Iterator[None]:
+    """Write each expert stack torch-to-nnef's MoE extractor cuts to ``offload_dir`` as it cuts
+    it, instead of holding every layer's in the graph until the archive is written (the
+    library does so only for stacks it quantized, under ``T2N_OFFLOAD_QUANTIZED_EXPERTS``):
+    the export then holds one layer's experts at a time, as it holds one tensor of a dense
+    model. The NNEF writer writes an ``OffloadedTensor`` variable from its file."""
+    from torch_to_nnef.op.custom_extractors import moe
+
+    original = moe.__dict__["_maybe_quantize_expert_weight"]
+
+    def offloaded(node: Any, name: str, data: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = original(node, name, data, *args, **kwargs)
+        if name not in EXPERT_STACKS or isinstance(out, OffloadedTensor) or out is not data:
+            return out  # a router, a bias, or a stack the library quantized or offloaded
+        stack = OffloadedTensor.from_original_tensor(
+            data.contiguous(), f"{node.outputs[0].name}_{name}", offload_dir=offload_dir
+        )
+        stack.nnef_name = f"{node.outputs[0].name}_{name}"
+        return stack
+
+    moe._maybe_quantize_expert_weight = offloaded
+    try:
+        yield
+    finally:
+        moe._maybe_quantize_expert_weight = original
+
+
+EXPERT_STACKS = frozenset({"w1", "w2", "w3"})
+"""The names torch-to-nnef's MoE extractor gives the expert stacks it cuts (gate, down, up)."""
 
 
 def _windowed_mask(causal: torch.Tensor, window: int) -> torch.Tensor:

@@ -80,13 +80,22 @@ as ``export_cmd``, which in the service is the worker's command line with host p
 artifact handed to users must not carry them (as ``_name_or_path`` is scrubbed too)."""
 T2N_LOG_LEVEL = logging.WARNING
 
-CAUSAL_LM_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
+CAUSAL_LM_TYPES = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma", "gemma2", "olmo2",
+    "granite", "stablelm", "starcoder2", "exaone4", "internlm3", "phi3", "gpt_neox", "cohere",
+    "falcon", "mixtral", "qwen2_moe", "qwen3_moe",
+})  # fmt: skip
 """Causal LMs whose torch-to-nnef LLM export decodes in tract like PyTorch, in the tests (tiny
-ones of each, and real SmolLM2, Qwen2.5 and Gemma 3)."""
+ones of each, and real SmolLM2, Qwen2.5 and Gemma 3). torch-to-nnef's LLM exporter takes any
+transformers decoder through its default handler; these are the ones checked, with what
+:func:`_traceable` and :mod:`service.shims.torch_to_nnef` add (Falcon, GPT-NeoX, StableLM 2's
+per-head norms). The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) export each MoE block
+as tract's ``tract_moe_ffn`` op (torch-to-nnef's MoE extractor; tract >= 0.23.9)."""
 
 
 def check_architecture(config: dict[str, Any]) -> None:
-    """Refuse at submission a model type the NNEF export is not tested on, listing those it is.
+    """Refuse at submission a model type the NNEF export is not tested on, listing those it is,
+    and a configuration of a tested one that torch-to-nnef cannot export, naming why.
 
     Remote-code models (``auto_map``) are judged by ``trust_remote_code`` when the job builds
     them, not here."""
@@ -101,6 +110,12 @@ def check_architecture(config: dict[str, Any]) -> None:
             f"NNEF export does not support the {kind} type {model_type or 'unknown'!r} "
             f"(supported: causal LMs {', '.join(sorted(CAUSAL_LM_TYPES))}; encoders "
             f"{', '.join(sorted(ENCODER_TYPES))})"
+        )
+    if model_type == "falcon" and config.get("alibi"):
+        raise UnsupportedExport(
+            "NNEF export does not support Falcon with ALiBi (alibi: true, as Falcon-RW): "
+            "torch-to-nnef's LLM exporter gives the model a 4-D causal mask, and Falcon builds "
+            "its ALiBi biases from a 2-D padding mask; Falcon with rotary embeddings exports"
         )
 
 
@@ -227,6 +242,8 @@ def export_nnef(
             t2n.eager_q4_dequantize(),
             t2n.cache_update_restored(),
             t2n.sliding_window_masks(),
+            t2n.cache_heads_from_config(),
+            t2n.moe_experts_offloaded(work / "offload"),
         ):
             launcher = write_launcher(work / "bin")
             offload_dir = work / "offload"
@@ -237,6 +254,7 @@ def export_nnef(
             built = off.offloaded_model(
                 skeleton, checkpoint, offload_dir=offload_dir, store=inputs.store, hook=on_read
             )
+            _traceable(built.module)
             mode: VerificationMode = "none"
             if spec.verify and spec.compression is None:
                 # Fail before exporting, not after: tract needs every weight it runs in RAM,
@@ -281,6 +299,43 @@ def export_nnef(
         "verify": report.summary() if report is not None else None,
     }
     return ExportResult(files=files, summary=summary)
+
+
+TRACEABLE_EXPERTS = "batched_mm"
+"""The experts implementation a mixture of experts is traced with: transformers 5 picks
+``grouped_mm`` on CPU, which the trace rejects in float32 ("Expected inputs of BF16 type");
+``batched_mm`` is plain batched matmuls, torch-to-nnef's own default for the models it loads.
+The trace replaces each MoE block by tract's ``tract_moe_ffn`` op all the same."""
+
+PLAIN_LINEARS = frozenset({"FalconLinear"})
+"""``nn.Linear`` subclasses whose forward is ``input @ self.weight.T + bias`` (Falcon keeps
+the two apart to round to bfloat16 between them as its training did): on torch-to-nnef's
+offloaded weights ``.T`` fails inside PyTorch (an internal assert of its ``__torch_function__``
+dispatch, torch 2.13), and a q4_0 weight transposed in the graph is one tract cannot load.
+As ``nn.Linear`` they trace as ``linear``, which both take; in float32 (or float16, where the
+bias is added to the rounded product either way) the numbers are the same."""
+
+
+def _traceable(module: Any) -> None:
+    """Make the export's private copy of the model export as it runs where torch-to-nnef or
+    tract would not take transformers' own modules: a mixture of experts runs
+    :data:`TRACEABLE_EXPERTS` (transformers' public ``get/set_experts_implementation``; a
+    model without experts, ``eager``, is left alone), the :data:`PLAIN_LINEARS` become
+    ``nn.Linear``, and a ``LayerNorm`` with a weight but no bias gets a zero bias:
+    torch-to-nnef (0.24.12) writes a layer norm's affine only when it has both, so StableLM's
+    per-head q/k norms (``qk_layernorm``, StableLM 2 12B) lost their weights and tract's
+    logits differed from PyTorch's by 0.2 on a tiny model."""
+    import torch
+
+    get = getattr(module, "get_experts_implementation", None)
+    if callable(get) and get().get("") not in (None, "eager", TRACEABLE_EXPERTS):
+        module.set_experts_implementation(TRACEABLE_EXPERTS)
+    for sub in module.modules():
+        if type(sub).__name__ in PLAIN_LINEARS and isinstance(sub, torch.nn.Linear):
+            sub.__class__ = torch.nn.Linear
+        elif isinstance(sub, torch.nn.LayerNorm) and sub.weight is not None and sub.bias is None:
+            zeros = torch.zeros(sub.normalized_shape, dtype=sub.weight.dtype)
+            sub.bias = torch.nn.Parameter(zeros, requires_grad=False)
 
 
 def _block_bytes(built: OffloadedModel) -> int | None:

@@ -72,6 +72,23 @@ chunk's tract load costs more than the memory it saves."""
 
 _LAYER_PREFIX = re.compile(r"\.(?:layers|h|layer|blocks)\.(\d+)\.")
 
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def expert_stack_bytes(tensors: Iterable[tuple[str, int]]) -> int:
+    """The largest tensor a mixture of experts stored one tensor per expert (the Hub's
+    layout: ``...experts.N.gate_proj.weight``, Mixtral's ``...experts.N.w1.weight``) becomes in
+    the model: transformers 5 packs a layer's experts into one stack per projection, the gate
+    and up projections into one (``gate_up_proj``), which the trace and torch-to-nnef's MoE
+    extractor read whole. Twice the largest projection's stack, 0 without per-expert tensors
+    (a packed checkpoint's stacks are tensors of their own)."""
+    stacks: dict[str, int] = {}
+    for name, size in tensors:
+        if _EXPERT.search(f".{name}"):
+            key = _EXPERT.sub(".experts.*.", f".{name}")
+            stacks[key] = stacks.get(key, 0) + size
+    return 2 * max(stacks.values(), default=0)
+
 
 def tract_peaks(archive_bytes: int, block_bytes: int) -> tuple[int, int]:
     """tract's predicted peak RSS running the archive whole, and block by block."""
@@ -108,7 +125,8 @@ def tract_limit(settings: Settings | None) -> int | None:
 
 def plan_nnef(spec: Any, inputs: PlanInputs) -> ExportPlan:
     """The job traces a meta copy (about 14.5 MiB per layer) and streams each weight from the
-    offload store (twice the largest, in float32); tract holds the whole archive
+    offload store (twice the largest, in float32; a MoE's expert stack, which
+    :func:`expert_stack_bytes` sizes from per-expert tensors, is one weight); tract holds the whole archive
     (64 MiB + 1.35 x archive) when it verifies it, or, when that exceeds :func:`tract_limit`
     and the model is a causal LM, one block at a time (64 MiB + 2 x the largest block). The
     job checks its model against the independent reference first
@@ -118,7 +136,8 @@ def plan_nnef(spec: Any, inputs: PlanInputs) -> ExportPlan:
     weights = floating_elements(headers) * itemsize - tied_head_bytes(headers) // 4 * itemsize
     compressed = getattr(spec, "compression", None) == "q4_0"
     archive = int(weights * (18 / 32 / itemsize)) if compressed else weights
-    largest = largest_bytes(headers, 4)
+    stack = expert_stack_bytes((t.name, t.numel * 4) for t in headers.tensors if t.floating)
+    largest = max(largest_bytes(headers, 4), stack)
     layers = layer_count(headers)
     job = JOB_BASE_BYTES + 2 * largest + layers * NNEF_PER_LAYER_BYTES
     verify = bool(spec.verify) and not compressed

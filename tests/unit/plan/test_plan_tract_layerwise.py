@@ -102,3 +102,20 @@ def test_submission_accepts_a_budget_that_holds_one_block_and_refuses_one_that_d
     below = Settings(data_dir=tmp_path / "d", tract_max_memory=str(layerwise - 1))
     with pytest.raises(VerificationTooLarge, match=r"whole and [0-9.]+ GiB block by block"):
         NNEFExporter().check_files(NNEFSpec(), config, llama_dir, below)
+
+
+def test_a_per_expert_moe_plans_the_stack_its_experts_are_packed_into_as_its_largest_tensor() -> None:
+    """transformers 5 packs a layer's per-expert tensors into stacks (gate and up into one),
+    which the trace and torch-to-nnef's MoE extractor read whole: 8 experts x 5632 x 2048 in
+    float32 is 369 MiB per projection, 738 MiB for gate_up, where one expert's is 46 MiB."""
+    from service.exporters.nnef.plan import expert_stack_bytes
+
+    moe, dense = llama(2, experts=8), llama(2)
+    stack = 8 * 5632 * 2048 * 4
+    assert expert_stack_bytes((t.name, t.numel * 4) for t in moe.tensors) == 2 * stack
+    assert expert_stack_bytes((t.name, t.numel * 4) for t in dense.tensors) == 0
+    moe_plan = plan_export(spec("nnef"), moe, GiB, verify=False)
+    dense_plan = plan_export(spec("nnef"), dense, GiB, verify=False)
+    vocabulary = 32000 * 2048 * 4  # the dense model's largest tensor
+    assert moe_plan.job_peak_rss_bytes - dense_plan.job_peak_rss_bytes == 2 * (2 * stack - vocabulary)
+    assert f"({2 * stack >> 20} MiB float32)" in moe_plan.notes[0]

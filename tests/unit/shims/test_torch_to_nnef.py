@@ -194,3 +194,63 @@ def test_the_text_handler_passes_one_causal_mask_and_the_adapter_adds_the_window
     assert _visible(mixed["sliding_attention"]) == [[1, 2, 3], [2, 3, 4]]
     assert _visible(unwindowed["attention_mask"]) == _visible(plain)  # type: ignore[arg-type]
     assert _visible(_forward_inputs(mistral, seq=2, past=3)["attention_mask"]) == _visible(plain)
+
+
+def test_the_config_helper_misreads_falcon_and_gpt_neox_kv_heads_and_the_adapter_answers() -> None:
+    from torch_to_nnef_llm.config import HFConfigHelper
+    from transformers import FalconConfig, GPTNeoXConfig, LlamaConfig
+
+    def heads(config: object) -> int:
+        helper = HFConfigHelper.__new__(HFConfigHelper)  # only its config, no handler
+        helper.conf = config
+        return int(helper.get_num_kv_heads(0))
+
+    small = {"hidden_size": 64, "num_attention_heads": 4}
+    new_falcon = FalconConfig(new_decoder_architecture=True, num_kv_heads=2, **small)
+    old_falcon = FalconConfig(new_decoder_architecture=False, multi_query=True, **small)
+    neox = GPTNeoXConfig(**small)
+    for config, error in ((new_falcon, TypeError), (neox, AttributeError)):
+        try:
+            heads(config)
+        except error:
+            pass
+        else:
+            raise AssertionError(
+                f"assumption changed: HFConfigHelper.get_num_kv_heads(self, layer_idx) fails on "
+                f"{type(config).__name__} (if it no longer does, cache_heads_from_config can go)"
+            )
+    with t2n.cache_heads_from_config():
+        # what the model's cache holds: FalconAttention repeats the KV groups before it
+        assert heads(new_falcon) == 4 and heads(old_falcon) == 1 and heads(neox) == 4
+        assert heads(LlamaConfig(num_key_value_heads=2, **small)) == 2  # the library's answer
+    assert heads(LlamaConfig(num_key_value_heads=2, **small)) == 2
+
+
+def test_moe_expert_stacks_are_cut_through_a_module_global_and_the_adapter_offloads_them(
+    tmp_path: Path,
+) -> None:
+    from types import SimpleNamespace
+
+    from torch_to_nnef.op.custom_extractors import moe
+    from torch_to_nnef.tensor.offload import OffloadedTensor
+
+    cut = moe.__dict__.get("_maybe_quantize_expert_weight")
+    assert callable(cut) and list(inspect.signature(cut).parameters)[:3] == [
+        "node", "name", "data"
+    ], "assumption broken: moe._maybe_quantize_expert_weight(node, name, data, ...)"
+    assert "_maybe_quantize_expert_weight(" in inspect.getsource(moe._convert_moe_to_nnef), (
+        "assumption broken: _convert_moe_to_nnef cuts each stack through the module global"
+    )
+    node = SimpleNamespace(outputs=[SimpleNamespace(name="layer0_moe")])
+    stack = torch.arange(24, dtype=torch.float32).reshape(2, 4, 3).transpose(-1, -2)
+    assert cut(node, "w1", stack, False, None, {}) is stack, (
+        "assumption broken: an unquantized stack comes back as the data itself (held in RAM)"
+    )
+    with t2n.moe_experts_offloaded(tmp_path):
+        offloaded = moe._maybe_quantize_expert_weight(node, "w1", stack, False, None, {})
+        router = torch.ones(2, 4)
+        assert moe._maybe_quantize_expert_weight(node, "wg", router, False, None, {}) is router
+    assert moe.__dict__["_maybe_quantize_expert_weight"] is cut
+    assert isinstance(offloaded, OffloadedTensor) and offloaded.nnef_name == "layer0_moe_w1"
+    assert list(tmp_path.iterdir()), "the stack is written to the job's offload directory"
+    assert torch.equal(offloaded.to_base_tensor(), stack)

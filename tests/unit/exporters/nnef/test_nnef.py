@@ -150,7 +150,18 @@ def test_an_architecture_nnef_is_not_tested_on_is_refused_with_the_list(
 ) -> None:
     with pytest.raises(UnsupportedExport, match=match) as info:
         NNEFExporter().check(NNEFSpec(), config)
-    assert "supported: causal LMs gemma3_text, llama, mistral, qwen2, qwen3" in str(info.value)
+    assert "supported: causal LMs cohere, exaone4, falcon, gemma, gemma2, gemma3_text," in str(
+        info.value
+    )
+    assert http_status(info.value) == 422
+
+
+def test_falcon_with_alibi_is_refused_naming_the_mask_falcon_builds_it_from() -> None:
+    falcon = {"model_type": "falcon", "architectures": ["FalconForCausalLM"]}
+    NNEFExporter().check(NNEFSpec(), {**falcon, "alibi": False})
+    with pytest.raises(UnsupportedExport, match="Falcon with ALiBi") as info:
+        NNEFExporter().check(NNEFSpec(), {**falcon, "alibi": True})
+    assert "4-D causal mask" in str(info.value) and "2-D padding mask" in str(info.value)
     assert http_status(info.value) == 422
 
 
