@@ -37,6 +37,7 @@ from service.shims.torch_to_nnef import weights_only_unpickling
 from service.stage import InMemoryContext, Phase
 from service.verification.reference import greedy_reference, prompt_ids
 from tests.conftest import TinyCheckpointFactory
+from tests.fixtures.families import FamilyVariant, family_checkpoint
 from tests.fixtures.models import (
     build_checkpoint,
     build_tiny_llama,
@@ -508,3 +509,59 @@ def test_every_supported_family_exports_and_runs_in_tract(model_type: str, tmp_p
     verify = exported.result.summary["verify"]
     assert exported.result.summary["kind"] == "encoder"
     assert verify["max_abs_err"] <= verify["tolerance"], verify
+
+
+NEW_DECODERS = ("mixtral",)
+"""Every decoder family is exported and checked in tract by the families test
+(tests/integration/exporters/test_families.py); here a mixture of experts, for the archive's
+use of tract's MoE op, and the variants of two families that the families' tiny models lack."""
+
+FALCON_7B = {"new_decoder_architecture": False, "multi_query": True, "num_kv_heads": None,
+             "parallel_attn": True, "ffn_hidden_size": None}  # fmt: skip
+"""Falcon 7B's attention: one key/value head (multi-query), attention and MLP in parallel."""
+
+DECODER_VARIANTS = {
+    # the per-head q/k layer norms have no bias (torch-to-nnef drops such a norm's weight)
+    "stablelm, qk_layernorm (StableLM 2 12B)": FamilyVariant("stablelm", {"qk_layernorm": True}),
+    "falcon, multi_query (Falcon 7B)": FamilyVariant("falcon", FALCON_7B),
+}
+
+
+def _job_export(source: Path, root: Path, spec: NNEFSpec) -> Exported:
+    """The job's path: one meta build, dispatched to the job's offload store (where a MoE's
+    per-expert tensors fill transformers' packed stacks), exported from the store."""
+    from service.jobs.pipeline import ALL_ON_DISK
+    from service.offload.dispatch import dispatch_model
+    from service.offload.store import open_job_store
+
+    settings = Settings(data_dir=root / "data")
+    ctx = InMemoryContext(settings=settings, work_dir=root / "work", job_id="f" * 32)
+    ctx.work_dir.mkdir(parents=True)
+    with open_checkpoint(source) as ckpt:
+        built = build_on_meta(ckpt, settings)
+        skeleton = copy.deepcopy(built.model)
+        store = open_job_store(settings, ctx.job_id, ckpt.root)
+        try:
+            dispatch_model(built, ckpt.reader, store, ctx, max_memory=ALL_ON_DISK)
+            inputs = ExportInputs(checkpoint=ckpt, model=built.model, skeleton=skeleton, store=store)
+            result = NNEFExporter().export(spec, inputs, root / "out", ctx)
+        finally:
+            store.close()
+    return Exported(root / "out", result, ctx, root, [])
+
+
+@pytest.mark.parametrize("name", [*NEW_DECODERS, *DECODER_VARIANTS])
+def test_decoder_families_export_and_decode_in_tract_like_pytorch(name: str, tmp_path: Path) -> None:
+    """Each family (and variant) torch-to-nnef's LLM exporter takes with what the service adds
+    (``exporter._traceable``, ``shims.torch_to_nnef``), from the families' cached tiny models,
+    checked in tract as every NNEF export is; a mixture of experts as tract's MoE op."""
+    variant = DECODER_VARIANTS.get(name)
+    source = family_checkpoint(variant.family if variant else name, variant)
+    NNEFExporter().check(NNEFSpec(), json.loads((source / "config.json").read_text()))
+    exported = _job_export(source, tmp_path, NNEFSpec(decode_steps=2))
+    verify = exported.result.summary["verify"]
+    assert exported.result.summary["kind"] == "causal_lm"
+    assert verify["max_abs_err"] <= verify["tolerance"], verify
+    assert all(verify["argmax_agreed"]), verify
+    graph = _graph_text(exported.out / "model.nnef.tgz")
+    assert ("tract_moe_ffn(" in graph) == (name in ("mixtral", "qwen2_moe", "qwen3_moe"))
