@@ -177,10 +177,18 @@ def attach_offloaded_weights(
     model's ``base_model_prefix`` removed or added (a ``BertForMaskedLM`` checkpoint into
     ``BertModel``).
     """
+    from service.checkpoint.experts import as_model_names
     from service.offload.build import tied_names
+    from service.shims.transformers_keys import key_renamer
 
+    # A mixture of experts stored one tensor per expert is read as the model's packed stacks
+    # (the weights a job kept in RAM are not in its store, so they come from here too).
+    reader = as_model_names(reader, module)
     infos = {i.name: i for i in reader.tensor_infos()}
     aliases = reader.aliases()
+    # transformers' own renames at load (GPT-NeoX's embed_out is lm_head), as dispatch applies
+    rename = key_renamer(module)
+    renamed = {rename(n): n for n in infos if rename(n) != n}
     prefix = getattr(module, "base_model_prefix", "") or ""
     tied = tied_names(module)
     def source_of(name: str) -> tuple[TensorSource, str, tuple[int, ...], torch.dtype] | None:
@@ -194,6 +202,8 @@ def attach_offloaded_weights(
         for candidate in candidates:
             if candidate not in infos and aliases.get(candidate) in infos:
                 candidate = aliases[candidate]
+            if candidate not in infos and renamed.get(candidate) in infos:
+                candidate = renamed[candidate]
             if candidate in infos:
                 info = infos[candidate]
                 return reader, candidate, tuple(info.shape), info.dtype
