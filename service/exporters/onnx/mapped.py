@@ -27,15 +27,31 @@ ALIGNMENT = 65536
 """Offsets of large external tensors: a multiple of every platform's allocation granularity."""
 
 
-def _is_weight_transpose(node: ir.Node) -> bool:
-    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
-        return False
-    perm = node.attributes.get("perm")
-    (source,) = node.inputs if len(node.inputs) == 1 else (None,)
-    return (
-        perm is not None and tuple(perm.as_ints()) == (1, 0)
-        and source is not None and source.is_initializer() and len(source.uses()) == 1
-    )  # fmt: skip
+def weight_products(
+    graph: ir.Graph, *, sole_use: bool
+) -> list[tuple[ir.Node, ir.Value, list[ir.Node]]]:
+    """Each ``Transpose`` of an initializer ``W`` the graph multiplies as ``MatMul(x, Transpose(W))`` (a Linear's
+    weight, as torch.onnx writes it) with ``W`` and the MatMuls reading that transpose, where every reader
+    of the transpose is such a MatMul. With ``sole_use``, only a ``W`` nothing else reads (a tied
+    embedding's ``Gather`` does). Both rewrites of a Linear (read in place, quantized) start here."""
+    found: list[tuple[ir.Node, ir.Value, list[ir.Node]]] = []
+    for node in graph:
+        perm = node.attributes.get("perm")
+        if (
+            node.op_type != "Transpose" or node.domain not in ("", "ai.onnx")
+            or len(node.inputs) != 1 or perm is None or tuple(perm.as_ints()) != (1, 0)
+        ):  # fmt: skip
+            continue
+        weight, transposed = node.inputs[0], node.outputs[0]
+        if weight is None or not weight.is_initializer() or (sole_use and len(weight.uses()) != 1):
+            continue
+        products = [use.node for use in transposed.uses()]
+        if products and all(
+            p.op_type == "MatMul" and p.domain in ("", "ai.onnx") and p.inputs[1] is transposed
+            for p in products
+        ):
+            found.append((node, weight, products))
+    return found
 
 
 def weights_read_in_place(graph: ir.Graph) -> int:
@@ -45,17 +61,9 @@ def weights_read_in_place(graph: ir.Graph) -> int:
     import onnx_ir as ir
 
     rewritten = 0
-    for transpose in [n for n in graph if _is_weight_transpose(n)]:
-        weight = transpose.inputs[0]
-        transposed = transpose.outputs[0]
-        products = [use.node for use in transposed.uses()]
-        if not products or any(
-            p.op_type != "MatMul" or p.domain not in ("", "ai.onnx") or p.inputs[1] is not transposed
-            or p.inputs[0] is None or p.inputs[0].shape is None
-            for p in products
-        ):  # fmt: skip
+    for transpose, weight, products in weight_products(graph, sole_use=True):
+        if any(p.inputs[0] is None or p.inputs[0].shape is None for p in products):
             continue
-        assert weight is not None
         for product in products:
             x = product.inputs[0]
             assert x is not None and x.shape is not None
@@ -78,6 +86,6 @@ def weights_read_in_place(graph: ir.Graph) -> int:
             out.outputs[0].name = name  # a graph output (logits) keeps its name
             graph.remove(product, safe=True)
             rewritten += 1
-        if not transposed.uses():
+        if not transpose.outputs[0].uses():
             graph.remove(transpose, safe=True)
     return rewritten

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from service.exporters.onnx.mapped import weight_products
+
 if TYPE_CHECKING:
     import onnx_ir as ir
 
@@ -174,18 +176,6 @@ def _part_tensor_type() -> type[Any]:
     return NBitsPart
 
 
-def _is_weight_transpose(node: ir.Node) -> bool:
-    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
-        return False
-    perm = node.attributes.get("perm")
-    source = node.inputs[0]
-    return (
-        perm is not None and tuple(perm.as_ints()) == (1, 0)
-        and source is not None and source.is_initializer()
-        and source.shape is not None and len(source.shape) == 2
-    )  # fmt: skip
-
-
 def quantize_matmuls(
     graph: ir.Graph, scheme: NBits, rows_of: Any, spool: Path
 ) -> list[NBitsWeight]:
@@ -198,15 +188,7 @@ def quantize_matmuls(
 
     done: list[NBitsWeight] = []
     part_type = _part_tensor_type()
-    for transpose in [n for n in graph if _is_weight_transpose(n)]:
-        weight = transpose.inputs[0]
-        transposed = transpose.outputs[0]
-        products = [use.node for use in transposed.uses()]
-        if not products or any(
-            p.op_type != "MatMul" or p.domain not in ("", "ai.onnx") or p.inputs[1] is not transposed
-            for p in products
-        ):  # fmt: skip
-            continue
+    for transpose, weight, products in weight_products(graph, sole_use=False):
         assert weight is not None and weight.shape is not None and weight.name
         n, k = (int(d) for d in weight.shape.numpy())
         rows, itemsize = rows_of(weight.name)
