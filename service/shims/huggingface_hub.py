@@ -21,6 +21,10 @@ pyproject.toml):
   ``total`` and ``format_dict``, so the class is a real, enabled ``tqdm.std.tqdm`` (tqdm is
   declared because we subclass it; huggingface_hub's own subclass would disable itself under
   ``HF_HUB_DISABLE_PROGRESS_BARS`` and hide a job's progress).
+* ``is_xet_available()`` (``huggingface_hub.utils._runtime``) reads ``constants.HF_HUB_DISABLE_XET`` at each
+  call, and a download goes to ``hf_xet`` only when it says True: :func:`keep_downloads_on_client`
+  sets that constant so every byte goes through the client above. hf_xet is a Rust client with
+  its own connections: it would bypass the egress policy, the proxy and the CA bundle.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
+import huggingface_hub.constants as hub_constants
 import huggingface_hub.utils as hub_utils
 from huggingface_hub.utils import _http as hub_http
 from tqdm.std import tqdm
@@ -42,6 +47,7 @@ __all__ = [
     "client_factory",
     "filter_repo_objects",
     "job_progress_bar",
+    "keep_downloads_on_client",
     "validate_repo_id",
 ]
 
@@ -93,6 +99,14 @@ def client_factory(
         )
 
     return make
+
+
+def keep_downloads_on_client() -> None:
+    """Xet-stored files are downloaded over the hub's HTTP bridge by the shared client, not by
+    ``hf_xet``, whose own connections would leave the egress policy, the proxy and the CA
+    bundle behind (it reads none of them). The cost is Xet's chunk deduplication across
+    revisions; a job downloads each file once anyway."""
+    hub_constants.HF_HUB_DISABLE_XET = True
 
 
 class _NullFile(io.TextIOBase):

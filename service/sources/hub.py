@@ -14,7 +14,8 @@ The token (per job, else ``settings.hf_token``: ``MODELPREP_HF_TOKEN``, else ``H
 passed to ``huggingface_hub`` and nowhere else: it is not logged, not put in messages, details
 or the ResolvedSource. The endpoint is ``MODELPREP_HF_ENDPOINT``, else ``HF_ENDPOINT``; under
 ``HF_HUB_OFFLINE`` hub sources are refused (``source_not_allowed``). huggingface_hub's shared
-client goes through the settings' proxy and trusts their CA bundle (:func:`_hub_network`); the
+client, which downloads Xet files too (not hf_xet), goes through the settings' proxy and trusts
+their CA bundle (:func:`_hub_network`); the
 hub endpoint is the operator's choice, so the egress policy does not judge it or its redirects.
 A failure names the endpoint, the variable it came from and the proxy it went through.
 """
@@ -72,6 +73,7 @@ from service.shims.huggingface_hub import (
     client_factory,
     filter_repo_objects,
     job_progress_bar,
+    keep_downloads_on_client,
     set_client_factory,
     validate_repo_id,
 )
@@ -264,14 +266,13 @@ def _hub_network(settings: Settings) -> str:
     and trusts their CA bundle (rebuilt only when those change). Raises SourceNotAllowed under
     ``HF_HUB_OFFLINE``."""
     if settings.hf_hub_offline:
-        raise SourceNotAllowed(
-            "hf:// sources are refused: HF_HUB_OFFLINE is set on the service"
-        )
+        raise SourceNotAllowed("hf:// sources are refused: HF_HUB_OFFLINE is set on the service")
     wanted = (settings.proxy_routes, settings.ca_bundle)
     with _network_lock:
         if _network[-1:] != [wanted]:
             policy = settings.egress_policy
             set_client_factory(client_factory(policy.proxy.for_target, policy.ssl_context()))
+            keep_downloads_on_client()
             _network[:] = [wanted]
     return _endpoint(settings)
 

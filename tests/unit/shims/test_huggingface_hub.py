@@ -84,3 +84,27 @@ def test_the_client_given_to_set_client_factory_is_built_as_the_hubs_own() -> No
     finally:
         ours.close()
         default.close()
+
+
+def test_after_keep_downloads_on_client_no_download_goes_to_hf_xet() -> None:
+    import huggingface_hub.constants as hub_constants
+    from huggingface_hub import file_download
+    from huggingface_hub.file_download import is_xet_available
+
+    from service.shims.huggingface_hub import keep_downloads_on_client
+
+    saved = hub_constants.HF_HUB_DISABLE_XET
+    try:
+        hub_constants.HF_HUB_DISABLE_XET = False
+        assert is_xet_available(), "hf_xet is installed, so the hub would use it by default"
+        keep_downloads_on_client()
+        assert not is_xet_available(), (
+            "assumption broken: huggingface_hub.file_download.is_xet_available() reads "
+            "constants.HF_HUB_DISABLE_XET at each call"
+        )
+        source = inspect.getsource(file_download._download_to_tmp_and_move)
+        assert "xet_file_data is not None and is_xet_available()" in source, (
+            "assumption broken: a download goes to hf_xet only when is_xet_available() says so"
+        )
+    finally:
+        hub_constants.HF_HUB_DISABLE_XET = saved
