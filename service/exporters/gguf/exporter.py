@@ -59,7 +59,7 @@ from service.exporters.common.families import is_causal_lm
 from service.exporters.gguf.assumptions import check_assumptions
 from service.exporters.gguf.layout import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.lora import LORA_PREFIX
-from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_vlm, mmproj_type
+from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_layout, check_vlm, mmproj_type
 from service.exporters.gguf.plan import plan_gguf
 from service.exporters.gguf.provenance import add_provenance
 from service.exporters.gguf.spec import GGUFSpec
@@ -152,6 +152,7 @@ class GGUFExporter(Exporter):
         if config is not None:
             arch = _check_config(spec, config, settings.llama_cpp_dir)
             _check_converter_files(arch, root)
+            check_layout(config, root)
         self._check_tokenizer(spec, root)
 
     @staticmethod

@@ -48,7 +48,6 @@ def mmproj_type(text_type: str) -> OutType:
 
 
 VLM_FAMILIES: dict[str, str] = {
-    "Gemma3ForConditionalGeneration": "Gemma 3",
     "Idefics3ForConditionalGeneration": "SmolVLM / Idefics3",
     "SmolVLMForConditionalGeneration": "SmolVLM2",
     "Qwen2VLForConditionalGeneration": "Qwen2-VL",
@@ -77,6 +76,26 @@ VLM_TOWERS: dict[str, tuple[str, ...]] = {
 LLaVA 1.5/1.6 among them), so those are refused at submission, not at the converter."""
 
 
+RUNTIME_DIFFERS: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": (
+        "llama.cpp's mtmd prompts it with another sequence than its reference processor: it "
+        "writes an image as <start_of_image>, the soft tokens, <end_of_image> (llama.cpp "
+        "tools/mtmd/mtmd.cpp, PROJECTOR_TYPE_GEMMA3: img_beg/img_end), while transformers' "
+        "Gemma3Processor writes \\n\\n<start_of_image>, the soft tokens, <end_of_image>\\n\\n "
+        "(transformers models/gemma3/processing_gemma3.py, full_image_sequence), so llama.cpp's "
+        "replies to the same user prompt differ from transformers' (given one sequence, both "
+        "run the model alike, the image's bidirectional attention included)"
+    ),
+}
+"""Families upstream converts and the check could run, whose llama.cpp runtime differs from
+the reference implementation (the job must not pass them: refused at submission, the upstream
+references in the message). Gemma 3: on a tiny model whose greedy output tells causal from
+bidirectional image attention, llama-mtmd-cli agreed with transformers given llama.cpp's own
+sequence (8 tokens, then a near tie; forced causal, transformers parts at token 1 with a lead
+of 0.11), and parted from transformers fed by its processor at token 1 (image in a chat turn)
+and 2 (image first)."""
+
+
 NOT_TAKEN_WHY: dict[str, str] = {
     "Llama4ForConditionalGeneration": (
         "transformers' Llama 4 image processor needs torchvision, which the service does not "
@@ -91,6 +110,7 @@ NOT_TAKEN_WHY: dict[str, str] = {
         "the check would have no reference"
     ),
 }
+NOT_TAKEN_WHY |= RUNTIME_DIFFERS
 """Why a family upstream writes a projector for is not taken, where it is known beyond "not
 checked here yet" (see also :func:`check_vlm`'s remote-code case)."""
 
@@ -145,6 +165,36 @@ def check_vlm(config: dict[str, Any], bin_dir: Path | None = None) -> None:
         f"{f' with a {tower} vision tower' if tower else ''}: {why}; a VLM of any family "
         "exports as safetensors (every sub-model and the processor files)"
     )
+
+
+def check_layout(config: dict[str, Any], root: Path) -> None:
+    """Refuse a VLM checkpoint whose tensor names transformers' own rules do not load (the
+    names llama.cpp's converter is handed are found through them:
+    ``shims.llama_cpp_convert.published_layout``), with :class:`UnsupportedExport` naming some.
+    Every layout transformers reads passes: the Hub's, and what ``save_pretrained`` writes."""
+    if not is_multimodal(config):
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from service.checkpoint.headers import local_file_header
+    from service.shims.transformers_keys import unloadable_names
+
+    names = [t.name for f in sorted(root.glob("*.safetensors")) for t in local_file_header(f)]
+    if not names:
+        return  # a pickle checkpoint: its reader names what it holds
+    hf_config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(hf_config)  # type: ignore[no-untyped-call]
+    unread = unloadable_names(model, names)
+    if unread:
+        arch = (config.get("architectures") or ["?"])[0]
+        raise UnsupportedExport(
+            f"GGUF export of {arch}: {len(unread)} of the checkpoint's {len(names)} tensors "
+            f"(e.g. {unread[:3]}) are in a layout transformers' own rules for {arch} do not "
+            "load, so llama.cpp's converter cannot be handed them under the published names; "
+            "save the model with transformers' save_pretrained, or use the published layout"
+        )
 
 
 def plan_mmproj(

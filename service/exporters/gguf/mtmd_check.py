@@ -5,34 +5,44 @@ cannot prove llama.cpp runs them as transformers does (the image preprocessing, 
 special tokens around the image, the attention over image positions). So the job runs
 ``llama-mtmd-cli`` on the text model, the projector, a fixed image (:func:`fixed_image`: a
 deterministic RGB pattern drawn at the vision tower's own input size, so neither side resamples
-it) and a fixed prompt, greedy, and compares its output with transformers' greedy continuation
-of the same token sequence.
+it) and each of two prompts, greedy, and compares its output with transformers' greedy
+continuation of the same token sequence.
 
-The sequence is llama.cpp's, built on the transformers side by the family's layout
-(:data:`LAYOUTS`): ``llama-mtmd-cli`` gets a chat template that returns the user's text as it is,
-so its prompt is ``<bos>`` + the image + the prompt text, and mtmd wraps the image in the
-family's markers (Gemma 3: ``<start_of_image>`` + one embedding per soft token +
-``<end_of_image>``; Idefics3: the image as one tile after
-``<fake_token_around_image><row_1_col_1>``, then as the overview after a two-newline token and
-``<fake_token_around_image><global-img>``; Pixtral, under LLaVA or Mistral 3: the rows of
-patches with an ``[IMG_BREAK]`` after each row but the last, then ``[IMG_END]``). transformers is given those ids, the image's
-``pixel_values`` from the checkpoint's own image processor (one frame per frame mtmd encodes),
-and generates greedily in float32, the whole model in memory: the plan
-counts it (``gguf.plan``), so a VLM too large for it is refused at submission.
+**The prompts, as people send them** (:func:`prompts`): the image right after BOS, then
+:data:`PROMPT` (``image_first``); and one user turn of the checkpoint's own chat template (the
+processor's, else the tokenizer's), rendered by transformers with the image and then
+:data:`PROMPT` inside the turn and the generation prompt after it (``chat_turn``,
+:func:`chat_prompt`). The tool is given the text around the image exactly
+(``mtmd_session``), and mtmd wraps the image in the family's markers (:data:`LAYOUTS`; Gemma 3:
+``<start_of_image>`` + one embedding per soft token + ``<end_of_image>``; Idefics3: the image as
+one tile after ``<fake_token_around_image><row_1_col_1>``, then as the overview after a
+two-newline token and ``<fake_token_around_image><global-img>``; Pixtral, under LLaVA or Mistral
+3: the rows of patches with an ``[IMG_BREAK]`` after each row but the last, then
+``[IMG_END]``). The sequence is llama.cpp's: the text around the image as ``llama-tokenize``
+reads it (special tokens parsed, as mtmd does) and the family's layout around the image, and
+transformers is given those ids, the image's ``pixel_values`` from the checkpoint's own image
+processor (one frame per frame mtmd encodes), and generates greedily in float32, the whole
+model in memory: the plan counts it (``gguf.plan``), so a VLM too large for it is refused at
+submission.
 
-**The bound.** llama.cpp's output must equal transformers' first :data:`TOKENS` greedy tokens
-(compared as bytes: llama.cpp prints token pieces, which may split a UTF-8 character), except that
-comparison stops at the first step where transformers' top-1 logit leads its top-2 by less than
-:data:`NEAR_TIE` (that step's token may differ, and nothing after it is comparable). Why 0.05: an
-f16 file moves llama.cpp's logits by about 1e-3 to 1e-2 of their scale against float32 transformers
-(the text logit checks measure it, ``service.verification.logits``), so a lead of 0.05 cannot flip
-through rounding, while a wrong projector moves every image-conditioned logit by O(1). A comparison
-left with fewer than :data:`MIN_COMPARED` tokens is reported inconclusive rather than passed.
+**The bound, the exact/quality split of the checks.** llama.cpp's output must equal
+transformers' :data:`TOKENS` greedy tokens (compared as bytes: llama.cpp prints token pieces,
+which may split a UTF-8 character). Where it diverges at a step whose transformers lead (top-1
+minus top-2 logit) is at least :data:`NEAR_TIE`, the check fails: an f16 file moves llama.cpp's
+logits by about 1e-3 to 1e-2 of their scale against float32 transformers (the text logit checks
+measure it, ``service.verification.logits``), so such a lead cannot flip through rounding,
+while a wrong projector moves every image-conditioned logit by O(1) (a q8_0 file's bound is
+:data:`Q8_0_NEAR_TIE`, :func:`tie_bound`). Where it diverges at a near tie, greedy comparison after it means nothing (each side continues its own text), so the rest
+is compared **teacher-forced**: llama-mtmd-cli is given transformers' tokens up to each step
+and must choose transformers' token there, or one within :data:`NEAR_TIE` of it
+(:func:`teacher_forced`). A continuation llama.cpp cannot be fed as text (its tokenizer does
+not read it back as the same ids) fails typed, as inconclusive, rather than passing.
 
 Why one module of over 450 lines: it is one consumer's check whose parts must agree token for
-token: each family's image layout (:data:`LAYOUTS`, a few lines of the table each),
-transformers' greedy reference built to llama.cpp's sequence, the tool's run and the
-comparison. Apart, a family's layout would sit away from the reference that must follow it.
+token: each family's image layout (:data:`LAYOUTS`, a few lines of the table each), the prompts,
+transformers' greedy reference built to llama.cpp's sequence and the comparison. Apart, a
+family's layout would sit away from the reference that must follow it. The tool's side (the
+chat session, ``llama-tokenize``) is ``mtmd_session``.
 """
 
 from __future__ import annotations
@@ -45,21 +55,18 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import VerificationFailed
-from service.exporters.common.child_process import run_child
-from service.shims.llama_cpp import TOOL_ENV, llama_cpp_tool
+from service.exporters.gguf.mtmd_session import llama_ids, run_session
 
 TOKENS = 16
 """Greedy tokens generated on each side."""
 NEAR_TIE = 0.05
 """transformers' top-1 minus top-2 logit below which a step may legitimately differ."""
-MIN_COMPARED = 4
-"""Fewer comparable tokens than this and the check is inconclusive (reported, not passed)."""
+Q8_0_NEAR_TIE = 0.3
+"""The same for a q8_0 text model and projector: 8-bit blocks move the tiny models' logits by
+far more than f16 does (their greedy tokens parted from float32 transformers' at leads of 0.13
+and 0.15 on Qwen2.5-VL and SmolVLM, f16 agreeing), still well under the O(1) of a wrong
+projector. The q8_0 check is the quality half of the split, the f16 one the exact half."""
 PROMPT = "Describe the image."
-PASS_THROUGH_TEMPLATE = "{{ messages[0]['content'] }}"
-"""Chat template given to llama-mtmd-cli: the user's text as it is, so both sides see one
-sequence whatever the checkpoint's own template says."""
-MEDIA_MARKER = "<__media__>"
-"""mtmd's default media marker (``mtmd_default_marker()``)."""
 
 
 IMAGE = None
@@ -89,6 +96,9 @@ class Layout:
     None when a frame is one run of embeddings."""
     rows: Callable[[dict[str, Any]], int] | None = None
     """Rows of embeddings per frame (with :attr:`row_break`), from the config."""
+    chat_image: str = ""
+    """What the family's chat template writes for one image (the text its processor expands
+    into the image's tokens): where the ``chat_turn`` prompt puts mtmd's image."""
 
     @property
     def frames(self) -> int:
@@ -127,13 +137,15 @@ def _pixtral_side(config: dict[str, Any]) -> int:
 
 
 QWEN2VL_PIECES = ("<|vision_start|>", IMAGE, "<|vision_end|>")
+QWEN2VL_CHAT_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 IDEFICS3_ONE_TILE = ("<fake_token_around_image>", "<row_1_col_1>", IMAGE, "\n\n",
                      "<fake_token_around_image>", "<global-img>", IMAGE,
                      "<fake_token_around_image>")  # fmt: skip
 
 IDEFICS3_LAYOUT = Layout(
-    IDEFICS3_ONE_TILE, "<image>", _idefics3_per_frame, (("do_image_splitting", False),)
+    IDEFICS3_ONE_TILE, "<image>", _idefics3_per_frame, (("do_image_splitting", False),),
+    chat_image="<image>",
 )
 
 PIXTRAL_LAYOUT = Layout(
@@ -142,6 +154,7 @@ PIXTRAL_LAYOUT = Layout(
     lambda config: _pixtral_side(config) ** 2,
     row_break="[IMG_BREAK]",
     rows=_pixtral_side,
+    chat_image="[IMG]",
 )
 
 LAYOUTS: dict[str, Layout] = {
@@ -150,7 +163,7 @@ LAYOUTS: dict[str, Layout] = {
         ("<start_of_image>", IMAGE, "<end_of_image>"),
         "<image_soft_token>",
         lambda config: int(config.get("mm_tokens_per_image", 256)),
-        type_ids="token_type_ids",
+        type_ids="token_type_ids", chat_image="<start_of_image>",
     ),
     # mtmd.cpp PROJECTOR_TYPE_IDEFICS3 on an image of one tile (the fixed image is drawn at the
     # preprocessor's longest edge, the tile size, so mtmd resizes nothing): the tile as slice
@@ -163,23 +176,27 @@ LAYOUTS: dict[str, Layout] = {
     # <|vision_end|>; the image at the tower's 224 pixels, a multiple of the 28-pixel merged
     # patch, so neither side resizes it; transformers also takes the image's grid (M-RoPE)
     "Qwen2VLForConditionalGeneration": Layout(
-        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
+        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids",
+        chat_image=QWEN2VL_CHAT_IMAGE,
     ),
     "Qwen2_5_VLForConditionalGeneration": Layout(
-        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
+        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids",
+        chat_image=QWEN2VL_CHAT_IMAGE,
     ),
     "Qwen3VLForConditionalGeneration": Layout(
-        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
+        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids",
+        chat_image=QWEN2VL_CHAT_IMAGE,
     ),
     "Qwen3VLMoeForConditionalGeneration": Layout(
-        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids"
+        QWEN2VL_PIECES, "<|image_pad|>", _qwen2vl_per_frame, type_ids="mm_token_type_ids",
+        chat_image=QWEN2VL_CHAT_IMAGE,
     ),
     # mtmd.cpp PROJECTOR_TYPE_GLM4V: <|begin_of_image|> (merged patches) <|end_of_image|>,
     # the image at the tower's image_size, a multiple of the 28-pixel merged patch; M-RoPE
     # positions as Qwen2-VL's, from mm_token_type_ids
     "Glm4vForConditionalGeneration": Layout(
         ("<|begin_of_image|>", IMAGE, "<|end_of_image|>"), "<|image|>", _qwen2vl_per_frame,
-        type_ids="mm_token_type_ids",
+        type_ids="mm_token_type_ids", chat_image="<|begin_of_image|><|image|><|end_of_image|>",
     ),
     # mtmd.cpp PROJECTOR_TYPE_PIXTRAL (Pixtral under LLaVA, Mistral 3 with its patch merger):
     # the rows of (merged) patches, the [IMG_BREAK] embedding after each but the last, then
@@ -189,6 +206,7 @@ LAYOUTS: dict[str, Layout] = {
     "JanusForConditionalGeneration": Layout(
         (IMAGE,), "<image_placeholder>",
         lambda config: int((config.get("vision_config") or {}).get("num_image_tokens", 576)),
+        chat_image="<image_placeholder>",
     ),
     "LlavaForConditionalGeneration": PIXTRAL_LAYOUT,
     "Mistral3ForConditionalGeneration": PIXTRAL_LAYOUT,
@@ -199,6 +217,7 @@ LAYOUTS: dict[str, Layout] = {
     "Gemma4ForConditionalGeneration": Layout(
         ("<|image>", IMAGE, "<image|>"), "<|image|>", lambda config: _gemma4_side(config) ** 2,
         (("max_soft_tokens", GEMMA4_SOFT_TOKENS),), type_ids="mm_token_type_ids",
+        chat_image="<|image|>",
     ),
 }
 """The sequence layout of every family in ``mmproj.VLM_FAMILIES``."""
@@ -269,21 +288,119 @@ def lookup_token(tokenizer: Any, text: str) -> int:
     raise VerificationFailed(f"the tokenizer has no token {text!r}, which mtmd puts around images")
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One way of prompting: the text between BOS and the image, and after the image."""
+
+    style: str
+    before: str
+    after: str
+
+
+IMAGE_FIRST = Prompt("image_first", "", PROMPT)
+"""The image right after BOS, then the request."""
+
+CHAT_TURN = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+"""One user turn holding the image, then the request (as the families' model cards show)."""
+
+
+def _template_owner(root: Path) -> Any | None:
+    """What holds the checkpoint's chat template: its processor (``chat_template.jinja``,
+    ``processor_config.json``), else its tokenizer; None when neither has one."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    try:
+        processor: Any = AutoProcessor.from_pretrained(str(root), local_files_only=True)  # type: ignore[no-untyped-call]
+    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError):
+        processor = None  # a processor transformers cannot build from these files
+    if getattr(processor, "chat_template", None):
+        return processor
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    return tokenizer if getattr(tokenizer, "chat_template", None) else None
+
+
+def chat_prompt(root: Path, config: dict[str, Any]) -> Prompt | None:
+    """The ``chat_turn`` prompt: :data:`CHAT_TURN` rendered by transformers with the
+    checkpoint's template and the generation prompt; what the template writes for the image
+    (the family's :attr:`Layout.chat_image`, which the processor would expand) is where mtmd's
+    image goes, and a leading BOS text is dropped (llama.cpp adds BOS itself, and strips one a
+    template writes: ``common_chat_templates_apply``). None when the checkpoint has no chat
+    template; VerificationFailed when the template does not write the image as the family's
+    text, once."""
+    owner = _template_owner(root)
+    if owner is None:
+        return None
+    layout = LAYOUTS[str((config.get("architectures") or [""])[0])]
+    rendered = str(owner.apply_chat_template(CHAT_TURN, add_generation_prompt=True, tokenize=False))
+    parts = rendered.split(layout.chat_image) if layout.chat_image else []
+    if len(parts) != 2:
+        raise VerificationFailed(
+            f"the checkpoint's chat template writes an image in a user turn as {rendered[:300]!r}, "
+            f"not as one {layout.chat_image!r}, so the check cannot place mtmd's image in the turn"
+        )
+    before, after = parts
+    tokenizer = getattr(owner, "tokenizer", owner)
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and before.startswith(bos):
+        before = before[len(bos) :]
+    return Prompt("chat_turn", before, after)
+
+
+def prompts(root: Path, config: dict[str, Any]) -> list[Prompt]:
+    """The prompts the check runs: image first, and the chat turn where there is a template."""
+    chat = chat_prompt(root, config)
+    return [IMAGE_FIRST] if chat is None else [IMAGE_FIRST, chat]
+
+
 @dataclass
 class Greedy:
+    """transformers' greedy continuation of one sequence."""
+
     ids: list[int]
     margins: list[float]
+    """Top-1 minus top-2 logit at each step (one more than ``ids`` when it ended with EOS)."""
     pieces: list[bytes]
+    near: list[set[int]]
+    """At each step, the tokens within :data:`NEAR_TIE` of the top one (it included)."""
+    ended: bool = False
+    """Whether it chose an end-of-generation token before :data:`TOKENS` (not in ``ids``)."""
+    tie: float = NEAR_TIE
+    """The lead below which a step is a near tie (:func:`tie_bound`)."""
+    eos: frozenset[int] = frozenset()
+    """The model's end-of-generation tokens."""
 
 
-def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: int) -> Greedy:
-    """transformers' greedy continuation of llama.cpp's sequence (see the module doc)."""
+def sequence_ids(
+    tokenizer: Any, config: dict[str, Any], before: list[int], after: list[int]
+) -> list[int]:
+    """llama.cpp's sequence: BOS, ``before``, the family's image layout, ``after``."""
+    layout = LAYOUTS[str((config.get("architectures") or [""])[0])]
+    placeholder = lookup_token(tokenizer, layout.placeholder)
+    ids = [int(tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []
+    ids += before
+    for piece in layout.pieces:
+        if piece is IMAGE:
+            ids += _frame(tokenizer, config, layout, placeholder)
+        else:
+            ids.append(lookup_token(tokenizer, piece))
+    return ids + after
+
+
+def reference_greedy(
+    root: Path,
+    config: dict[str, Any],
+    image: Path,
+    sequences: list[list[int]],
+    tokens: int,
+    tie: float = NEAR_TIE,
+) -> list[Greedy]:
+    """transformers' greedy continuation of each of llama.cpp's sequences (module doc), the
+    model loaded once."""
     import torch
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    arch = str((config.get("architectures") or [""])[0])
-    layout = LAYOUTS[arch]
+    layout = LAYOUTS[str((config.get("architectures") or [""])[0])]
     tokenizer: Any = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     processor: Any = AutoImageProcessor.from_pretrained(str(root), local_files_only=True)  # type: ignore[no-untyped-call]
     with Image.open(image) as img:
@@ -299,41 +416,35 @@ def reference_greedy(root: Path, config: dict[str, Any], image: Path, tokens: in
     if pixels.ndim == 5:  # frames per image (Idefics3): mtmd's frames, each the same tile
         pixels = pixels[:, :1].repeat(1, layout.frames, 1, 1, 1)
     placeholder = lookup_token(tokenizer, layout.placeholder)
-    ids = [int(tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []
-    for piece in layout.pieces:
-        if piece is IMAGE:
-            ids += _frame(tokenizer, config, layout, placeholder)
-        else:
-            ids.append(lookup_token(tokenizer, piece))
-    ids += tokenizer(PROMPT, add_special_tokens=False).input_ids
     model: Any = AutoModelForImageTextToText.from_pretrained(
         str(root), dtype=torch.float32, local_files_only=True
     )
     model.eval()
-    input_ids = torch.tensor([ids])
-    marks = (input_ids == placeholder).long()
-    extra = {layout.type_ids: marks} if layout.type_ids is not None else {}
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            pixel_values=pixels.to(torch.float32),
-            **grid,
-            max_new_tokens=tokens,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            **extra,
-        )
-    new = [int(t) for t in out.sequences[0, len(ids) :]]
-    margins = []
-    for scores in out.scores:
-        top = scores[0].float().topk(2).values
-        margins.append(float(top[0] - top[1]))
     eos = set(_ids(getattr(model.generation_config, "eos_token_id", None)))
-    if new and new[-1] in eos:  # llama.cpp stops before printing an end-of-generation token
-        new, margins = new[:-1], margins[: len(new) - 1]
-    return Greedy(new, margins, [token_bytes(tokenizer, t) for t in new])
+    out = []
+    for ids in sequences:
+        input_ids = torch.tensor([ids])
+        marks = (input_ids == placeholder).long()
+        extra = {layout.type_ids: marks} if layout.type_ids is not None else {}
+        with torch.inference_mode():
+            generated = model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                pixel_values=pixels.to(torch.float32), **grid, max_new_tokens=tokens,
+                do_sample=False, output_scores=True, return_dict_in_generate=True, **extra,
+            )  # fmt: skip
+        new = [int(t) for t in generated.sequences[0, len(ids) :]]
+        margins, near = [], []
+        for scores in generated.scores:
+            row = scores[0].float()
+            top = row.topk(2).values
+            margins.append(float(top[0] - top[1]))
+            near.append({int(i) for i in torch.nonzero(row >= top[0] - tie).flatten()})
+        ended = bool(new) and new[-1] in eos
+        if ended:  # llama.cpp stops before printing an end-of-generation token
+            new = new[:-1]
+        pieces = [token_bytes(tokenizer, t) for t in new]
+        out.append(Greedy(new, margins, pieces, near, ended, tie, frozenset(eos)))
+    return out
 
 
 def _frame(tokenizer: Any, config: dict[str, Any], layout: Layout, placeholder: int) -> list[int]:
@@ -353,120 +464,136 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-CHAT_SESSION = r"""
-log="$1"; image="$2"; prompt="$3"; shift 3
-fifo="$log.stdin"; rm -f "$fifo" "$log" "$log.hwm"; mkfifo "$fifo" || exit 1
-"$@" --log-file "$log" < "$fifo" > /dev/null &
-tool=$!
-exec 3> "$fifo"
-printf '/image %s\n%s\n' "$image" "$prompt" >&3
-while kill -0 "$tool" 2>/dev/null; do
-  hwm=$(sed -n 's/^VmHWM:[^0-9]*\([0-9]*\) kB$/\1/p' "/proc/$tool/status" 2>/dev/null)
-  [ -n "$hwm" ] && echo "$hwm" > "$log.hwm"
-  case "$(tail -c 3 "$log" 2>/dev/null | od -An -c | tr -d ' ')" in
-    '\n>') [ "$(grep -c '^> ' "$log")" -ge 3 ] && break ;;
-  esac
-  sleep 0.1
-done
-exec 3>&-
-wait "$tool"; status=$?
-rm -f "$fifo"; exit "$status"
-"""
-"""Runs llama-mtmd-cli as a chat of two lines (the image, the prompt) and ends it once the tool
-asks for a third, recording the tool's own peak RSS (``VmHWM`` of ``/proc/<tool>/status``,
-read every 0.1 s while it runs, the last read once the reply is whole) in ``<log>.hwm``. Why
-there too: ``run_child`` samples its child's tree every 0.25 s, and on a small model the tool
-can start and end between two looks (it then reported the shell's 1.7 MiB). Why not
-``-p``/``--image`` (one turn, then exit): the tool prints through
-llama.cpp's log thread, whose logger is never flushed at exit (llama.cpp #22142), so under load
-the end of the reply was lost (16 tokens generated, 1 printed). The request for the next line
-(``> ``) follows the reply in the same ordered queue, so once it is in the log file the reply is
-whole; then stdin closes and the tool ends. The log file, not stdout: the console echoes the
-lines it reads to stdout directly, out of order with the queue."""
-
-LOG_LINE = re.compile(rb"^\d+\.\d{2}\.\d{3}\.\d{3} [IWED] [^\n]*\n", re.MULTILINE)
-"""A log line of llama.cpp's own (``--log-prefix --log-timestamps``), not the reply's."""
-
-
-def run_mtmd(
-    text_gguf: Path,
-    mmproj: Path,
-    image: Path,
-    tokens: int,
-    work: Path,
-    check_abort: Callable[[], None],
-    bin_dir: Path | None = None,
-) -> tuple[bytes, int]:
-    """llama-mtmd-cli's greedy reply (bytes, as printed) and its peak RSS."""
-    log = work / "mtmd-session.log"
-    tool = str(llama_cpp_tool("llama-mtmd-cli", bin_dir))
-    argv = [
-        tool, "-m", str(text_gguf), "--mmproj", str(mmproj), "--jinja",
-        "--chat-template", PASS_THROUGH_TEMPLATE, "-n", str(tokens), "--temp", "0",
-        "--seed", "0", "-t", "1", "-c", "1024", "--no-warmup", "--log-prefix",
-        "--log-timestamps", "--log-colors", "off",
-    ]  # fmt: skip
-    # run_child's peak is the largest of the shell's tree it saw; the session's record is the
-    # tool's own whenever it ran (see CHAT_SESSION)
-    shell = ["/bin/sh", "-c", CHAT_SESSION, "sh", str(log), str(image), PROMPT, *argv]
-    peak = run_child(shell, work, "llama-mtmd-cli", check_abort, TOOL_ENV, timeout=1800.0).rss
-    return reply(log.read_bytes()), max(peak, tool_peak(log))
-
-
-def tool_peak(log: Path) -> int:
-    """llama-mtmd-cli's own peak RSS in bytes, as the chat session recorded it."""
-    try:
-        return int((log.parent / (log.name + ".hwm")).read_text().strip()) * 1024
-    except (OSError, ValueError):
-        raise VerificationFailed(
-            "llama-mtmd-cli's peak RSS was not recorded (no VmHWM in /proc/<pid>/status)"
-        ) from None
-
-
-def reply(session: bytes) -> bytes:
-    """The reply in a chat session's log: after the second request for a line (the image
-    loaded) up to the third, without llama.cpp's own log lines."""
-    turns = session.split(b"\n> ")
-    if len(turns) < 4:
-        raise VerificationFailed(
-            f"llama-mtmd-cli ended before replying to the prompt: {session[-300:]!r}"
-        )
-    return LOG_LINE.sub(b"", b"\n> ".join(turns[2:-1]))
+def _printed(piece: bytes) -> bytes:
+    """What llama.cpp prints of a piece: through C strings, a NUL byte prints nothing."""
+    return piece.replace(b"\x00", b"")
 
 
 def compare(printed: bytes, reference: Greedy) -> dict[str, Any]:
-    """The stated bound (module doc) on llama.cpp's output against transformers' greedy tokens;
-    VerificationFailed beyond it."""
-    text = printed.strip(b"\n")  # the tool prints a newline before and after the response
-    comparable = next(
-        (i for i, m in enumerate(reference.margins) if m < NEAR_TIE), len(reference.ids)
-    )
+    """llama.cpp's greedy output against transformers' tokens: the report, with ``result``
+    ``agree``, or ``near_tie`` when they part at a near tie (:func:`teacher_forced` judges the
+    rest); VerificationFailed where they part at a clear lead."""
+    text = printed.removeprefix(b"\n")  # the tool prints a newline before the response
     agreed = 0
     prefix = b""
     for piece in reference.pieces:
-        # llama.cpp prints through C strings: a NUL byte (the <0x00> byte token) prints nothing
-        prefix += piece.replace(b"\x00", b"")
+        prefix += _printed(piece)
         if not text.startswith(prefix):
             break
         agreed += 1
+    whole = agreed == len(reference.ids)
+    # transformers ended with EOS: llama.cpp must end there too (it prints a newline at EOG)
+    overran = whole and reference.ended and text not in (prefix, prefix + b"\n")
     report = {
         "tokens": len(reference.ids),
         "agreed_tokens": agreed,
-        "comparable_tokens": comparable,
-        "near_tie": NEAR_TIE,
+        "near_tie": reference.tie,
         "min_margin": round(min(reference.margins), 4) if reference.margins else None,
         "llama_cpp_output": text[:200].decode("utf-8", "replace"),
+        "transformers_output": b"".join(reference.pieces)[:200].decode("utf-8", "replace"),
+        "result": "agree",
     }
-    if agreed < comparable:
+    if whole and not overran:
+        return report
+    lead = reference.margins[agreed] if agreed < len(reference.margins) else math.inf
+    if lead >= reference.tie:
         raise VerificationFailed(
             f"llama-mtmd-cli's greedy output diverges from transformers' at token {agreed} of "
-            f"{comparable} comparable ones (transformers' lead there "
-            f"{reference.margins[agreed]:.3g} >= {NEAR_TIE}): the projector or the text model "
-            f"does not run in llama.cpp as in transformers; llama.cpp printed "
-            f"{text[:120]!r}, transformers {b''.join(reference.pieces)[:120]!r}"
+            f"{len(reference.ids)} (transformers' lead there {lead:.3g} >= {reference.tie}): the "
+            "projector or the text model does not run in llama.cpp as in transformers; "
+            f"llama.cpp printed {text[:120]!r}, transformers {b''.join(reference.pieces)[:120]!r}"
         )
-    report["result"] = "agree" if comparable >= MIN_COMPARED else "inconclusive"
+    report |= {"result": "near_tie", "near_tie_at": agreed}
     return report
+
+
+def forced_texts(reference: Greedy, start: int) -> list[str]:
+    """transformers' tokens before each step from ``start`` on, as text to feed llama.cpp;
+    VerificationFailed (inconclusive) where they split a UTF-8 character."""
+    out = []
+    for step in range(start, len(reference.ids) + int(reference.ended)):
+        raw = b"".join(reference.pieces[:step])
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise VerificationFailed(
+                f"inconclusive: llama.cpp's and transformers' greedy tokens part at a near tie "
+                f"(step {start}), and transformers' tokens up to step {step} split a UTF-8 "
+                "character, so llama.cpp cannot be fed them to compare the rest teacher-forced"
+            ) from None
+    return out
+
+
+def teacher_forced(
+    replies: list[bytes], reference: Greedy, start: int, tokenizer: Any
+) -> dict[str, Any]:
+    """Each step from ``start`` on, llama.cpp given transformers' tokens before it: its token
+    must be transformers' or one within :data:`NEAR_TIE` of it; VerificationFailed otherwise."""
+    for step, reply in zip(range(start, start + len(replies)), replies, strict=True):
+        allowed = reference.near[step]
+        choices = {_printed(token_bytes(tokenizer, t)) for t in allowed}
+        got = reply.removeprefix(b"\n")
+        # an end of generation prints a newline and no piece
+        ends = got in (b"", b"\n") and bool(allowed & reference.eos)
+        if got not in choices and not ends:
+            wanted = reference.pieces[step] if step < len(reference.pieces) else b"<end>"
+            raise VerificationFailed(
+                f"teacher-forced on transformers' tokens, llama-mtmd-cli chose {got!r} at step "
+                f"{step}, transformers {wanted!r} (lead {reference.margins[step]:.3g}; tokens "
+                f"within {reference.tie}: {sorted(choices)[:4]}): after the near tie at step "
+                f"{start}, llama.cpp does not run the model as transformers does"
+            )
+    return {"teacher_forced_from": start, "teacher_forced_steps": len(replies),
+            "result": "agree (teacher-forced after a near tie)"}  # fmt: skip
+
+
+def tie_bound(text_gguf: Path) -> float:
+    """:data:`Q8_0_NEAR_TIE` for a q8_0 text model (its projector is q8_0 too), else
+    :data:`NEAR_TIE`."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(text_gguf).fields.get("general.file_type")
+    file_type = int(field.contents()) if field is not None else -1
+    return Q8_0_NEAR_TIE if file_type == int(LlamaFileType.MOSTLY_Q8_0) else NEAR_TIE
+
+
+def _judge(
+    prompt: Prompt,
+    printed: bytes,
+    reference: Greedy,
+    after_ids: list[int],
+    tokenizer: Any,
+    text_gguf: Path,
+    mmproj: Path,
+    image: Path,
+    work: Path,
+    check_abort: Callable[[], None],
+    bin_dir: Path | None,
+) -> dict[str, Any]:
+    """One prompt's report: :func:`compare`, then :func:`teacher_forced` after a near tie."""
+    report = compare(printed, reference)
+    own = tokenizer(prompt.after, add_special_tokens=False).input_ids
+    report["text_tokenized_alike"] = own == after_ids
+    if report["result"] != "near_tie":
+        return report
+    start = int(report["near_tie_at"])
+    forced = forced_texts(reference, start)
+    fed = llama_ids(text_gguf, [prompt.after + f for f in forced], work, check_abort, bin_dir)
+    for step, ids in zip(range(start, start + len(forced)), fed, strict=True):
+        if ids != after_ids + reference.ids[:step]:
+            raise VerificationFailed(
+                f"inconclusive: llama.cpp's and transformers' greedy tokens part at a near tie "
+                f"(step {start}), and llama.cpp's tokenizer does not read transformers' tokens "
+                f"up to step {step} back as the same ids, so the rest cannot be compared "
+                "teacher-forced"
+            )
+    replies, peak = run_session(
+        text_gguf, mmproj, image, [(prompt.before, prompt.after + f) for f in forced], 1, work,
+        check_abort, bin_dir,
+    )  # fmt: skip
+    return report | teacher_forced(replies, reference, start, tokenizer) | {
+        "forced_peak_rss_bytes": peak
+    }
 
 
 def check_mtmd(
@@ -478,12 +605,40 @@ def check_mtmd(
     check_abort: Callable[[], None],
     bin_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Run both sides on the fixed image and prompt and apply the bound; the report."""
+    """Run both sides on the fixed image and every prompt and apply the bound; the report."""
+    from transformers import AutoTokenizer
+
     work.mkdir(parents=True, exist_ok=True)
     image = fixed_image(work / "fixed-image.png", image_size(config))
-    printed, peak = run_mtmd(text_gguf, mmproj, image, TOKENS, work, check_abort, bin_dir)
-    reference = reference_greedy(root, config, image, TOKENS)
-    report = compare(printed, reference)
-    report |= {"image": f"{image_size(config)}x{image_size(config)} fixed pattern",
-               "prompt": PROMPT, "peak_rss_bytes": peak}  # fmt: skip
-    return report
+    asked = prompts(root, config)
+    texts = llama_ids(
+        text_gguf, [t for p in asked for t in (p.before, p.after)], work, check_abort, bin_dir
+    )
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    sequences = [
+        sequence_ids(tokenizer, config, texts[2 * i], texts[2 * i + 1]) for i in range(len(asked))
+    ]
+    printed, peak = run_session(
+        text_gguf, mmproj, image, [(p.before, p.after) for p in asked], TOKENS, work,
+        check_abort, bin_dir,
+    )  # fmt: skip
+    references = reference_greedy(root, config, image, sequences, TOKENS, tie_bound(text_gguf))
+    reports: dict[str, dict[str, Any]] = {}
+    for i, (prompt, out, reference) in enumerate(zip(asked, printed, references, strict=True)):
+        try:
+            report = _judge(prompt, out, reference, texts[2 * i + 1], tokenizer, text_gguf,
+                            mmproj, image, work, check_abort, bin_dir)  # fmt: skip
+        except VerificationFailed as exc:
+            raise VerificationFailed(f"{prompt.style} prompt: {exc}") from exc
+        peak = max(peak, report.pop("forced_peak_rss_bytes", 0))
+        report["prompt"] = prompt.before + "<image>" + prompt.after
+        reports[prompt.style] = report
+    return {
+        "result": "agree",
+        "tokens": min(r["tokens"] for r in reports.values()),
+        "agreed_tokens": min(r["agreed_tokens"] for r in reports.values()),
+        "prompts": reports,
+        **({} if "chat_turn" in reports else {"chat_turn": "not run: no chat template"}),
+        "image": f"{image_size(config)}x{image_size(config)} fixed pattern",
+        "peak_rss_bytes": peak,
+    }

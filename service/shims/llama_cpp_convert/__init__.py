@@ -44,6 +44,10 @@ names each assumption):
   orientation, and handing any other tensor to the Qwen2-MoE class under it, which takes packed
   experts in transformers' own ``[E, out, in]``: :func:`upstream_modify` sends experts stored in
   transformers' orientation past the first (:data:`TRANSPOSED_EXPERTS_CLASSES`);
+* upstream's VLM classes reading the published layout (Gemma 3's ``Gemma3VisionModel`` maps
+  ``vision_tower.vision_model.*``, not the ``vision_tower.*`` transformers 5 saves for a model
+  it built): a VLM's tensors are handed over under the names transformers' own rules give them
+  in the published layout (:func:`published_layout`, ``shims.transformers_keys``);
 * ``conversion/base.py`` leaving ``sys.path`` alone when ``NO_LOCAL_GGUF`` is set;
 * ``GPTNeoXModel`` reading ``hparams["rotary_pct"]``, which transformers 5's config keeps as
   ``rope_parameters["partial_rotary_factor"]`` (:func:`upstream_hparams` puts it back);
@@ -87,6 +91,7 @@ from service.shims.llama_cpp_convert.classes import (
     break_row_filtered,
     delegate_class,
     hf_architecture,
+    published_layout,
     upstream_hparams,
     upstream_modify,
 )
@@ -144,6 +149,7 @@ __all__ = [
     "picked_row",
     "plan_conversion",
     "plan_lora_conversion",
+    "published_layout",
     "row_reader",
     "stacked_rows",
     "supported_architectures",

@@ -1,6 +1,7 @@
 """Upstream's class for a checkpoint: the architecture it dispatches on, the class that does
-the work where upstream's only delegates, and its ``modify_tensors`` where it would transpose
-what transformers already did."""
+the work where upstream's only delegates, its ``modify_tensors`` where it would transpose
+what transformers already did, and the names a VLM's tensors are handed to it under
+(:func:`published_layout`)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,21 @@ def upstream_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
         if value is not None:
             out[old] = value
     return out
+
+
+def published_layout(root: Path, config: dict[str, Any], names: list[str]) -> dict[str, str]:
+    """For a vision-language model, each checkpoint name whose published name differs ->
+    that name (``shims.transformers_keys.published_names``: through transformers' own rules,
+    so a layout transformers saves reaches upstream's classes as the Hub's does); empty for
+    a text model, whose classes read every layout transformers writes."""
+    if not config.get("vision_config"):
+        return {}
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from service.shims.transformers_keys import published_names
+
+    hf_config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(hf_config)  # type: ignore[no-untyped-call]
+    return {k: v for k, v in published_names(model, names).items() if k != v}

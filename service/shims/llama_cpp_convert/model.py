@@ -23,6 +23,7 @@ from service.shims.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 from service.shims.llama_cpp_convert.classes import (
     delegate_class,
     hf_architecture,
+    published_layout,
     upstream_hparams,
     upstream_modify,
 )
@@ -139,25 +140,25 @@ class ConversionRecorder:
         mmproj: bool,
         vocab: bool,
         pre_tokenizer_fallback: str | None,
+        published: dict[str, str] | None = None,
     ) -> None:
-        self.root, self.reader = root, reader
+        # published: stored name -> the name upstream is handed (classes.published_layout)
+        self.root, self.reader, self.published = root, reader, published or {}
         self.model_class, self.lazy_type = model_class, lazy_type
         self.mmproj = mmproj
         self.pre_tokenizer_fallback = pre_tokenizer_fallback
         self.infos: dict[str, Any] = {info.name: info for info in reader.tensor_infos()}
         """Every checkpoint tensor upstream is handed, by name."""
-        # The reader's aliases name a tied text embedding's other half (``lm_head.weight``), which
-        # a text class may need; a projector class is handed the stored tensors only, as upstream
-        # reads them from the files: MmprojModel.filter_tensors drops ``language_model.*`` but not
-        # ``lm_head.*``, and Gemma 4's projector class (tied embeddings) failed to map the alias.
-        self.aliases: set[str] = set()
-        """Names handed to upstream that the files do not hold (a tied weight's other half)."""
+        # The reader's aliases name a tied text embedding's other half (``lm_head.weight``), which a
+        # text class may need; a projector class is handed the stored tensors only, as upstream reads
+        # them: MmprojModel.filter_tensors drops ``language_model.*`` but not ``lm_head.*``, and
+        # Gemma 4's projector class (tied embeddings) failed to map the alias.
+        self.aliases: set[str] = set()  # names handed that the files do not hold (a tied half)
         for alias, canonical in ({} if mmproj else reader.aliases()).items():
             if alias not in self.infos and canonical in self.infos:
                 self.infos[alias] = self.infos[canonical]
                 self.aliases.add(alias)
-        self.renamed: dict[str, str] = {}
-        """Upstream's name of each tensor it kept -> the checkpoint's name."""
+        self.renamed: dict[str, str] = {}  # upstream's name of a tensor it kept -> the stored one
         self.produced: dict[str, tuple[str, bool, Any]] = {}
         """Each tensor upstream made -> (the checkpoint tensor it came from, whether it is that
         tensor's values unchanged, upstream's tensor)."""
@@ -209,11 +210,12 @@ class ConversionRecorder:
         """``ModelBase.index_tensors``: every checkpoint tensor upstream keeps, as a lazy one."""
         out: dict[str, Any] = {}
         for name in self.infos:
-            item = model.filter_tensors((name, lambda n=name: self.lazy(n)))
-            if item is None and self.keeps_break_row and name.endswith("embed_tokens.weight"):
+            shown = self.published.get(name, name)
+            item = model.filter_tensors((shown, lambda n=name: self.lazy(n)))
+            if item is None and self.keeps_break_row and shown.endswith("embed_tokens.weight"):
                 # see break_row_filtered: upstream's Pixtral class reads [IMG_BREAK]'s row of
                 # the text embedding, which MmprojModel.filter_tensors drops first
-                item = (name.replace("language_model.", ""), lambda n=name: self.lazy(n))
+                item = (shown.replace("language_model.", ""), lambda n=name: self.lazy(n))
             if item:
                 self.renamed[item[0]] = name
                 out[item[0]] = item[1]
@@ -430,6 +432,7 @@ def plan_conversion(
     recorder = ConversionRecorder(
         root, reader, model_class, lazy_type,
         mmproj=mmproj, vocab=vocab, pre_tokenizer_fallback=pre_tokenizer_fallback,
+        published=published_layout(root, config, [i.name for i in reader.tensor_infos()]),
     )  # fmt: skip
     model = recorder.run(arch, config, ftype, metadata)
     tensors = recorder.tensors(model)

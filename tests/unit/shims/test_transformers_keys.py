@@ -54,3 +54,31 @@ def test_a_model_without_rules_keeps_its_keys() -> None:
                                              num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
     rename = key_renamer(model)
     assert rename("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+
+
+def test_the_layout_transformers_5_saves_for_gemma3_is_named_as_published() -> None:
+    """What ``save_pretrained`` writes for a Gemma 3 transformers built (``vision_tower.*``,
+    no ``vision_model``) reaches llama.cpp's converter as the Hub's layout; the Hub's names
+    stay as they are."""
+    from service.shims.transformers_keys import published_names, unloadable_names
+
+    model = _gemma3()
+    saved = ["vision_tower.embeddings.patch_embedding.bias",
+             "vision_tower.encoder.layers.0.self_attn.q_proj.weight",
+             "language_model.model.embed_tokens.weight", "multi_modal_projector.mm_soft_emb_norm.weight"]  # fmt: skip
+    published = published_names(model, saved)
+    assert published["vision_tower.embeddings.patch_embedding.bias"] == (
+        "vision_tower.vision_model.embeddings.patch_embedding.bias"
+    )
+    assert published["vision_tower.encoder.layers.0.self_attn.q_proj.weight"] == (
+        "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight"
+    )
+    assert published["language_model.model.embed_tokens.weight"] == (
+        "language_model.model.embed_tokens.weight"
+    )
+    hub = list(published.values())
+    assert published_names(model, hub) == {n: n for n in hub}
+    assert unloadable_names(model, saved + hub) == []
+    assert unloadable_names(model, ["vision_encoder.blocks.0.qkv.weight"]) == [
+        "vision_encoder.blocks.0.qkv.weight"
+    ]
