@@ -387,6 +387,12 @@ class VerificationFailed(JobFailed):
     title = "Verification failed"
 
 
+class VerificationInconclusive(VerificationFailed):
+    """A check could not compare what it must (a near tie followed by a continuation the
+    consumer cannot be fed): no evidence either way. A check that has another probe input
+    tries it; when none is conclusive the job fails, as ``verification_failed``."""
+
+
 class ReferenceUnavailable(VerificationFailed):
     """transformers (or PEFT) could not load the source as the job's independent reference. The
     job's own reader may still name the input's fault more precisely (a shape the config does not

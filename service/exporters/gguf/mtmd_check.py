@@ -35,8 +35,12 @@ while a wrong projector moves every image-conditioned logit by O(1) (a q8_0 file
 :data:`Q8_0_NEAR_TIE`, :func:`tie_bound`). Where it diverges at a near tie, greedy comparison after it means nothing (each side continues its own text), so the rest
 is compared **teacher-forced**: llama-mtmd-cli is given transformers' tokens up to each step
 and must choose transformers' token there, or one within :data:`NEAR_TIE` of it
-(:func:`teacher_forced`). A continuation llama.cpp cannot be fed as text (its tokenizer does
-not read it back as the same ids) fails typed, as inconclusive, rather than passing.
+(:func:`teacher_forced`). A continuation llama.cpp cannot be fed as text (it splits a UTF-8
+character, or its tokenizer does not read it back as the same ids) is inconclusive: no evidence
+either way, so that prompt is run again on the next of :data:`PROBE_IMAGES` fixed images (the
+pattern's phase and colours moved), and the job fails typed only when every one is
+inconclusive. A disagreement on any image fails it at once; nothing passes without 16
+compared tokens.
 
 Why one module of over 450 lines: it is one consumer's check whose parts must agree token for
 token: each family's image layout (:data:`LAYOUTS`, a few lines of the table each), the prompts,
@@ -54,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.errors import VerificationFailed
+from service.errors import VerificationFailed, VerificationInconclusive
 from service.exporters.gguf.mtmd_session import llama_ids, run_session
 
 TOKENS = 16
@@ -62,11 +66,15 @@ TOKENS = 16
 NEAR_TIE = 0.05
 """transformers' top-1 minus top-2 logit below which a step may legitimately differ."""
 Q8_0_NEAR_TIE = 0.3
-"""The same for a q8_0 text model and projector: 8-bit blocks move the tiny models' logits by
+"""The same for a q8_0 text model (its projector f16): 8-bit blocks move the tiny models' logits by
 far more than f16 does (their greedy tokens parted from float32 transformers' at leads of 0.13
 and 0.15 on Qwen2.5-VL and SmolVLM, f16 agreeing), still well under the O(1) of a wrong
 projector. The q8_0 check is the quality half of the split, the f16 one the exact half."""
 PROMPT = "Describe the image."
+PROBE_IMAGES = 3
+"""Fixed images a prompt is tried on until one comparison is conclusive (:func:`fixed_image`'s
+variants): a tiny random model's greedy text is often byte tokens, whose near ties split
+characters; a real model's rarely is, and its first image decides."""
 
 
 IMAGE = None
@@ -244,9 +252,10 @@ def image_size(config: dict[str, Any]) -> int:
     return side
 
 
-def fixed_image(path: Path, size: int) -> Path:
+def fixed_image(path: Path, size: int, variant: int = 0) -> Path:
     """Write the fixed image: a deterministic RGB pattern (gradients and a checkerboard, so
-    every patch differs from its neighbours) of ``size`` x ``size`` pixels, as PNG."""
+    every patch differs from its neighbours) of ``size`` x ``size`` pixels, as PNG; ``variant``
+    moves the checkerboard's phase and rotates the colour channels (:data:`PROBE_IMAGES`)."""
     import numpy as np
     from PIL import Image
 
@@ -254,8 +263,8 @@ def fixed_image(path: Path, size: int) -> Path:
     step = max(1, size // 16)
     red = (x * 256) // size
     green = (y * 256) // size
-    blue = np.where(((x // step) + (y // step)) % 2 == 0, 230, 25)
-    pixels = np.stack([red, green, blue], axis=-1).astype(np.uint8)
+    blue = np.where(((x // step) + (y // step) + variant) % 2 == 0, 230, 25)
+    pixels = np.roll(np.stack([red, green, blue], axis=-1), variant, axis=-1).astype(np.uint8)
     Image.fromarray(pixels, "RGB").save(path, format="PNG")
     return path
 
@@ -516,7 +525,7 @@ def forced_texts(reference: Greedy, start: int) -> list[str]:
         try:
             out.append(raw.decode("utf-8"))
         except UnicodeDecodeError:
-            raise VerificationFailed(
+            raise VerificationInconclusive(
                 f"inconclusive: llama.cpp's and transformers' greedy tokens part at a near tie "
                 f"(step {start}), and transformers' tokens up to step {step} split a UTF-8 "
                 "character, so llama.cpp cannot be fed them to compare the rest teacher-forced"
@@ -548,7 +557,7 @@ def teacher_forced(
 
 
 def tie_bound(text_gguf: Path) -> float:
-    """:data:`Q8_0_NEAR_TIE` for a q8_0 text model (its projector is q8_0 too), else
+    """:data:`Q8_0_NEAR_TIE` for a q8_0 text model (beside its f16 projector), else
     :data:`NEAR_TIE`."""
     from gguf import GGUFReader, LlamaFileType
 
@@ -581,7 +590,7 @@ def _judge(
     fed = llama_ids(text_gguf, [prompt.after + f for f in forced], work, check_abort, bin_dir)
     for step, ids in zip(range(start, start + len(forced)), fed, strict=True):
         if ids != after_ids + reference.ids[:step]:
-            raise VerificationFailed(
+            raise VerificationInconclusive(
                 f"inconclusive: llama.cpp's and transformers' greedy tokens part at a near tie "
                 f"(step {start}), and llama.cpp's tokenizer does not read transformers' tokens "
                 f"up to step {step} back as the same ids, so the rest cannot be compared "
@@ -609,7 +618,6 @@ def check_mtmd(
     from transformers import AutoTokenizer
 
     work.mkdir(parents=True, exist_ok=True)
-    image = fixed_image(work / "fixed-image.png", image_size(config))
     asked = prompts(root, config)
     texts = llama_ids(
         text_gguf, [t for p in asked for t in (p.before, p.after)], work, check_abort, bin_dir
@@ -618,27 +626,47 @@ def check_mtmd(
     sequences = [
         sequence_ids(tokenizer, config, texts[2 * i], texts[2 * i + 1]) for i in range(len(asked))
     ]
-    printed, peak = run_session(
-        text_gguf, mmproj, image, [(p.before, p.after) for p in asked], TOKENS, work,
-        check_abort, bin_dir,
-    )  # fmt: skip
-    references = reference_greedy(root, config, image, sequences, TOKENS, tie_bound(text_gguf))
     reports: dict[str, dict[str, Any]] = {}
-    for i, (prompt, out, reference) in enumerate(zip(asked, printed, references, strict=True)):
-        try:
-            report = _judge(prompt, out, reference, texts[2 * i + 1], tokenizer, text_gguf,
-                            mmproj, image, work, check_abort, bin_dir)  # fmt: skip
-        except VerificationFailed as exc:
-            raise VerificationFailed(f"{prompt.style} prompt: {exc}") from exc
-        peak = max(peak, report.pop("forced_peak_rss_bytes", 0))
-        report["prompt"] = prompt.before + "<image>" + prompt.after
-        reports[prompt.style] = report
+    pending, peak, size = list(range(len(asked))), 0, image_size(config)
+    unsettled: dict[int, str] = {}
+    for variant in range(PROBE_IMAGES):
+        image = fixed_image(work / f"fixed-image-{variant}.png", size, variant)
+        printed, ran = run_session(
+            text_gguf, mmproj, image, [(asked[i].before, asked[i].after) for i in pending],
+            TOKENS, work, check_abort, bin_dir,
+        )  # fmt: skip
+        peak = max(peak, ran)
+        references = reference_greedy(root, config, image, [sequences[i] for i in pending],
+                                      TOKENS, tie_bound(text_gguf))  # fmt: skip
+        for i, out, reference in zip(pending, printed, references, strict=True):
+            prompt = asked[i]
+            try:
+                report = _judge(prompt, out, reference, texts[2 * i + 1], tokenizer, text_gguf,
+                                mmproj, image, work, check_abort, bin_dir)  # fmt: skip
+            except VerificationInconclusive as exc:
+                unsettled[i] = str(exc)
+                continue
+            except VerificationFailed as exc:
+                raise VerificationFailed(f"{prompt.style} prompt: {exc}") from exc
+            unsettled.pop(i, None)
+            peak = max(peak, report.pop("forced_peak_rss_bytes", 0))
+            report["prompt"] = prompt.before + "<image>" + prompt.after
+            report["image_variant"] = variant
+            reports[prompt.style] = report
+        pending = sorted(unsettled)
+        if not pending:
+            break
+    if pending:
+        i = pending[0]
+        raise VerificationInconclusive(
+            f"{asked[i].style} prompt, on each of {PROBE_IMAGES} fixed images: {unsettled[i]}"
+        )
     return {
         "result": "agree",
         "tokens": min(r["tokens"] for r in reports.values()),
         "agreed_tokens": min(r["agreed_tokens"] for r in reports.values()),
         "prompts": reports,
         **({} if "chat_turn" in reports else {"chat_turn": "not run: no chat template"}),
-        "image": f"{image_size(config)}x{image_size(config)} fixed pattern",
+        "image": f"{size}x{size} fixed pattern",
         "peak_rss_bytes": peak,
     }
