@@ -36,6 +36,7 @@ refuse early what it would refuse late.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -59,7 +60,13 @@ from service.exporters.common.families import is_causal_lm
 from service.exporters.gguf.assumptions import check_assumptions
 from service.exporters.gguf.layout import OutType, has_tokenizer, resolve_architecture
 from service.exporters.gguf.lora import LORA_PREFIX
-from service.exporters.gguf.mmproj import MMPROJ_PREFIX, check_layout, check_vlm, mmproj_type
+from service.exporters.gguf.mmproj import (
+    MMPROJ_PREFIX,
+    MTMD_ON_F16,
+    check_layout,
+    check_vlm,
+    mmproj_type,
+)
 from service.exporters.gguf.plan import plan_gguf
 from service.exporters.gguf.provenance import add_provenance
 from service.exporters.gguf.spec import GGUFSpec
@@ -192,9 +199,10 @@ class GGUFExporter(Exporter):
         written = cast(OutType, "f16" if spec.quantized else spec.type)
         with_vocab = has_tokenizer(checkpoint.root)
 
-        def make_plan(metadata: bool) -> GGUFPlan:
+        def make_plan(metadata: bool, out_type: OutType | None = None) -> GGUFPlan:
             return layout_gguf(
-                checkpoint.root, config, reader, written, bin_dir=bin_dir, metadata=metadata,
+                checkpoint.root, config, reader, out_type or written, bin_dir=bin_dir,
+                metadata=metadata,
                 vocab=with_vocab, pre_tokenizer_fallback=spec.pre_tokenizer_fallback,
             )  # fmt: skip
 
@@ -217,6 +225,7 @@ class GGUFExporter(Exporter):
         # Progress counts passes over the weights: the write, the read-back when verifying, and
         # llama-quantize's pass for its types (which write f16 to the work dir first).
         passes = 1 + int(spec.verify) + int(spec.quantized)
+        passes += int(projector is not None and spec.verify and spec.type in MTMD_ON_F16)
         projector_bytes = (1 + int(spec.verify)) * projector.data_bytes if projector else 0
         ctx.set_phase(Phase.EXPORT, total=passes * plan.data_bytes + projector_bytes, unit="bytes")
         # The read-back runs as the file is written: each block is read back from the file and
@@ -256,6 +265,8 @@ class GGUFExporter(Exporter):
             )
             report = verify_gguf([out_dir / n for n in digests], plan, reader, ctx, read_back=False)
             mtmd_text = out_dir / next(iter(digests))
+            if projector is not None and spec.verify and spec.type in MTMD_ON_F16:
+                mtmd_text = self._f16_text_file(make_plan, spec, reader, ctx)
         if checked is not None:
             report = checked
         files = list(digests)
@@ -267,7 +278,7 @@ class GGUFExporter(Exporter):
                     spec, projector, checkpoint, config, mtmd_text, out_dir, ctx
                 )
             finally:
-                if spec.quantized:
+                if mtmd_text.parent != out_dir:  # the work dir's f16 text file
                     mtmd_text.unlink(missing_ok=True)
             digests[mmproj["file"]] = mmproj.pop("sha256")
             files.append(mmproj["file"])
@@ -328,6 +339,27 @@ class GGUFExporter(Exporter):
         return plan
 
     @staticmethod
+    def _f16_text_file(
+        make_plan: Callable[..., GGUFPlan], spec: GGUFSpec, reader: Any, ctx: JobContext,
+    ) -> Path:
+        """The text model again as f16 in the work dir, for the mtmd check of a q8_0/q4_0 VLM
+        (:data:`~service.exporters.gguf.mmproj.MTMD_ON_F16`); removed after the check."""
+        from service.exporters.gguf.layout import add_metadata
+        from service.exporters.gguf.writer import write_gguf
+
+        f16 = make_plan(metadata=True, out_type="f16")
+        stage = ctx.work_dir / "gguf"
+        stage.mkdir(parents=True, exist_ok=True)
+        path = stage / "model-f16-for-mtmd.gguf"
+
+        def metadata(writer: Any) -> None:
+            add_metadata(writer, f16)
+            add_provenance(writer, spec, ctx.details.get("source", {}))
+
+        write_gguf(path, f16, reader, metadata, ctx)
+        return path
+
+    @staticmethod
     def _write_projector(
         spec: GGUFSpec,
         plan: GGUFPlan,
@@ -386,6 +418,8 @@ class GGUFExporter(Exporter):
             )  # fmt: skip
             if spec.quantized:
                 summary["mtmd"]["text_model"] = f"the f16 file llama-quantize made {spec.type} from"
+            elif spec.type in MTMD_ON_F16:
+                summary["mtmd"]["text_model"] = "an f16 file of the same text model (mmproj.MTMD_ON_F16)"
         except BaseException:
             path.unlink(missing_ok=True)
             raise

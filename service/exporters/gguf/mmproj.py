@@ -9,10 +9,13 @@ through ``service.shims.llama_cpp_convert.plan_conversion(mmproj=True)`` on lazy
 by the job's reader, and the file is written by the same streaming writer as the text model, so
 the vision tower is read tensor by tensor in row blocks, never whole.
 
-The projector's type follows the text model's where llama.cpp allows it: ``f32`` stays ``f32``,
-``q8_0`` and ``q4_0`` give a ``q8_0`` projector (upstream's converter decides per tensor: patch
-embeddings and norms stay f16/f32), everything else an ``f16`` one (llama-quantize's types are
-made from the f16 text model; llama.cpp does not quantize a projector with them).
+The projector is ``f16`` beside every text type but ``f32`` (which keeps ``f32``): the
+projectors ggml-org publishes beside its quantized text models are f16, and a ``q8_0`` one
+(upstream's ``--outtype q8_0``) moved the first image-conditioned token of the tiny Qwen2.5-VL,
+Qwen3-VL-MoE, GLM-4.1V and Pixtral models by logit leads of 0.45-1.16, where a q8_0 text
+model beside an f16 projector stayed within near ties: a projector's error reaches every image
+token, and its type is not what a user asks a text type for. llama-quantize's types are made
+from the f16 text model; llama.cpp does not quantize a projector with them either.
 
 llama.cpp #22656: a converter class whose name filter matched nothing wrote a ~1 KB projector
 with the keys and no tower, which loads and then fails at the first image. :func:`check_tower`
@@ -37,14 +40,19 @@ MMPROJ_PREFIX = "mmproj-"
 """File name prefix of a projector (``convert_hf_to_gguf.py --mmproj`` adds the same)."""
 
 
+MTMD_ON_F16 = frozenset({"q8_0", "q4_0"})
+"""Text types our writer quantizes whose mtmd check runs on an f16 text file of the same
+checkpoint written for it to the work dir (as a llama-quantize type's runs on the f16 file it
+was made from): 8-bit blocks moved the tiny models' greedy tokens from transformers' at leads
+up to 0.45 (Qwen2.5-VL), so their own greedy text proves nothing about the projector, and
+after such a tie their byte tokens often cannot be fed back to compare teacher-forced. The
+quantized text model is judged by the text checks (``llama_check``); the projector and the
+image's place in the sequence, which the mtmd check is for, are the same files either way."""
+
+
 def mmproj_type(text_type: str) -> OutType:
     """The projector's storage type for a text model of ``text_type`` (see the module doc)."""
-    low = text_type.lower()
-    if low == "f32":
-        return "f32"
-    if low in ("q8_0", "q4_0"):
-        return "q8_0"
-    return "f16"
+    return "f32" if text_type.lower() == "f32" else "f16"
 
 
 VLM_FAMILIES: dict[str, str] = {

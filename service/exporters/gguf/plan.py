@@ -12,6 +12,7 @@ from typing import Any
 
 from service.checkpoint.headers import CheckpointHeaders, TensorHeader
 from service.checkpoint.vision import is_multimodal, is_vision_tensor
+from service.exporters.gguf.mmproj import MTMD_ON_F16
 from service.plan import ChildPlan, ExportPlan, PlanInputs
 from service.plan.terms import (
     JOB_BASE_BYTES,
@@ -166,6 +167,8 @@ def plan_gguf(spec: Any, inputs: PlanInputs) -> ExportPlan:
         notes.append(f"llama-perplexity maps the file ({artifact >> 20} MiB)")
     if is_multimodal(headers.config):
         job, artifact = _plan_vlm(spec, headers, type_name, job, artifact, children, notes)
+        if spec.verify and type_name in MTMD_ON_F16:  # the f16 text file its mtmd check runs
+            scratch = _gguf_bytes(headers, "f16")
     return ExportPlan(
         format="gguf", job_peak_rss_bytes=job,
         job_rss_during_children_bytes=JOB_BASE_BYTES + GGUF_BASE_BYTES,
@@ -185,16 +188,16 @@ def _plan_vlm(
     notes: list[str],
 ) -> tuple[int, int]:
     """A VLM's GGUF beyond its text model: the vision tensors go to the projector file
-    (``mmproj-*.gguf``, f32, q8_0 for q8_0/q4_0, else f16: ``gguf.mmproj.mmproj_type``) instead
+    (``mmproj-*.gguf``, f32 beside f32, else f16: ``gguf.mmproj.mmproj_type``) instead
     of the text file, written by the same streaming writer (no more row blocks). Verified, the
-    mtmd check (for a llama-quantize type on the f16 file it quantized) runs transformers' whole VLM in float32 in the job
+    mtmd check (for a llama-quantize type on the f16 file it quantized, for q8_0/q4_0 on an f16
+    file written for it) runs transformers' whole VLM in float32 in the job
     (B + 64 MiB + 1.7 x float32 weights, whatever ``max_memory``) and llama-mtmd-cli, which
     maps the text file and loads the projector (:func:`_mtmd_peak`). Returns the job's
     peak and the artifact's bytes; appends the child and the notes."""
     vision = [t for t in headers.tensors if is_vision_tensor(t.name)]
     per_text = GGUF_TYPE_BYTES.get(type_name, 2.0)
-    per_projector = 4.0 if type_name == "f32" else GGUF_TYPE_BYTES["q8_0"] if type_name in (
-        "q8_0", "q4_0") else 2.0  # fmt: skip
+    per_projector = 4.0 if type_name == "f32" else 2.0
     in_text = sum(int(t.numel * (per_text if _gguf_matrix(t) else 4)) for t in vision)
     projector = sum(int(t.numel * (per_projector if _gguf_matrix(t) else 4)) for t in vision)
     text = max(0, artifact - in_text)
@@ -204,8 +207,10 @@ def _plan_vlm(
     )
     if not spec.verify:
         return job, text + projector
-    # a llama-quantize type's check runs on the f16 file it was made from (scaled back to f16)
-    mapped = text if type_name in UNQUANTIZED_GGUF else int(text * 2.0 / per_text)
+    # a llama-quantize type's check runs on the f16 file it was made from, a q8_0/q4_0's on an
+    # f16 file written for it (mmproj.MTMD_ON_F16): scaled back to f16
+    on_f16 = type_name not in UNQUANTIZED_GGUF or type_name in MTMD_ON_F16
+    mapped = int(text * 2.0 / per_text) if on_f16 else text
     weights = floating_elements(headers) * 4
     reference = JOB_BASE_BYTES + REFERENCE_BASE_BYTES + int(REFERENCE_WEIGHT_FACTOR * weights)
     tool = _mtmd_peak(headers.config or {}, mapped, projector)

@@ -154,13 +154,15 @@ def test_a_verified_vlm_job_writes_gguf_with_its_projector_and_safetensors_with_
     assert stored >= vision_bytes, f"{stored} bytes in the store, the tower alone is {vision_bytes}"
 
 
-def test_a_q8_0_vlm_gets_a_q8_0_projector_that_llama_cpp_runs_like_transformers(
+def test_a_q8_0_vlm_gets_an_f16_projector_that_llama_cpp_runs_like_transformers(
     qwen2vl: Path, tmp_path: Path
 ) -> None:
     summary = _export(qwen2vl, tmp_path / "out", type="q8_0")
     mmproj = summary["mmproj"]
-    assert mmproj["type"] == "q8_0" and mmproj["file"] == "mmproj-model-q8_0.gguf"
-    assert "q8_0" in mmproj["verification"]["max_abs_error"]
+    assert mmproj["type"] == "f16" and mmproj["file"] == "mmproj-model-f16.gguf"
+    assert "f16" in mmproj["verification"]["max_abs_error"]
+    assert mmproj["mtmd"]["text_model"].startswith("an f16 file"), mmproj["mtmd"]
+    assert summary["files"] == ["model-q8_0.gguf", "mmproj-model-f16.gguf"]  # the f16 text: gone
     _agrees(mmproj["mtmd"])
 
 
