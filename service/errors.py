@@ -390,7 +390,10 @@ class VerificationFailed(JobFailed):
 class VerificationInconclusive(VerificationFailed):
     """A check could not compare what it must (a near tie followed by a continuation the
     consumer cannot be fed): no evidence either way. A check that has another probe input
-    tries it; when none is conclusive the job fails, as ``verification_failed``."""
+    tries it; when none is conclusive the job fails."""
+
+    code = "verification_inconclusive"
+    title = "The check could not compare the artifact with its reference"
 
 
 class ReferenceUnavailable(VerificationFailed):

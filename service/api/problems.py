@@ -137,6 +137,9 @@ FIXES: dict[str, str] = {
     "disk_full": "Free disk under `MODELPREP_DATA_DIR` (or shorten `MODELPREP_ARTIFACT_TTL`).",
     "tool_missing": "Build llama.cpp's tools (`make llama-cpp`) or point "
     "`MODELPREP_LLAMA_CPP_DIR` at them.",
+    "verification_inconclusive": "The consumer's output parted from the reference at a near "
+    "tie on every probe input and could not be fed the reference's continuation (the message "
+    'names the step): no evidence either way; `"verify": false` on that export skips the check.',
     "verification_failed": "The export differs from the source beyond the dtype's tolerance: "
     "the manifest holds the errors; try a wider dtype, or `\"verify\": false` to skip.",
     "reference_unavailable": "transformers' own `from_pretrained` (the job's independent "
