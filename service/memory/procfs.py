@@ -1,5 +1,5 @@
-"""What ``/proc`` says about memory: the host's total, a process group's private bytes (the
-executor's own accounting where no cgroup can be made), this process's resident bytes and peak,
+"""What ``/proc`` says about memory: the host's total, a process group's private bytes the
+kernel cannot drop (the executor's own accounting where no cgroup can be made), this process's resident bytes and peak,
 and a child's ``status`` fields."""
 
 from __future__ import annotations
@@ -20,10 +20,20 @@ def host_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
 
 
 def process_group_private_bytes(pgid: int, proc: Path = Path("/proc")) -> int:
-    """Private resident bytes of every process in process group ``pgid`` (the job and the
-    children it leads): what the group added to the machine's memory. Pages a job process
-    still shares with the forkserver it was forked from (the preloaded libraries) are not
-    counted, as they cost nothing more."""
+    """Private bytes the kernel cannot drop, summed over every process in process group
+    ``pgid`` (the job and the children it leads): what the group added to the machine's
+    memory and would still hold under pressure.
+
+    Per process that is ``Private_Dirty + Swap`` of ``smaps_rollup``: the anonymous pages it
+    wrote (heap, stacks, tensors), dirty file pages, shared memory it alone maps, and what of
+    those went to swap. ``Private_Clean`` is left out: those are clean pages of files a process
+    maps (llama.cpp's ``mmap`` of the GGUF it checks, safetensors read in place) that the
+    kernel drops and reads again at will, so counting them failed a job that fits (a 5.46 GiB
+    checkpoint's GGUF check "held 2.90 GiB" of a page cache a cgroup would have reclaimed), and
+    the rare clean anonymous page (freed with ``MADV_FREE``, or read back from swap and still
+    in its swap slot) is as droppable. Pages a job process still shares with the forkserver
+    it was forked from (the preloaded libraries) are not counted either, as they cost nothing
+    more."""
     total = 0
     for entry in proc.iterdir():
         if not entry.name.isdigit():
@@ -36,8 +46,11 @@ def process_group_private_bytes(pgid: int, proc: Path = Path("/proc")) -> int:
             rollup = _key_values_kb(entry / "smaps_rollup")
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        total += sum(rollup.get(k, 0) for k in ("Private_Clean:", "Private_Dirty:", "Swap:"))
+        total += sum(rollup.get(k, 0) for k in HELD_FIELDS)
     return total
+
+HELD_FIELDS = ("Private_Dirty:", "Swap:")
+"""The ``smaps_rollup`` fields :func:`process_group_private_bytes` sums."""
 
 def _key_values_kb(path: Path) -> dict[str, int]:
     """``Key: <n> kB`` lines of a /proc file, in bytes."""

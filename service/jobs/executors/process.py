@@ -68,8 +68,9 @@ class MemoryGuard:
 
     With a memory cgroup of its own (:class:`JobCgroup`, made before the job starts, entered
     by the job first thing) the kernel enforces the budget inside that cgroup alone, and the
-    guard sees the job stopped at its limit; without one, the guard sums the private resident
-    bytes of the job's process group at each look. Either way the job is killed and failed
+    guard sees the job stopped at its limit; without one, the guard sums the private bytes the
+    kernel cannot drop (anonymous and dirty pages, not the clean pages of a mapped file) of the
+    job's process group at each look. Either way the job is killed and failed
     ``memory_budget_exceeded`` before the container's OOM killer or its reclaim reaches the
     API, which lives outside every job's budget."""
 
@@ -77,7 +78,8 @@ class MemoryGuard:
     settings: Settings
     cgroup: JobCgroup | None = None
     peak: int = 0
-    """Largest charge seen (cgroup) or largest private RSS summed (accounting)."""
+    """Largest charge seen (cgroup) or largest private anonymous and dirty bytes summed
+    (accounting)."""
 
     @classmethod
     def for_job(cls, job_id: str, settings: Settings) -> MemoryGuard:

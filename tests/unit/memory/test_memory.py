@@ -4,6 +4,10 @@ lays them out (written under tmp_path), and the budget the settings derive from 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from service.config import JOB_PROCESS_SHARE, Settings
@@ -13,6 +17,7 @@ from service.memory import (
     process_group_private_bytes,
     read_memory_limit,
     reset_peak_rss,
+    status_bytes,
 )
 
 GiB = 2**30
@@ -114,6 +119,64 @@ def test_settings_read_the_real_limit_once_when_none_is_given(tmp_path: Path) ->
     # a job process receives the figures with the settings rather than re-reading them
     again = Settings.model_validate_json(settings.model_dump_json())
     assert again.memory_budget == settings.memory_budget
+
+
+_MAP_FILE = """
+import mmap, sys
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+touched = sum(m[i] for i in range(0, len(m), 4096))  # every page read in: resident, clean
+print("ready", touched, flush=True)
+sys.stdin.read()
+"""
+"""A child that maps a file read-only and reads every page of it, as llama.cpp maps the GGUF
+it checks: the pages are resident and clean, the kernel's to drop."""
+
+_ALLOCATE = """
+import sys
+block = bytearray(int(sys.argv[1]))
+block[::4096] = b"x" * len(block[::4096])  # every page written: anonymous, dirty
+print("ready", flush=True)
+sys.stdin.read()
+"""
+"""A child that allocates anonymous memory and writes every page of it."""
+
+
+@contextmanager
+def _child_group(script: str, arg: str) -> Iterator[int]:
+    """A real Python child leading its own process group, once it has said it is ready; its
+    process group id, which is its pid."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        process_group=0, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().startswith("ready")
+        yield child.pid
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+
+
+def test_a_process_group_is_held_to_its_anonymous_memory_not_the_clean_pages_it_maps(
+    tmp_path: Path,
+) -> None:
+    size = 96 * MiB
+    mapped = tmp_path / "weights.gguf"
+    with open(mapped, "wb") as f:
+        f.writelines(os.urandom(MiB) for _ in range(size // MiB))
+        os.fsync(f.fileno())  # written back: a page the kernel has not written yet is dirty
+    with _child_group(_MAP_FILE, str(mapped)) as pgid:
+        resident_file = status_bytes(Path(f"/proc/{pgid}"), "RssFile")["RssFile"]
+        mapping = process_group_private_bytes(pgid)
+    with _child_group(_ALLOCATE, str(size)) as pgid:
+        allocating = process_group_private_bytes(pgid)
+    # the mapped file was all resident in the child, yet not held against its group...
+    assert resident_file >= size, resident_file
+    assert mapping < size // 2, mapping
+    # ...while the same bytes allocated are, on top of what an interpreter holds anyway
+    assert allocating - mapping >= size - 8 * MiB, (allocating, mapping)
 
 
 def test_a_process_group_private_memory_counts_what_it_allocated() -> None:
