@@ -208,10 +208,11 @@ MEMORY_BOUND = (
     "34/128), s = source bytes per float32 byte when the checkpoint is not float32 (else 0), "
     "T = float32 bytes of the largest tensor llama.cpp's converter transforms (evaluated whole: "
     "a q/k projection here, a stack of experts in a MoE); no term grows with the model's depth. "
-    "K-quants: the larger of that and llama-quantize's own peak, Q + 7 L (L = elements of the "
-    "largest tensor: its f16 mapped, its float32 copy, its quantized bytes; Q = 32 MiB)"
+    "K-quants: the larger of that and llama-quantize's own peak, Q + R + 2 L (L = elements of "
+    "the largest tensor, its f16 rows mapped; R = its row block, float32 and quantized rows of "
+    "quantizer_buffer, or the whole tensor when smaller; Q = 32 MiB: "
+    "service.exporters.gguf.plan.quantizer_plan)"
 )
-QUANTIZER_FIXED = 32 << 20
 
 
 def bound(base: int, type_: str, verify: bool, largest: int = 0, transformed: int = 0) -> int:
@@ -223,7 +224,12 @@ def bound(base: int, type_: str, verify: bool, largest: int = 0, transformed: in
     ours = int(base + CHUNK_BYTES * (1 + 2 * r + (4 if verify else 0)) + 3 * transformed)
     if type_ in ("f16", "q8_0", "f32", "bf16"):
         return ours
-    return max(ours, QUANTIZER_FIXED + 7 * largest)
+    from service.checkpoint.headers import TensorHeader
+    from service.config import QUANTIZER_BUFFER
+    from service.exporters.gguf.plan import quantizer_plan
+
+    tensor = TensorHeader("largest", "F16", (largest // HIDDEN, HIDDEN))
+    return max(ours, quantizer_plan(tensor, 2 * largest, QUANTIZER_BUFFER).peak_rss_bytes)
 
 
 def ours(ckpt: Path, work: Path, type_: str, verify: bool) -> dict[str, Any]:

@@ -6,6 +6,10 @@
 # its tests run as the real consumer of a GGUF file; no registry ships them as binaries. The source
 # is the llama.cpp that the PyPI sdist llama-cpp-python==$VERSION vendors, fetched with pip like
 # every other dependency.
+# llama-quantize is built as it is: this version already converts and quantizes each tensor in
+# row blocks of --max-buffer-size bytes (the service's MODELPREP_QUANTIZER_BUFFER), so no patch;
+# tests/integration/exporters/gguf/test_quantize_blocks.py fails if a version changes a byte
+# with the block.
 #
 # Usage: scripts/build_llama_cpp.sh [VERSION]   (default: the version service/shims/llama_cpp.py pins)
 # Output: $MODELPREP_CACHE_HOME/llama.cpp/$VERSION/bin/llama-*  (MODELPREP_CACHE_HOME defaults to

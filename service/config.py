@@ -47,6 +47,11 @@ JOB_PROCESS_SHARE = 384 * 2**20
 """What a job process itself holds while a verifier child runs (its reference outputs, the
 weights it streams, the libraries it imported): the default verifier memory is the job's budget
 less this."""
+QUANTIZER_BUFFER = 256 * 2**20
+"""llama-quantize's row block by default (``quantizer_buffer``): some 4,600 of a 70B model's
+8192-wide rows (f16 in, float32 converted, quantized out), so the quantizer's own memory is a
+fraction of a 2 GiB job budget whatever the width (:func:`service.exporters.gguf.plan.plan_gguf`
+states the term)."""
 
 
 class ApiKeyEntry(BaseModel):
@@ -446,6 +451,15 @@ class Settings(BaseSettings):
         description="Directory of the llama.cpp tools (llama-quantize, llama-perplexity...); "
         "default: the cache that scripts/build_llama_cpp.sh fills.",
     )
+    quantizer_buffer: int = Field(
+        default=QUANTIZER_BUFFER,
+        ge=2**20,
+        description="Bytes of one tensor's rows llama-quantize holds at once (its "
+        "--max-buffer-size, whole MiB): the float32 conversion and the quantized rows of one "
+        "row block, so no tensor is converted whole (a 70B model's embedding would be 4 GiB). "
+        "The output is the same bytes whatever the block: quantization is row by row.",
+        examples=["64MiB"],
+    )
 
     # operability
     log_json: bool = Field(
@@ -508,7 +522,8 @@ class Settings(BaseSettings):
         return value
 
     @field_validator(
-        "tenant_max_artifact_bytes", "memory_limit", "api_memory", "job_memory", mode="before"
+        "tenant_max_artifact_bytes", "memory_limit", "api_memory", "job_memory",
+        "quantizer_buffer", mode="before",
     )
     @classmethod
     def _human_size(cls, value: object) -> object:

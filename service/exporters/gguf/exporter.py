@@ -460,7 +460,7 @@ class GGUFExporter(Exporter):
             )
         run = quantize(
             f16, dest, spec.type, f16.parent, ctx.check_abort, ctx.advance, units,
-            imatrix=imatrix, bin_dir=bin_dir,
+            imatrix=imatrix, bin_dir=bin_dir, buffer_bytes=ctx.settings.quantizer_buffer,
         )  # fmt: skip
         ctx.add_metric("quantizer_peak_rss_bytes", run.peaks.rss)
         if check:

@@ -12,6 +12,7 @@ from typing import Any
 
 from service.checkpoint.headers import CheckpointHeaders, TensorHeader
 from service.checkpoint.vision import is_multimodal, is_vision_tensor
+from service.config import QUANTIZER_BUFFER
 from service.exporters.gguf.mmproj import MTMD_ON_F16
 from service.plan import ChildPlan, ExportPlan, PlanInputs
 from service.plan.terms import (
@@ -39,7 +40,9 @@ GGUF_READ_BACK_BLOCKS = 1.5
 """Of those, what the read-back adds (a job with ``"verify": false`` holds that less)."""
 
 QUANTIZER_BASE_BYTES = 32 * MiB
-"""llama-quantize beyond its tensors (bench/export_gguf.py: Q + 7 L)."""
+"""llama-quantize beyond its tensors (bench/export_gguf.py)."""
+QUANTIZER_OUT_BYTES = 34 / 32
+"""The most a llama-quantize mixture writes per weight (a Q8_0 tensor; Q6_K is 0.82)."""
 
 LLAMA_CHECK_BASE_BYTES = 64 * MiB
 """llama-perplexity beyond the mapped file: the context's buffers (its own peak, measured:
@@ -114,13 +117,34 @@ def _transformed(headers: CheckpointHeaders) -> int:
 
 
 
+def quantizer_plan(largest: TensorHeader | None, f16_bytes: int, buffer: int) -> ChildPlan:
+    """llama-quantize's peak: Q + R + 2 L, of which 2 L is mapped.
+
+    ``L`` the elements of the largest tensor, whose f16 rows it maps (clean page cache,
+    unmapped after each tensor). ``R`` its row block: ``--max-buffer-size`` (``buffer``)
+    bytes of rows, counted as llama.cpp counts them (f16 in, float32 converted, quantized
+    out: ``rows = buffer / (n x (6 + q))``, q = 34/32 the widest output, Q8_0), never less
+    than one row and never more than the whole tensor; it holds ``rows x n x (2 x 4 + q)``:
+    the float32 rows twice, since the conversion buffer is a ``std::vector`` that grows by
+    copying (a block of ``token_embd``'s Q4_K rows is larger than one of the Q6_K ``output``
+    before it: measured 344 MiB anonymous with 256 MiB blocks, vocabulary 65536 x 1024, where
+    one float32 copy is 156 MiB). No term grows with a tensor beyond the block but the mapped
+    one."""
+    elements = largest.numel if largest is not None else f16_bytes // 2
+    row = largest.shape[-1] if largest is not None and largest.shape else elements
+    rows = max(1, min(elements // max(1, row), int(buffer // (row * (6 + QUANTIZER_OUT_BYTES)))))
+    block = int(rows * row * (2 * 4 + QUANTIZER_OUT_BYTES))
+    return ChildPlan("llama-quantize", QUANTIZER_BASE_BYTES + block + 2 * elements, 2 * elements)
+
+
 def plan_gguf(spec: Any, inputs: PlanInputs) -> ExportPlan:
     """B + G + C x m + T: the job's base, the converter and vocabulary, ``m`` row blocks of
     ``C`` float32 bytes (by written type, less with the read-back off), and the largest tensor
     llama.cpp's converter evaluates whole (a permuted q/k projection; a MoE layer's experts
     stream one after the other and add nothing). A K-quant writes the f16 file that way, then
-    llama-quantize (Q + 7 L, L the largest tensor's elements) and, verified, llama.cpp's
-    perplexity and tokenizer checks, each mapping a file, run as children."""
+    llama-quantize (Q + R + 2 L: its row block of ``quantizer_buffer`` and the largest
+    tensor's f16 rows mapped, :func:`quantizer_plan`) and, verified, llama.cpp's perplexity
+    and tokenizer checks, each mapping a file, run as children."""
     headers, max_memory = inputs.headers, inputs.max_memory
     type_name = str(spec.type).lower()
     quantized = type_name not in UNQUANTIZED_GGUF
@@ -150,16 +174,19 @@ def plan_gguf(spec: Any, inputs: PlanInputs) -> ExportPlan:
     if quantized:
         f16 = _gguf_bytes(headers, "f16")
         scratch = f16
-        elements = largest.numel if largest is not None else f16 // 2
-        # of its 7 bytes per element, the f16 input's 2 are the mapped file
-        children.append(
-            ChildPlan("llama-quantize", QUANTIZER_BASE_BYTES + 7 * elements, 2 * elements)
-        )
+        settings = inputs.settings
+        buffer = settings.quantizer_buffer if settings is not None else QUANTIZER_BUFFER
+        quantizer = quantizer_plan(largest, f16, buffer)
+        children.append(quantizer)
         if spec.verify:
             children.append(ChildPlan("llama-perplexity", LLAMA_CHECK_BASE_BYTES + f16, f16))
+        block = quantizer.peak_rss_bytes - quantizer.mapped_bytes - QUANTIZER_BASE_BYTES
         notes.append(
-            f"llama-quantize: Q {QUANTIZER_BASE_BYTES >> 20} MiB + 7 x L ({elements} elements "
-            f"of the largest tensor); llama-perplexity maps the f16 file ({f16 >> 20} MiB)"
+            f"llama-quantize: Q {QUANTIZER_BASE_BYTES >> 20} MiB + R {block >> 20} MiB (its row "
+            f"block of {buffer >> 20} MiB, or the whole tensor: float32 rows twice, quantized "
+            "rows) + "
+            f"2 x L {quantizer.mapped_bytes >> 20} MiB mapped (the largest tensor's f16 rows); "
+            f"llama-perplexity maps the f16 file ({f16 >> 20} MiB)"
         )
     elif spec.verify and causal_lm_with_tokenizer(headers):
         # the logits check against the reference: llama.cpp maps the GGUF file itself

@@ -9,6 +9,14 @@ from the tool's log ("[  12/ 291] blk.1.attn_q.weight ..."), a cancel kills the 
 bounds it, and a failure is a typed :class:`~service.errors.ExportFailed`. The child's RSS is its
 own (``run_child`` measures it apart from the job's) and is returned once it exits, so the job process never holds more
 than the writer's row block.
+
+llama-quantize itself converts each tensor to float32 and quantizes it in row blocks of at most
+``--max-buffer-size`` (the pinned llama.cpp's ``max_buf_size``: f16 rows in, their float32
+copy, the quantized rows out; 8 GiB by default, i.e. a whole tensor). The service passes
+``quantizer_buffer`` (256 MiB by default), so no tensor is held whole in float32: a 70B
+model's 1.05 G-element embedding would be 4 GiB. The file is the same bytes whatever the
+block, as ggml quantizes row by row and an imatrix is per column
+(``tests/integration/exporters/gguf/test_quantize_blocks.py`` holds llama.cpp to that).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.config import QUANTIZER_BUFFER
 from service.errors import ExportFailed, ImatrixNotValid, VerificationFailed
 from service.exporters.common.child_process import ChildPeaks, run_child
 from service.exporters.gguf.spec import QUANTIZER_TYPES
@@ -159,13 +168,15 @@ def quantize(
     progress_units: int,
     imatrix: Path | None = None,
     bin_dir: Path | None = None,
+    buffer_bytes: int = QUANTIZER_BUFFER,
 ) -> QuantizeRun:
-    """Quantize ``source`` (f16/bf16/f32 GGUF) into ``dest`` with llama-quantize's mixture.
+    """Quantize ``source`` (f16/bf16/f32 GGUF) into ``dest`` with llama-quantize's mixture,
+    each tensor in row blocks of at most ``buffer_bytes`` (whole MiB, at least one).
 
     ``progress_units`` are reported through ``advance`` as the tool moves through the tensors.
     On any failure ``dest`` is removed: no partial artifact survives."""
     tool = llama_cpp_tool("llama-quantize", bin_dir)
-    argv = [str(tool)]
+    argv = [str(tool), *buffer_argv(buffer_bytes)]
     if imatrix is not None:
         argv += ["--imatrix", str(imatrix)]
     argv += [str(source), str(dest), QUANTIZER_TYPES[type_name.lower()], str(_threads())]
@@ -182,6 +193,12 @@ def quantize(
     except BaseException:
         dest.unlink(missing_ok=True)
         raise
+
+
+def buffer_argv(buffer_bytes: int) -> list[str]:
+    """llama-quantize's option bounding the rows of a tensor it holds at once: whole MiB, at
+    least one (the tool refuses less)."""
+    return ["--max-buffer-size", str(max(1, buffer_bytes >> 20))]
 
 
 def split_gguf(

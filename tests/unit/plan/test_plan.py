@@ -3,14 +3,20 @@ grows with, how a job's exports add up, and when a job does not fit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from service.checkpoint.headers import CheckpointHeaders, TensorHeader
+from service.config import QUANTIZER_BUFFER, Settings
 from service.exporters import plan_export
 from service.exporters.base import ExportSpec
-from service.exporters.gguf.plan import CHUNK_BYTES
+from service.exporters.gguf.plan import CHUNK_BYTES, QUANTIZER_BASE_BYTES
 from service.jobs.spec import JobSpec
 from service.plan import ChildPlan, ExportPlan, plan_job
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 def llama(layers: int, hidden: int = 2048, inter: int = 5632, vocab: int = 32000,
@@ -80,6 +86,38 @@ def test_a_k_quant_plans_the_quantizer_and_the_f16_scratch_file() -> None:
     f16 = plan_export(spec("gguf", type="f16"), llama(3), GiB)
     assert plan.scratch_bytes == f16.artifact_bytes
     assert plan.artifact_bytes < f16.artifact_bytes / 3
+
+
+def test_llama_quantize_holds_its_row_block_not_a_float32_copy_of_the_largest_tensor(
+    tmp_path: Path,
+) -> None:
+    """Llama-3-70B's and Llama-3.1-405B's widths (embedding 1.05 G and 2.1 G elements): what
+    llama-quantize holds beyond its mapped f16 rows is its row block, flat in the width; the
+    mapped rows (clean page cache) grow with the tensor and are planned as such."""
+    held = []
+    for hidden, inter in ((8192, 28672), (16384, 53248)):
+        headers = llama(1, hidden, inter, vocab=128256, dtype="BF16")
+        largest = headers.largest()
+        assert largest is not None
+        (quantizer, _) = plan_export(spec("gguf", type="Q4_K_M"), headers, GiB).children
+        assert quantizer.name == "llama-quantize"
+        assert quantizer.mapped_bytes == 2 * largest.numel
+        held.append(quantizer.peak_rss_bytes - quantizer.mapped_bytes)
+    assert held[0] == pytest.approx(held[1], rel=0.01)
+    # the block's rows, the float32 ones twice (a growing buffer's copy): 1.28 x the block
+    assert QUANTIZER_BASE_BYTES < held[0] <= QUANTIZER_BASE_BYTES + 1.3 * QUANTIZER_BUFFER
+    # the block is the setting's: a smaller one plans a smaller quantizer
+    settings = Settings(data_dir=tmp_path, memory_limit="2560MiB", quantizer_buffer="64MiB")
+    (small, _) = plan_export(spec("gguf", type="Q4_K_M"), headers, GiB, settings=settings).children
+    assert small.peak_rss_bytes - small.mapped_bytes <= QUANTIZER_BASE_BYTES + 1.3 * 64 * MiB
+    # a tensor smaller than the block is converted whole, and planned so
+    tiny = llama(1, hidden=256, inter=512, vocab=1000)
+    (whole, _) = plan_export(spec("gguf", type="Q4_K_M"), tiny, GiB).children
+    largest = tiny.largest()
+    assert largest is not None
+    assert whole.peak_rss_bytes - whole.mapped_bytes == QUANTIZER_BASE_BYTES + int(
+        largest.numel * (2 * 4 + 34 / 32)
+    )
 
 
 def test_verify_false_plans_no_consumer_child() -> None:
