@@ -235,3 +235,26 @@ def test_without_a_cgroup_the_pool_accounts_for_a_jobs_memory_and_stops_it_typed
         assert done["status"] == "failed"
         assert done["error"]["type"] == "memory_budget_exceeded", done["error"]
         assert "its processes held" in done["error"]["message"]
+
+
+@pytest.mark.timeout(1500)
+def test_without_a_cgroup_a_verified_gguf_job_is_not_held_to_the_file_llama_cpp_maps(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    # The pool's own accounting (no cgroup) counts what the kernel cannot drop: llama.cpp's
+    # check maps the GGUF file (0.75 GB of f16 here, as large as the job's budget), whose
+    # clean pages once counted and failed this job memory_budget_exceeded.
+    env = {"MODELPREP_WORKERS": "1", "MODELPREP_MEMORY_LIMIT": str(LIMIT)}
+    exports = [{"format": "gguf", "type": "f16"}, {"format": "gguf", "type": "q8_0"}]
+    with running_service(tmp_path / "data", [checkpoint.parent], env=env) as service:
+        with Poller(service) as poller:
+            done = _run(service, poller, checkpoint, exports)
+        print(json.dumps({k: done.get(k) for k in ("status", "error", "metrics")}, indent=1))
+        assert "refused" not in done, done
+        assert done["status"] == "succeeded", (done["error"], service.logs()[-3000:])
+        manifest = _manifest(service, done)
+    assert manifest["memory"]["confinement"] == "accounting", manifest["memory"]
+    assert [e["format"] for e in manifest["exports"]] == ["gguf", "gguf"]
+    for export in manifest["exports"]:
+        assert _consumer_check(export)
+    assert not poller.stalls(), f"the API stalled: {poller.stalls()[:5]}"
