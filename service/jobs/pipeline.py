@@ -543,10 +543,11 @@ def _verify_all(
         ctx.advance(1)
 
 
-REFERENCE_AGREEMENT = {"whole": 1e-3, "layer-by-layer": 6e-2}
+REFERENCE_AGREEMENT = {"whole": 1e-3, "layer-by-layer": 6e-2, "module-by-module": 6e-2}
 """Largest ``max |ours - transformers'| / max |transformers'|`` on the fixed input: float32 on
 both sides (summation order only), or transformers' layer-by-layer pass in the model's dtype
-(bfloat16's rounding through the layers). A misread source is off by orders of magnitude."""
+(bfloat16's rounding through the layers); module by module, the same forward over the same
+float32 weights as layer by layer. A misread source is off by orders of magnitude."""
 
 
 def _independent_reference(

@@ -51,6 +51,9 @@ REFERENCE_LOGITS_COPIES = 3
 output, its numpy copy and the kept window."""
 REFERENCE_CTX = 128
 """Tokens per chunk of the fixed text (``verification.independent.FIXED_TEXT_CTX``)."""
+REFERENCE_LINEAR_BLOCK_BYTES = 64 * MiB
+"""Module by module, a projection larger than this in float32 is computed a block of output
+rows of this many bytes at a time from the file (``verification.mapped.LINEAR_BLOCK_BYTES``)."""
 REFERENCE_MAPPED_DTYPES = frozenset({"F32", "F16", "BF16"})
 """An embedding or head stored in one of these is read from the file layer by layer, never
 loaded (``verification.independent.MAPPED_DTYPES``)."""
@@ -137,7 +140,10 @@ def reference_bytes(headers: CheckpointHeaders, max_memory: int | None) -> tuple
     by layer (``verification.independent``): B + 64 MiB + 1.7 x (one layer + what stays resident
     outside the stack, the embedding and head read from the file excluded, in
     the stored dtype) + 3 x n_ctx x vocab float32 logits (a causal LM with a tokenizer); a
-    pickle (no headers) is bounded by ``max_memory``."""
+    pickle (no headers) is bounded by ``max_memory``. Module by module (one layer x 1.7 in
+    float32 over ``max_memory``): the same with the largest module in float32 instead of the
+    layer, a plain projection counting as its row block (:data:`REFERENCE_LINEAR_BLOCK_BYTES`)
+    at most: flat in the width."""
     weights = floating_elements(headers) * 4
     if max_memory is None or weights <= max_memory:
         held = int(REFERENCE_WHOLE_FACTOR * weights)
@@ -157,6 +163,16 @@ def reference_bytes(headers: CheckpointHeaders, max_memory: int | None) -> tuple
         rest = sum(
             t.nbytes for t in floating if ".layers." not in t.name and not _read_from_file(t)
         )
+    module = _largest_module(headers, max_memory)
+    if module is not None:
+        held = int(REFERENCE_WEIGHT_FACTOR * (module + rest))
+        return JOB_BASE_BYTES + REFERENCE_BASE_BYTES + held + logits, (
+            f"the independent reference (transformers, module by module: one layer x "
+            f"{REFERENCE_WEIGHT_FACTOR} in float32 is over max_memory): base + 64 MiB + "
+            f"{REFERENCE_WEIGHT_FACTOR} x (the largest module {module >> 20} MiB in float32, a "
+            f"projection over {REFERENCE_LINEAR_BLOCK_BYTES >> 20} MiB in row blocks from the "
+            f"file + resident rest {rest >> 20} MiB) + logits {logits >> 20} MiB"
+        )
     held = int(REFERENCE_WEIGHT_FACTOR * (layer + rest))
     return JOB_BASE_BYTES + REFERENCE_BASE_BYTES + held + logits, (
         f"the independent reference (transformers, layer by layer): base + 64 MiB + "
@@ -164,6 +180,35 @@ def reference_bytes(headers: CheckpointHeaders, max_memory: int | None) -> tuple
         f"MiB; embedding and head read from the file) + logits {logits >> 20} MiB"
     )
 
+
+
+def _largest_module(headers: CheckpointHeaders, max_memory: int) -> int | None:
+    """What a module-by-module reference holds of the layer stack at once, in float32 bytes:
+    the largest weight it loads, a projection stored as plain floats counting as its row block
+    at most, a layer's experts all together; None when one layer in float32 (x the factor) fits ``max_memory``, so the
+    reference runs layer by layer (``verification.independent.reference_mode``)."""
+    import re
+
+    layers: dict[str, int] = {}
+    stack = [t for t in headers.tensors if t.floating and ".layers." in t.name]
+    for t in stack:
+        if (found := re.search(r"\.layers\.(\d+)\.", t.name)) is not None:
+            layers[found.group(1)] = layers.get(found.group(1), 0) + t.numel
+    if max(layers.values(), default=0) * 4 * REFERENCE_WEIGHT_FACTOR <= max_memory:
+        return None
+    # a layer's experts are one module in transformers 5 (``gate_up_proj`` and ``down_proj``
+    # packed): loaded together, whatever the checkpoint stores them as
+    experts: dict[str, int] = {}
+    for t in stack:
+        if ".experts." in t.name:
+            layer = t.name.split(".experts.")[0]
+            experts[layer] = experts.get(layer, 0) + t.numel * 4
+    return max(
+        max(experts.values(), default=0),
+        max((min(t.numel * 4, REFERENCE_LINEAR_BLOCK_BYTES)
+             if len(t.shape) == 2 and t.dtype in REFERENCE_MAPPED_DTYPES else t.numel * 4
+             for t in stack if ".experts." not in t.name), default=0),
+    )  # fmt: skip
 
 
 def with_independent_reference(plan: ExportPlan, inputs: PlanInputs) -> ExportPlan:

@@ -7,10 +7,12 @@ The modules:
   batch the source's reference outputs are computed on; :func:`~reference.prompt_ids`, the
   prompt a graph export is traced and run with) and PyTorch's greedy decode of that prompt
   (:func:`~reference.greedy_reference`), which tract and onnxruntime replay.
-- ``independent``: the source as transformers' own ``from_pretrained`` reads it (whole, or
-  layer by layer from disk), computed once per job in float32: its outputs on the fixed input
-  ids and its logits on the chunks of the fixed text. An implementation that is not ours, so a
-  misreading of the source shared by our reader and the artifact cannot pass.
+- ``independent``: the source as transformers' own ``from_pretrained`` reads it (whole, layer
+  by layer or module by module from disk), computed once per job in float32: its outputs on
+  the fixed input ids and its logits on the chunks of the fixed text. An implementation that
+  is not ours, so a misreading of the source shared by our reader and the artifact cannot pass.
+- ``mapped``: the stand-ins ``independent`` puts where a vocabulary matrix or a projection
+  larger than its block would be loaded, read from the published file a block of rows at a time.
 - ``parity``: output comparison: the tolerance table by runner and dtype
   (:data:`~parity.TOLERANCES`, ``atol + rtol * max|reference|``), the largest error over every
   compared output (:func:`~parity.compare_outputs`, :func:`~parity.relative_agreement`), one

@@ -20,10 +20,18 @@ dequantized by its ``Fp8Dequantize``, bit for bit what ``service.checkpoint.fp8`
   memory-mapped safetensors file by the ``safetensors`` library (the file as published, not
   the job's reader). So the peak is one layer plus small buffers, whatever vocab x hidden is.
   An embedding or head of another kind (scaled, quantized, adapted) stays resident.
+* **module-by-module**: one layer in float32 (x 1.7) does not fit the budget either (a 70B
+  layer is 3.2 GiB): the device map puts each module of a layer that holds weights (each
+  projection, each norm) on ``disk`` apart, so accelerate loads one projection at a time, and
+  a plain ``nn.Linear`` larger than :data:`LINEAR_BLOCK_BYTES` in float32 whose weight the
+  source stores as plain floats is never loaded: :class:`MappedLinear` computes it a block of
+  output rows at a time from the memory-mapped file. transformers' own attention, MLP, norms
+  and residuals run as in the other modes; only where a weight comes from changes.
 
 What it produces: the outputs on the fixed input ids (:func:`fixed_input_ids`, what the parity
 checks compare), and the logits on the chunks of the fixed text (``service.verification.logits``:
-KL, top-1 and perplexity ratio of each artifact). The manifest says which mode and version.
+KL, top-1 and perplexity ratio of each artifact). The manifest says which mode and version (and,
+module by module, which projections were read from the file in blocks).
 
 A reader beside the job's own (``service.checkpoint.open_checkpoint``), and its check: the job
 compares what its offloaded model computes with this before any artifact is judged.
@@ -42,6 +50,13 @@ from torch import nn
 
 from service.errors import ReferenceUnavailable, VerificationFailed
 from service.verification.logits import chunk_tokens, scored
+from service.verification.mapped import (
+    LINEAR_BLOCK_BYTES,
+    StoredTensor,
+    mappable,
+    mappable_linears,
+    replace_module,
+)
 
 FIXED_TEXT_CTX = 128
 """Tokens per chunk of the fixed text (two chunks are scored: 126 positions)."""
@@ -108,6 +123,8 @@ def independent_reference(
     adapter_dir: Path | None = None,
     merge_adapter: bool = True,
     with_outputs: bool = True,
+    force_mode: str | None = None,
+    block_bytes: int | None = None,
 ) -> IndependentReference:
     """transformers' outputs for ``input_ids`` and, for a causal LM, its logits on ``text``,
     within the budget; ``model_class`` the transformers class the job built (the one
@@ -118,21 +135,27 @@ def independent_reference(
     ``with_outputs=False`` skips the forward on ``input_ids`` for a job whose checks read only
     the fixed text's logits (a GGUF's llama.cpp run, nothing compared with the job's own model):
     layer by layer, that pass reads every weight from disk again for an output no one reads
-    (8 tokens: about a fifth of the reference's time on a 3.7 GB checkpoint)."""
+    (8 tokens: about a fifth of the reference's time on a 3.7 GB checkpoint).
+
+    The mode is the budget's (:func:`reference_mode`) unless ``force_mode`` names one (a test
+    comparing two modes); ``block_bytes`` is :class:`MappedLinear`'s block (None:
+    :data:`LINEAR_BLOCK_BYTES`)."""
     import transformers
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(source_dir), local_files_only=True)
     causal = model_class.__name__.endswith("ForCausalLM")
-    params = _parameter_count(source_dir)
-    whole = params * 4 <= max_memory_bytes
+    params, layer = _parameter_count(source_dir)
+    mode = reference_mode(params, layer, max_memory_bytes) if force_mode is None else force_mode
+    whole = mode == "whole"
     kwargs: dict[str, Any] = {"dtype": "auto", "local_files_only": True}
     offload = work / "reference-offload"
-    mapped: dict[str, _StoredTensor] = {}
+    mapped: dict[str, StoredTensor] = {}
     if not whole:
         device_map, mapped = layers_on_disk(
-            model_class, config, None if adapter_dir is not None else source_dir
-        )
+            model_class, config, None if adapter_dir is not None else source_dir,
+            by_module=mode == "module-by-module", block_bytes=block_bytes,
+        )  # fmt: skip
         kwargs.update(device_map=device_map, offload_folder=str(offload))
     model: Any
     try:
@@ -154,7 +177,7 @@ def independent_reference(
     # stand-ins replace the embedding and head: they take the dtype of what they replace.
     model = torch.nn.Module.float(model)
     for path, stored in mapped.items():
-        _replace_module(model, path, stored)
+        replace_module(model, path, stored, block_bytes)
     model.eval()
     chunks = text_chunks(source_dir, text) if causal else None
     logits_dir = work / "reference-logits"
@@ -174,14 +197,17 @@ def independent_reference(
     return IndependentReference(
         implementation=f"transformers.{model_class.__name__}.from_pretrained{peft}",
         version=transformers.__version__,
-        mode="whole" if whole else "layer-by-layer",
+        mode=mode,
         outputs=outputs,
         chunks=chunks,
         logits_dir=logits_dir if chunks is not None else None,
         vocab_size=int(getattr(config, "vocab_size", 0) or 0),
         info={
             "compute_dtype": "float32",
-            **({"mapped_from_file": sorted(mapped)} if mapped else {}),
+            **({"mapped_from_file": sorted(p for p, m in mapped.items() if m.kind != "linear")}
+               if any(m.kind != "linear" for m in mapped.values()) else {}),
+            **({"projections_in_row_blocks": len([m for m in mapped.values() if m.kind == "linear"])}
+               if mode == "module-by-module" else {}),
         },
     )
 
@@ -235,41 +261,76 @@ def _with_peft(model: Any, adapter_dir: Path, merge: bool) -> Any:
         ) from exc
 
 
-def _parameter_count(source_dir: Path) -> int:
-    """Elements of every stored tensor, from the safetensors headers (0 when unknown: the
-    model is then loaded whole and the budget judged by the job's own measures)."""
+def _parameter_count(source_dir: Path) -> tuple[int, int]:
+    """Elements of every stored tensor, and of the largest decoder layer (``.layers.<i>.``), from
+    the safetensors headers (0, 0 when unknown: the model is then loaded whole and the budget
+    judged by the job's own measures)."""
+    import re
+
     from service.checkpoint.consistency import safetensors_tensors
 
     tensors = safetensors_tensors(source_dir) or {}
     total = 0
-    for _, shape in tensors.values():
+    layers: dict[str, int] = {}
+    for name, (_, shape) in tensors.items():
         n = 1
         for d in shape:
             n *= d
         total += n
-    return total
+        if (found := re.search(r"\.layers\.(\d+)\.", name)) is not None:
+            layers[found.group(1)] = layers.get(found.group(1), 0) + n
+    return total, max(layers.values(), default=0)
+
+
+LAYER_WEIGHT_FACTOR = 1.7
+"""What a layer's float32 weights cost while accelerate loads them and the layer runs (the
+plan's ``REFERENCE_WEIGHT_FACTOR``): a layer above the budget over this goes module by module."""
+
+
+def reference_mode(params: int, layer: int, max_memory_bytes: int) -> str:
+    """``whole`` when every float32 weight fits the budget, ``layer-by-layer`` when one layer
+    does (x :data:`LAYER_WEIGHT_FACTOR`), else ``module-by-module``."""
+    if params * 4 <= max_memory_bytes:
+        return "whole"
+    if layer * 4 * LAYER_WEIGHT_FACTOR <= max_memory_bytes:
+        return "layer-by-layer"
+    return "module-by-module"
 
 
 def layers_on_disk(
-    model_class: Any, config: Any, source_dir: Path | None = None
-) -> tuple[dict[str, str], dict[str, _StoredTensor]]:
+    model_class: Any, config: Any, source_dir: Path | None = None, by_module: bool = False,
+    block_bytes: int | None = None,
+) -> tuple[dict[str, str], dict[str, StoredTensor]]:
     """A device map with every block of the model's layer stack on ``disk`` (accelerate loads
     each when it runs) and the rest (final norm, small buffers) in RAM, and the vocabulary-sized
     modules read from ``source_dir``'s files instead (:func:`_mappable`: on ``disk`` too, never
     loaded, replaced after loading; None: none, they stay in RAM). accelerate's own ``"auto"``
     map puts a tied embedding on disk under one name and looks it up under the other (KeyError
-    on SmolLM2 with transformers 5)."""
+    on SmolLM2 with transformers 5).
+
+    ``by_module``: each module of a layer that holds weights is an entry of its own
+    (:func:`_weight_modules`), and the plain linear projections larger than ``block_bytes``
+    in float32 are read from ``source_dir``'s files in row blocks (:class:`MappedLinear`)."""
     from accelerate import init_empty_weights
 
     model: Any
     with init_empty_weights():
         model = model_class(config)
-    mapped = _mappable(model, source_dir) if source_dir is not None else {}
+    mapped = mappable(model, source_dir) if source_dir is not None else {}
     stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if not stacks:
         return {"": "disk"}, {}
     path, stack = max(stacks, key=lambda item: len(item[1]))
     device_map = {f"{path}.{i}": "disk" for i in range(len(stack))}
+    if by_module:
+        device_map = {
+            f"{path}.{i}{'.' if name else ''}{name}": "disk"
+            for i, layer in enumerate(stack)
+            for name in _weight_modules(layer)
+        }
+        if source_dir is not None:
+            limit = LINEAR_BLOCK_BYTES if block_bytes is None else block_bytes
+            mapped.update(mappable_linears(model, f"{path}.", source_dir, limit))
     parts = path.split(".")
     for depth in range(len(parts)):
         parent = ".".join(parts[:depth])
@@ -282,134 +343,15 @@ def layers_on_disk(
     return device_map, mapped
 
 
-@dataclass(frozen=True)
-class _StoredTensor:
-    """A vocabulary-sized matrix where the published safetensors file holds it."""
-
-    kind: str
-    """``embedding`` (gathered by token id) or ``head`` (multiplied a block of rows at a time)."""
-    file: Path
-    key: str
-    bias: tuple[Path, str] | None = None
-    """A head's bias: its file and key."""
-
-
-MAPPED_DTYPES = frozenset({"F32", "F16", "BF16"})
-"""Stored dtypes read as they are (anything else, FP8 with its scales included, is left to
-transformers' loader)."""
-HEAD_BLOCK_BYTES = 16 << 20
-"""float32 bytes of one block of head rows (:class:`MappedHead`)."""
-
-
-def _weight_files(source_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, from the index or the single file."""
-    import json
-
-    from safetensors import safe_open
-
-    index = source_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return {name: source_dir / file for name, file in weight_map.items()}
-    single = source_dir / "model.safetensors"
-    if not single.is_file():
-        return {}
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
-def _mappable(model: Any, source_dir: Path) -> dict[str, _StoredTensor]:
-    """The input embedding (a plain ``nn.Embedding``) and output head (a plain ``nn.Linear``)
-    of the meta ``model`` whose weights the source stores as plain floats: module path -> where
-    (a tied head reads the embedding's rows)."""
-    from safetensors import safe_open
-
-    files = _weight_files(source_dir)
-    prefix = f"{getattr(model, 'base_model_prefix', '')}."
-    paths = {id(m): n for n, m in model.named_modules()}
-
-    def stored(name: str) -> tuple[Path, str] | None:
-        for key in (name, name.removeprefix(prefix)):
-            if key in files:
-                with safe_open(str(files[key]), framework="pt") as f:
-                    if f.get_slice(key).get_dtype() in MAPPED_DTYPES:
-                        return files[key], key
-                return None
-        return None
-
-    found: dict[str, _StoredTensor] = {}
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    plain_embedding = type(embedding) is nn.Embedding and id(embedding) in paths
-    plain_head = type(head) is nn.Linear and id(head) in paths
-    embedding_at = stored(f"{paths[id(embedding)]}.weight") if plain_embedding else None
-    head_at = stored(f"{paths[id(head)]}.weight") if plain_head else None
-    if bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)):
-        # a tied pair is stored once, under either name (SmolLM2 under the embedding's; a
-        # checkpoint saved from the head's side under ``lm_head.weight``): both read that one
-        embedding_at, head_at = embedding_at or head_at, head_at or embedding_at
-    if plain_embedding and embedding_at is not None:
-        found[paths[id(embedding)]] = _StoredTensor("embedding", *embedding_at)
-    if plain_head and head_at is not None:
-        path = paths[id(head)]
-        bias = stored(f"{path}.bias") if head.bias is not None else None
-        if (head.bias is None) == (bias is None):
-            found[path] = _StoredTensor("head", *head_at, bias=bias)
+def _weight_modules(layer: nn.Module) -> list[str]:
+    """The modules of ``layer`` (names relative to it, ``""`` the layer itself) that hold
+    weights or buffers of their own, outermost first: each an entry of a module-by-module
+    device map. A module whose ancestor holds some of its own is loaded with that ancestor."""
+    found: list[str] = []
+    for name, module in layer.named_modules():
+        if any(name == f or name.startswith(f"{f}.") or f == "" for f in found):
+            continue
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if own:
+            found.append(name)
     return found
-
-
-class MappedEmbedding(nn.Module):
-    """Stands in for a plain ``nn.Embedding``: the rows of the input's token ids, read from the
-    memory-mapped file in their stored dtype, cast to ``dtype`` as transformers casts the
-    weight (the dtype of the module it stands in for, as loaded)."""
-
-    def __init__(self, stored: _StoredTensor, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.stored, self.dtype = stored, dtype
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from safetensors import safe_open
-
-        unique, inverse = torch.unique(input_ids.reshape(-1), return_inverse=True)
-        with safe_open(str(self.stored.file), framework="pt") as f:
-            rows = f.get_slice(self.stored.key)
-            gathered = torch.cat([rows[i : i + 1] for i in unique.tolist()])
-        out = gathered.to(self.dtype)[inverse]
-        return out.reshape(*input_ids.shape, out.shape[-1])
-
-
-class MappedHead(nn.Module):
-    """Stands in for a plain ``nn.Linear`` output head: the logits of a block of
-    :data:`HEAD_BLOCK_BYTES` of vocabulary rows at a time, read from the memory-mapped file in
-    their stored dtype and upcast to float32, as are the hidden states (float32 logits)."""
-
-    def __init__(self, stored: _StoredTensor) -> None:
-        super().__init__()
-        self.stored = stored
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from safetensors import safe_open
-
-        h = hidden.float()
-        with safe_open(str(self.stored.file), framework="pt") as f:
-            vocab = int(f.get_slice(self.stored.key).get_shape()[0])
-        out = torch.empty(*hidden.shape[:-1], vocab, dtype=torch.float32)
-        step = max(1, HEAD_BLOCK_BYTES // (4 * hidden.shape[-1]))
-        for start in range(0, vocab, step):
-            # The file is mapped afresh for each block: the pages a block touched leave the
-            # process's resident set with it (the kernel's page cache may keep them, reclaimably).
-            with safe_open(str(self.stored.file), framework="pt") as f:
-                block = f.get_slice(self.stored.key)[start : start + step]
-            out[..., start : start + step] = h @ block.float().T
-        if self.stored.bias is not None:
-            with safe_open(str(self.stored.bias[0]), framework="pt") as f:
-                out += f.get_tensor(self.stored.bias[1]).float()
-        return out
-
-
-def _replace_module(model: Any, path: str, stored: _StoredTensor) -> None:
-    """Put the mapped stand-in where transformers' module (never loaded: on ``disk``) was."""
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    loaded = model.get_submodule(path).weight.dtype
-    made = MappedEmbedding(stored, loaded) if stored.kind == "embedding" else MappedHead(stored)
-    setattr(parent, name, made)

@@ -68,15 +68,17 @@ def test_streaming_exports_do_not_grow_with_the_model_but_whole_model_consumers_
 def test_a_mixtral_gguf_plan_is_the_dense_formula_whatever_the_expert_stack() -> None:
     """Experts stream one after the other: the stack (8 x 5632 x 2048 x 4 B = 369 MiB in
     float32 per projection) is not a term; the q projection llama.cpp permutes is. (The
-    independent reference of a verified job is another matter: transformers loads a whole
-    layer, its experts included, layer by layer.)"""
+    independent reference of a verified job is another matter: transformers loads a layer's
+    experts together, its packed experts module, layer by layer or module by module.)"""
     dense = plan_export(spec("gguf", type="q8_0"), llama(4), GiB, verify=False)
     for experts in (8, 16):
         moe = plan_export(spec("gguf", type="q8_0"), llama(4, experts=experts), GiB, verify=False)
         assert moe.job_peak_rss_bytes == dense.job_peak_rss_bytes
         assert moe.artifact_bytes > dense.artifact_bytes * experts / 4  # the file does grow
         verified = plan_export(spec("gguf", type="q8_0"), llama(4, experts=experts), GiB)
-        assert any("layer by layer" in note for note in verified.notes), verified.notes
+        assert any("module by module" in note for note in verified.notes), verified.notes
+        stack = experts * 3 * 5632 * 2048 * 4  # the experts of one layer, float32
+        assert verified.job_peak_rss_bytes > 1.7 * stack
 
 
 def test_a_k_quant_plans_the_quantizer_and_the_f16_scratch_file() -> None:
@@ -118,6 +120,26 @@ def test_llama_quantize_holds_its_row_block_not_a_float32_copy_of_the_largest_te
     assert whole.peak_rss_bytes - whole.mapped_bytes == QUANTIZER_BASE_BYTES + int(
         largest.numel * (2 * 4 + 34 / 32)
     )
+
+
+def test_a_reference_whose_layer_does_not_fit_runs_module_by_module_flat_in_the_width() -> None:
+    """One layer at 70B and 405B widths (0.86 and 2.9 G elements) x 1.7 in float32 is over a
+    1 GiB max_memory: the reference holds its largest module, a projection in row blocks of
+    64 MiB read from the file, so its term is the same at both widths; a layer that fits
+    stays layer by layer."""
+    from service.plan.terms import REFERENCE_LINEAR_BLOCK_BYTES, reference_bytes
+    from service.verification.mapped import LINEAR_BLOCK_BYTES
+
+    assert REFERENCE_LINEAR_BLOCK_BYTES == LINEAR_BLOCK_BYTES
+    terms = []
+    for hidden, inter in ((8192, 28672), (16384, 53248)):
+        peak, note = reference_bytes(llama(1, hidden, inter, vocab=128256, dtype="BF16"), GiB)
+        assert "module by module" in note, note
+        terms.append(peak)
+    assert terms[0] == terms[1]
+    assert terms[0] < GiB
+    _, note = reference_bytes(llama(3, 1024, 2816, vocab=32000, dtype="BF16"), 128 << 20)
+    assert "layer by layer" in note, note
 
 
 def test_verify_false_plans_no_consumer_child() -> None:

@@ -12,6 +12,10 @@ import torch
 from service.verification.independent import independent_reference, text_chunks
 from service.verification.logits import FIXED_TEXT, scored
 
+LAYERED = 300_000
+"""A budget below the tiny Llama's float32 weights (450 KB) holding one layer (1.7 x 148 KB):
+transformers' reference runs layer by layer."""
+
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -32,7 +36,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("budget", [1 << 30, 1 << 16], ids=["whole", "layer-by-layer"])
+@pytest.mark.parametrize("budget", [1 << 30, LAYERED], ids=["whole", "layer-by-layer"])
 def test_one_batched_forward_gives_what_one_forward_per_chunk_gives(
     tiny_llama: Path, tmp_path: Path, budget: int
 ) -> None:
@@ -70,14 +74,52 @@ def test_without_outputs_no_forward_on_the_fixed_input_and_the_same_chunk_logits
     )
     try:
         got = independent_reference(
-            tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, 1 << 16, tmp_path / "a",
+            tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, LAYERED, tmp_path / "a",
             with_outputs=False,
         )  # fmt: skip
     finally:
         hook.remove()
     assert got.outputs is None and len(calls) == 1  # the chunks' batched forward only
     full = independent_reference(
-        tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, 1 << 16, tmp_path / "b"
+        tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, LAYERED, tmp_path / "b"
     )
     for a, b in zip(got.chunk_logits(), full.chunk_logits(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("block", [1 << 10, 1 << 30], ids=["projections-in-row-blocks", "loaded"])
+def test_module_by_module_agrees_with_layer_by_layer(
+    tiny_llama: Path, tmp_path: Path, block: int
+) -> None:
+    """Each module of a layer on disk apart, and (with the 1 KiB block) every projection
+    read from the file a block of output rows at a time: transformers' own forward over the
+    same weights, so the same outputs and chunk logits as a whole layer at a time, to float32
+    summation order."""
+    from transformers import LlamaForCausalLM
+
+    ids = torch.tensor([[5, 17, 42, 9, 250, 3, 77, 120]])
+    layer = independent_reference(tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, LAYERED,
+                                  tmp_path / "layer")  # fmt: skip
+    module = independent_reference(
+        tiny_llama, LlamaForCausalLM, ids, FIXED_TEXT, LAYERED, tmp_path / "module",
+        force_mode="module-by-module", block_bytes=block,
+    )  # fmt: skip
+    assert (layer.mode, module.mode) == ("layer-by-layer", "module-by-module")
+    summary = module.summary()
+    assert summary["mode"] == "module-by-module"
+    # q k v o gate up down in each of the 2 layers, 64 x 64 and more: all over 1 KiB
+    assert summary["projections_in_row_blocks"] == (14 if block == 1 << 10 else 0), summary
+    assert summary["mapped_from_file"] == ["lm_head", "model.embed_tokens"], summary
+    torch.testing.assert_close(module.outputs, layer.outputs, rtol=1e-5, atol=1e-6)
+    for a, b in zip(module.chunk_logits(), layer.chunk_logits(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_mode_is_the_budget_s_whole_then_a_layer_then_a_module() -> None:
+    from service.verification.independent import reference_mode
+
+    # a 70B-wide layer: 0.86 G elements, 3.2 GiB in float32; 80 layers
+    layer, params = 856 << 20, 80 * (856 << 20)
+    assert reference_mode(params, layer, 2 << 40) == "whole"
+    assert reference_mode(params, layer, 8 << 30) == "layer-by-layer"
+    assert reference_mode(params, layer, 1 << 30) == "module-by-module"
