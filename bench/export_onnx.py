@@ -3,6 +3,7 @@
     .venv/bin/python bench/export_onnx.py [--layers 3,18] [--repeat 3] [--dir /var/tmp]
                                           [--optimum-venv ~/.cache/modelprep/bench-venvs/optimum-onnx]
                                           [--json bench-export-onnx.json]
+    .venv/bin/python bench/export_onnx.py --builder   # int4 beside onnxruntime-genai's builder
 
 For each size, a synthetic TinyLlama-shaped float32 checkpoint (``bench/synth_checkpoint.py``:
 hidden 2048, intermediate 5632, vocab 32000; 3 layers = 1.1 GB, 18 layers = 4.2 GB; the largest
@@ -101,7 +102,9 @@ PROFILED = {
 """Functions whose wall time the child records (by wrapping them in its own process only)."""
 
 
-def child_ours(ckpt: Path, out: Path, verify: bool) -> None:
+def child_ours(
+    ckpt: Path, out: Path, verify: bool, exports: list[dict[str, Any]] | None = None
+) -> None:
     """One job exporting ``ckpt`` to ONNX, as the worker runs it; prints its export summary,
     its phase timeline and the time spent in each of :data:`PROFILED`, as JSON."""
 
@@ -119,7 +122,7 @@ def child_ours(ckpt: Path, out: Path, verify: bool) -> None:
     layout = JobLayout.for_job(settings, job_id)
     layout.prepare()
     ctx = InMemoryContext(settings=settings, work_dir=layout.work, job_id=job_id)
-    exports = [{"format": "onnx", "decode_steps": 2}]
+    exports = exports or [{"format": "onnx", "decode_steps": 2}]
     spec = JobSpec.model_validate(
         {"source": f"file://{ckpt}", "verify": verify, "exports": exports}
     )
@@ -139,6 +142,7 @@ def child_ours(ckpt: Path, out: Path, verify: bool) -> None:
             "ort_load_seconds", "ort_run_seconds")} if verified else None,
         "logits": {k: (verified.get("logits") or {}).get(k) for k in (
             "kl_mean", "top1", "ort_load_seconds", "ort_run_seconds")} if verified else None,
+        "quality": verified.get("quality"),
     }))  # fmt: skip
 
 
@@ -276,15 +280,29 @@ def table(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         ckpt, out, verify = sys.argv[2:5]
-        child_ours(Path(ckpt), Path(out), verify == "1")
+        exports = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
+        child_ours(Path(ckpt), Path(out), verify == "1", exports)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="3,18", help="checkpoint sizes (3: 1.1 GB, 18: 4.2 GB)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of each size")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--optimum-venv", type=Path, default=DEFAULT_OPTIMUM_VENV)
-    parser.add_argument("--json", type=Path, default=Path("bench-export-onnx.json"))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--builder", action="store_true",
+                        help="int4 on SmolLM2 beside onnxruntime-genai's model builder "
+                        "(bench/onnx_builder.py) instead of float beside optimum")  # fmt: skip
     args = parser.parse_args()
+    if args.builder:
+        from bench.onnx_builder import main as builder_main
+
+        work = Path(tempfile.mkdtemp(prefix="modelprep-onnx-builder-", dir=args.dir))
+        try:
+            builder_main(work, args.repeat, args.json or Path("bench-onnx-builder.json"))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    args.json = args.json or Path("bench-export-onnx.json")
     if not (args.optimum_venv / "bin" / "python").is_file():
         raise SystemExit(f"no optimum venv at {args.optimum_venv}: see this module's docstring")
     from bench.synth_checkpoint import write_checkpoint

@@ -105,8 +105,18 @@ DATA_NAME = "model.onnx_data"
 
 Task = Literal["text-generation-with-past", "feature-extraction"]
 
-DECODER_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""Causal LMs whose dynamo export with a DynamicCache is checked in onnxruntime by the tests."""
+MOE_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
+"""MoE decoders: captured with transformers' ``batched_mm`` experts
+(:mod:`service.shims.transformers_capture`), whose expert matrices are gathered per token, not
+multiplied as linear layers, so they take float weights only."""
+
+DECODER_TYPES = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+    "granite", "stablelm", "starcoder2", "exaone4", "internlm3", "gpt_neox", "cohere", "falcon",
+}) | MOE_TYPES  # fmt: skip
+"""Causal LMs whose capture by one mechanism (transformers' module traced on meta by the dynamo
+exporter, with a DynamicCache) is checked in onnxruntime and onnxruntime-genai, family by family,
+by ``tests/integration/exporters/test_families.py``; any other is refused at submission."""
 
 
 class ONNXSpec(ExportSpec):
@@ -231,6 +241,13 @@ class ONNXExporter(GraphExporter):
             raise UnsupportedExport("ONNX export builds the model graph and needs a config.json")
         refuse_multimodal(config, "ONNX")
         task = resolve_task(config, ospec.task)
+        model_type = str(config.get("model_type") or "")
+        if ospec.weights != "float" and model_type in MOE_TYPES:
+            raise UnsupportedExport(
+                f"ONNX {ospec.weights} weights are not available for the MoE family "
+                f"{model_type!r}: its experts are gathered per token, not linear layers that "
+                "MatMulNBits replaces, and would stay float; export it with float weights"
+            )
         if task != "text-generation-with-past" and (
             ospec.weights != "float" or ospec.layout is not None
         ):
@@ -263,6 +280,7 @@ def export_onnx(
     from service.exporters.common import offloaded_model as off
     from service.exporters.onnx.verify import ensure_ort_fits
     from service.offload.build import build_on_meta
+    from service.shims.transformers_capture import plain_linears
 
     checkpoint = inputs.checkpoint
     if checkpoint.config is None:
@@ -285,6 +303,7 @@ def export_onnx(
                 skeleton, checkpoint, offload_dir=work / "offload", store=inputs.store,
                 hook=on_read, dtype=dtype,
             )  # fmt: skip
+            plain_linears(weights.module)  # the reference runs Falcon's linears as nn.Linear
             if spec.verify:
                 # Fail before exporting, not after: onnxruntime will need every weight in RAM.
                 ensure_ort_fits(weights.weight_bytes, ctx.settings.ort_max_memory)
@@ -483,10 +502,10 @@ def _trace(module: nn.Module, task: Task, dtype: torch.dtype) -> ir.Model:
     named as the module's tensors."""
     import torch
 
+    from service.shims.transformers_capture import prepare_for_capture
+
     module = module.eval()
-    set_attn = getattr(module, "set_attn_implementation", None)
-    if callable(set_attn):
-        set_attn("sdpa")  # one fused attention node for onnxruntime, no eager mask arithmetic
+    prepare_for_capture(module)  # attention, MoE experts, Falcon's QKV split
     module = module.to(device="meta", dtype=dtype)
     if task == "text-generation-with-past":
         wrapper = _causal_lm_with_past(module)

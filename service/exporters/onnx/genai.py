@@ -25,6 +25,25 @@ from service.fsutil import atomic_write_json
 
 GENAI_CONFIG = "genai_config.json"
 
+GENAI_DECODER_TYPES = frozenset({
+    "chatglm", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gptoss", "granite",
+    "hunyuandensev1", "internlm2", "llama", "mistral", "nemotron", "olmo", "phi", "phimoe", "phi3",
+    "phi3small", "qwen2", "qwen3", "smollm3",
+})  # fmt: skip
+"""``model.type`` values onnxruntime-genai 0.18 runs as a decoder-only LLM (its
+``ModelType::IsLLM``; ``gpt2`` left out: it has a model class of its own), as transformers
+spells them. Each selects the same ``DecoderOnly_Model``, which takes the graph's input and
+output names and the KV cache's geometry from this file, so the label does not change how the
+graph runs. A family og does not list is written as ``"decoder"``, og's generic decoder-only
+type (in the same list): its own ``model_type`` would be refused when ``og.Model`` loads
+(``Unsupported model_type in config.json``). Either way the package is run in og's generator by
+the export's check (``verify.check_genai``)."""
+
+
+def genai_model_type(model_type: str) -> str:
+    """The ``model.type`` onnxruntime-genai is given for a transformers ``model_type``."""
+    return model_type if model_type in GENAI_DECODER_TYPES else "decoder"
+
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
@@ -102,7 +121,7 @@ def genai_config(
             },
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "pad_token_id": int(pad) if pad is not None else (eos[0] if eos else 0),
-            "type": str(config.get("model_type") or ""),
+            "type": genai_model_type(str(config.get("model_type") or "")),
             "vocab_size": int(config["vocab_size"]),
         },
         "search": {

@@ -2,12 +2,23 @@
 
 The terms every format shares (the job's base, the independent reference) are
 :mod:`service.plan.terms`; :meth:`ONNXExporter.plan` hands this formula to the service.
+
+int4/int8 weights (``MatMulNBits``) add terms that do not grow with any tensor: each weight is
+quantized a slice of rows at a time (:data:`QUANTIZE_SLICE_BYTES`), its scales and zero points
+spooled to a file in the work directory until they are written (``scratch_bytes``); the
+artifact, and what onnxruntime maps, is the quantized size (:func:`nbits_weight_bytes`). The
+exact check multiplies each quantized layer by its weight dequantized from the artifact, one
+layer at a time, in float32 (:data:`DEQUANTIZED_ITEMSIZE`): a term of the largest quantized
+weight, where the float export's reference reloads the largest weight in the export's dtype.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from service.checkpoint.headers import CheckpointHeaders, TensorHeader
+from service.exporters.common.families import is_causal_lm
+from service.exporters.onnx.quantize import NBits, quantized_bytes
 from service.plan import ChildPlan, ExportPlan, PlanInputs
 from service.plan.terms import (
     JOB_BASE_BYTES,
@@ -33,40 +44,116 @@ exporter's tables (MiniLM 590 MiB, SmolLM2 888 MiB)."""
 ONNX_PER_LAYER_BYTES = int(4.5 * MiB)
 """The captured graph, per decoder layer (README)."""
 
+QUANTIZE_SLICE_BYTES = 3 * 64 * MiB
+"""int4/int8: one slice of a weight's rows being quantized, whatever the weight's size: at most
+64 MiB of float32 rows read from the offload store (``quantize.NBitsWeight``), the transposed
+copy onnxruntime's kernel quantizes, the source-dtype read they were cast from, and the slice's
+packed blocks and scales (an eighth to a quarter of it)."""
+
+DEQUANTIZED_ITEMSIZE = 4
+"""int4/int8 with the check: the largest quantized weight, dequantized from the artifact in
+float32 for PyTorch's run (``verify.artifact_weights``), plus its cast when the export is
+float16."""
+
+EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+"""Input embeddings: read by ``Gather``, never by a ``MatMul``, so they stay float."""
+
+
+def _quantized(t: TensorHeader) -> bool:
+    """Whether the export writes this tensor as ``MatMulNBits`` blocks: a floating 2-D weight
+    other than an embedding (every linear layer, the output head included)."""
+    return t.floating and len(t.shape) == 2 and not t.name.endswith(EMBEDDINGS)
+
+
+def nbits_weight_bytes(headers: CheckpointHeaders, scheme: NBits, itemsize: int) -> int:
+    """Bytes of an int4/int8 export's weights: each linear weight ``[n, k]`` quantized
+    (:func:`~service.exporters.onnx.quantize.quantized_bytes`, scales in the export's dtype),
+    every other floating tensor in ``itemsize``; a head tied to the embedding gets its own
+    quantized copy beside the float embedding, as the export writes it (a tied head the
+    checkpoint also stores is that copy: counted once, quantized)."""
+    total = 0
+    for t in headers.tensors:
+        if not t.floating:
+            continue
+        if _quantized(t):
+            total += quantized_bytes(scheme, t.shape[0], t.shape[1], itemsize)
+        else:
+            total += t.numel * itemsize
+    config = headers.config or {}
+    names = {t.name for t in headers.tensors}
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in names:
+        embedding = headers.largest(lambda t: t.name.endswith(EMBEDDINGS) and len(t.shape) == 2)
+        if embedding is not None:
+            total += quantized_bytes(scheme, embedding.shape[0], embedding.shape[1], itemsize)
+    return total
+
+
+def _spool_bytes(headers: CheckpointHeaders, scheme: NBits, itemsize: int) -> int:
+    """The largest weight's scales and zero points, spooled while its blocks are written."""
+    largest = headers.largest(_quantized)
+    if largest is None:
+        return 0
+    n, k = largest.shape
+    return quantized_bytes(scheme, n, k, itemsize) - quantized_bytes(
+        NBits(scheme.bits, scheme.block_size, True), n, k, 0
+    )
+
 
 def plan_onnx(spec: Any, inputs: PlanInputs) -> ExportPlan:
     """The job's base + 128 MiB + the largest tensor (twice when cast) + 4.5 MiB per layer;
-    onnxruntime maps every weight: 40 MiB + the weights' pages. The job checks its model
-    against the independent reference first (:func:`with_independent_reference`)."""
+    onnxruntime maps every weight: 40 MiB + the weights' pages, and onnxruntime-genai's
+    generator (the genai layout) the same after it. int4/int8 add a slice of rows being
+    quantized, the largest quantized weight dequantized in float32 by the check, and the
+    quantized sizes. The job checks its model against the independent reference first
+    (:func:`with_independent_reference`)."""
     headers = inputs.headers
     itemsize = export_dtype_bytes(headers, spec.dtype)
     largest = largest_bytes(headers, itemsize)
     cast = headers.source_dtype not in (None, {4: "F32", 2: "F16"}[itemsize])
     layers = layer_count(headers)
-    job = (
-        JOB_BASE_BYTES
-        + ONNX_BASE_BYTES
-        + largest * (2 if cast else 1)
-        + layers * ONNX_PER_LAYER_BYTES
-    )
-    weights = floating_elements(headers) * itemsize - tied_head_bytes(headers) // 4 * itemsize
-    children = (
-        (
-            ChildPlan(
-                "onnxruntime",
-                ORT_BASE_BYTES + int(ORT_WEIGHT_FACTOR * weights),
-                int(ORT_WEIGHT_FACTOR * weights),
-            ),
+    scheme: NBits | None = spec.nbits() if hasattr(spec, "nbits") else None
+    reference = largest * (2 if cast else 1)
+    terms = [f"largest tensor {largest >> 20} MiB{' x 2 (cast)' if cast else ''}"]
+    extra = 0
+    scratch = 0
+    if scheme is None:
+        weights = floating_elements(headers) * itemsize - tied_head_bytes(headers) // 4 * itemsize
+    else:
+        weights = nbits_weight_bytes(headers, scheme, itemsize)
+        quantized = headers.largest(_quantized)
+        if spec.verify and quantized is not None:
+            per = DEQUANTIZED_ITEMSIZE + (itemsize if itemsize != DEQUANTIZED_ITEMSIZE else 0)
+            dequantized = quantized.numel * per
+            if dequantized > reference:
+                reference = dequantized
+                terms = [f"largest quantized weight dequantized {dequantized >> 20} MiB"]
+        extra = QUANTIZE_SLICE_BYTES
+        scratch = _spool_bytes(headers, scheme, itemsize)
+        terms.append(
+            f"int{scheme.bits} block {scheme.block_size}: a slice of rows quantized "
+            f"{QUANTIZE_SLICE_BYTES >> 20} MiB, scales spooled {scratch >> 20} MiB on disk"
         )
-        if spec.verify
-        else ()
-    )
+    job = JOB_BASE_BYTES + ONNX_BASE_BYTES + reference + extra + layers * ONNX_PER_LAYER_BYTES
+    mapped = int(ORT_WEIGHT_FACTOR * weights)
+    children: tuple[ChildPlan, ...] = ()
+    consumers = "onnxruntime"
+    if spec.verify:
+        children = (ChildPlan("onnxruntime", ORT_BASE_BYTES + mapped, mapped),)
+        if _genai(spec, headers):
+            children += (ChildPlan("onnxruntime-genai", ORT_BASE_BYTES + mapped, mapped),)
+            consumers = "onnxruntime, then onnxruntime-genai,"
     plan = ExportPlan(
         format="onnx", job_peak_rss_bytes=job, job_rss_during_children_bytes=job,
         children=children, verification="whole" if spec.verify else "none",
-        artifact_bytes=weights, offload_bytes=0,
-        notes=((f"job: base + largest tensor {largest >> 20} MiB{' x 2 (cast)' if cast else ''} "
-               f"+ {layers} layers x 4.5 MiB; onnxruntime: 40 MiB + mapped weights "
-               f"({weights >> 20} MiB)"),),
+        artifact_bytes=weights, scratch_bytes=scratch, offload_bytes=0,
+        notes=((f"job: base + {' + '.join(terms)} + {layers} layers x 4.5 MiB; {consumers} "
+                f"40 MiB + mapped weights ({weights >> 20} MiB)"),),
     )  # fmt: skip
     return with_independent_reference(plan, inputs)
+
+
+def _genai(spec: Any, headers: CheckpointHeaders) -> bool:
+    """Whether the export writes the genai layout, which the job runs in onnxruntime-genai."""
+    if getattr(spec, "layout", None) == "optimum":
+        return False
+    return is_causal_lm(headers.config or {})

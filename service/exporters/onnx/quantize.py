@@ -74,10 +74,31 @@ class NBits:
 
 
 def dequantize(
+    scheme: NBits,
+    k: int,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None,
+    rows_per_slice: int | None = None,
+) -> np.ndarray:
+    """The float32 ``[N, K]`` weight ``MatMulNBits`` multiplies by: ``(q - zero) * scale`` per
+    block, low nibble first for 4 bits, the implicit zero ``2**(bits-1)`` when symmetric.
+
+    Computed a slice of rows at a time into the result, so that the float32 weight is the only
+    whole-tensor term (the plan's ``DEQUANTIZED_ITEMSIZE``), not its intermediates."""
+    n = packed.shape[0]
+    out = np.empty((n, k), dtype=np.float32)
+    step = rows_per_slice or max(1, (16 * 2**20) // max(1, 4 * packed.shape[1] * scheme.block_size))
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        zp = None if zero_points is None else zero_points[start:stop]
+        out[start:stop] = _dequantize_rows(scheme, k, packed[start:stop], scales[start:stop], zp)
+    return out
+
+
+def _dequantize_rows(
     scheme: NBits, k: int, packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None
 ) -> np.ndarray:
-    """The float ``[N, K]`` weight ``MatMulNBits`` multiplies by: ``(q - zero) * scale`` per
-    block, low nibble first for 4 bits, the implicit zero ``2**(bits-1)`` when symmetric."""
     n, blocks, _ = packed.shape
     if scheme.bits == 4:
         q = np.empty((n, blocks, packed.shape[2] * 2), dtype=np.float32)

@@ -219,7 +219,7 @@ def artifact_weights(module: nn.Module, model_path: Path, scheme: NBits, names: 
                 raise VerificationFailed(f"the artifact lacks {name}'s quantized blocks")
             weight = dequantize(scheme, layer.in_features, packed, scales, parts["zero_points"])
             w = torch.from_numpy(weight).to(x.dtype)
-            bias = None if layer.bias is None else layer.bias.as_subclass(torch.Tensor)
+            bias = None if layer.bias is None else _plain(layer.bias)
             return torch.nn.functional.linear(x.as_subclass(torch.Tensor), w, bias)
 
         return forward
@@ -239,6 +239,18 @@ def artifact_weights(module: nn.Module, model_path: Path, scheme: NBits, names: 
     finally:
         for layer in patched:
             del layer.forward
+
+
+def _plain(tensor: Any) -> Any:
+    """A weight of the offloaded model as a plain tensor: an offloaded one re-read from the
+    store (``as_subclass`` alone would keep no data: PyTorch's dispatch then fails)."""
+    import torch
+
+    from service.shims.torch_to_nnef import CheckpointTensor
+
+    if isinstance(tensor, CheckpointTensor):
+        return tensor.reload().as_subclass(torch.Tensor)
+    return tensor.as_subclass(torch.Tensor)
 
 
 def _external_initializers(model_path: Path) -> Callable[[str], np.ndarray | None]:

@@ -10,8 +10,9 @@ here as it is written there:
   problem+json of its type, naming the reason; any other cell must be accepted;
 * the accepted formats of a family run as one job (one offload for all of them), in process
   through the real pipeline: each export's consumer checks it in the job (safetensors: reloaded
-  by transformers; GGUF f16: llama.cpp's logits on the fixed text; ONNX: onnxruntime's decode;
-  NNEF: tract's), and the manifest must show the check passed;
+  by transformers; GGUF f16: llama.cpp's logits on the fixed text; ONNX: onnxruntime's decode
+  and onnxruntime-genai's greedy generator on the package; NNEF: tract's), and the manifest
+  must show the check passed;
 * a cell still open elsewhere (``fails``) runs alone and must fail with its typed error, as it
   does today, so the change that fixes it fails here until its cell says ``OK``.
 """
@@ -108,6 +109,9 @@ def _assert_checked(export: dict[str, Any]) -> None:
     else:
         assert verify["max_abs_err"] <= verify["tolerance"], verify
         assert all(verify["argmax_agreed"]), verify
+    if fmt == "onnx":  # the genai layout (the default): onnxruntime-genai's generator ran it
+        genai = verify["genai"]
+        assert genai["steps"] == len(verify["argmax_agreed"]) and genai["agreed_steps"] > 0, genai
 
 
 def test_the_table_has_every_family_and_variant() -> None:

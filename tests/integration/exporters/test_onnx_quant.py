@@ -126,3 +126,38 @@ def _prompt(spec: ONNXSpec, lm: Any) -> list[int]:
     from service.verification.reference import prompt_ids
 
     return prompt_ids(spec.prompt_tokens, int(lm.config.vocab_size))
+
+
+@pytest.mark.parametrize("name", ["falcon", "gpt_neox", "gemma2"])
+def test_int4_of_other_families_passes_the_exact_check_and_runs_in_genai(
+    name: str, tmp_path: Path
+) -> None:
+    """Families whose linear layers differ from Llama's: Falcon's ``FalconLinear`` and fused
+    QKV, GPT-NeoX's biases, Gemma 2's eager attention; the first two are onnxruntime-genai's
+    generic ``decoder`` type."""
+    from service.exporters.onnx.genai import genai_model_type
+    from tests.fixtures.families import family_checkpoint
+
+    source = family_checkpoint(name)
+    spec = ONNXSpec(decode_steps=3, weights="int4")
+    ctx = InMemoryContext(Settings(data_dir=tmp_path / "data"), tmp_path / "work")
+    ctx.work_dir.mkdir()
+    with open_checkpoint(source) as ckpt:
+        result = ONNXExporter().export(spec, ExportInputs(checkpoint=ckpt), tmp_path / "out", ctx)
+    verify = result.summary["verify"]
+    assert verify["reference_weights"] == "dequantized from the artifact"
+    assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
+    assert verify["genai"]["agreed_steps"] == verify["genai"]["steps"] == 4
+    graph = onnx.load(str(tmp_path / "out" / MODEL_NAME), load_external_data=False).graph
+    linears = sum(isinstance(m, torch.nn.Linear) for m in _meta_lm(source).modules())
+    assert [n.op_type for n in graph.node].count("MatMulNBits") == linears
+    config = json.loads((tmp_path / "out" / GENAI_CONFIG).read_text())
+    assert config["model"]["type"] == genai_model_type(name)
+
+
+def _meta_lm(source: Path) -> torch.nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))

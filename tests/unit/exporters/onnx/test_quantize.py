@@ -104,3 +104,13 @@ def test_encoder_refuses_quantized_weights_and_a_layout(spec: ONNXSpec) -> None:
     config = tiny_bert_config().to_dict() | {"architectures": ["BertModel"]}
     with pytest.raises(UnsupportedExport, match="causal LMs"):
         ONNXExporter().check(spec, config)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_dequantize_slice_by_slice_is_dequantize_whole(scheme: NBits, tmp_path: Any) -> None:
+    w = _weight(n=23)
+    parts = NBits.quantize_rows(scheme, w)
+    zero = None if scheme.symmetric else parts["zero_points"]
+    whole = dequantize(scheme, 200, parts["packed"], parts["scales"], zero, rows_per_slice=23)
+    sliced = dequantize(scheme, 200, parts["packed"], parts["scales"], zero, rows_per_slice=5)
+    assert sliced.dtype == np.float32 and np.array_equal(whole, sliced)
