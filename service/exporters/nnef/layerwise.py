@@ -61,6 +61,7 @@ a chunk is a kind of block; the child that runs them is apart (``tract_cli``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -85,7 +86,7 @@ _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
 _VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*'([^']*)'")
 _SHAPE = re.compile(r"shape\s*=\s*\[([^\]]*)\]")
 _OPERATOR = re.compile(r"^\s*(\w+)\s*\(")
-_DATUM_TYPE = re.compile(r"datum_type\s*=\s*'(\w+)'")
+_DATUM_TYPE = re.compile(r"(?:datum_type|\bto)\s*=\s*'(\w+)'")
 
 DAT_HEADER_BYTES = 128
 """An NNEF tensor file's header (magic ``4E EF``, version, data length, rank, 8 dimensions,
@@ -116,8 +117,10 @@ class Graph:
     outputs: list[str]
     statements: list[Statement]
 
-    @property
+    @functools.cached_property
     def defined(self) -> dict[str, Statement]:
+        """Each name's statement; built once (the cut asks for it per closure, and a 70B
+        graph has tens of thousands of statements)."""
         return {n: s for s in self.statements for n in s.defines}
 
 
@@ -496,7 +499,8 @@ def _operator(statement: Statement) -> str | None:
 
 
 def _fed_dtype(graph: Graph, name: str, default: str) -> str:
-    """The dtype a boundary is fed in: the lookup's own ``datum_type``, else the caches'."""
+    """The dtype a boundary is fed in: its statement's own (the lookup's ``datum_type``, a cast's
+    ``to``), else the caches'."""
     found = _DATUM_TYPE.search(graph.defined[name].text) if name in graph.defined else None
     return found.group(1) if found and found.group(1) in NUMPY_DTYPES else default
 
