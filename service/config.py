@@ -410,8 +410,17 @@ class Settings(BaseSettings):
     tract_max_memory: str | None = Field(
         default=None,
         description="RAM an NNEF verification may give tract, which holds every weight it runs: "
-        "the whole archive when it fits, else one block (decoder layer) at a time; default: the "
+        "the whole archive when it fits, else one block at a time (at most tract_block_bytes); "
+        "default: the "
         "job's budget (job_memory) less the job process's own share.",
+    )
+    tract_block_bytes: str = Field(
+        default="256MiB",
+        description="The most weight bytes tract holds at once when it checks an NNEF archive "
+        "block by block: a decoder layer above it runs as its attention and its MLP, and a "
+        "matrix above it in blocks of its rows. tract then needs about 64 MiB + 2 x this "
+        "(576 MiB at 256 MiB, whatever the model's width: within the 640 MiB tract gets in a "
+        "2.5 GiB service of two workers).",
     )
     ort_max_memory: str | None = Field(
         default=None,

@@ -55,7 +55,7 @@ from service.exporters.common.families import (
     is_causal_lm,
     refuse_multimodal,
 )
-from service.exporters.nnef.plan import block_weight_bytes, plan_nnef
+from service.exporters.nnef.plan import block_weight_bytes, plan_nnef, tract_block_limit
 from service.plan import ExportPlan, PlanInputs, VerificationMode
 from service.stage import Phase
 
@@ -192,7 +192,8 @@ class NNEFExporter(GraphExporter):
             tensors = [t for f in sorted(root.glob("*.safetensors")) for t in local_file_header(f)]
             sizes = [(t.name, t.numel * (2 if t.dtype == "F16" else 4) if t.floating else t.nbytes)
                      for t in tensors]  # fmt: skip
-            block = block_weight_bytes(sizes) if is_causal_lm(config or {}) else None
+            limit = tract_block_limit(settings)
+            block = block_weight_bytes(sizes, limit) if is_causal_lm(config or {}) else None
             exported = sum(size for _, size in sizes) or weight_bytes
             ensure_tract_fits(exported, settings.tract_max_memory, block)
 
@@ -260,8 +261,9 @@ def export_nnef(
                 # Fail before exporting, not after: tract needs every weight it runs in RAM,
                 # the whole archive's or, when that does not fit, one block's at a time.
                 mode = ensure_tract_fits(
-                    built.weight_bytes, ctx.settings.tract_max_memory, _block_bytes(built)
-                )
+                    built.weight_bytes, ctx.settings.tract_max_memory,
+                    _block_bytes(built, ctx.settings),
+                )  # fmt: skip
             if built.kind == "causal_lm":
                 independent = inputs.independent
                 text = None
@@ -338,13 +340,15 @@ def _traceable(module: Any) -> None:
             sub.bias = torch.nn.Parameter(zeros, requires_grad=False)
 
 
-def _block_bytes(built: OffloadedModel) -> int | None:
+def _block_bytes(built: OffloadedModel, settings: Settings | None = None) -> int | None:
     """The largest block's weight bytes of a causal LM checked block by block (None for an
-    encoder, which is not cut): from the module's parameters, ties counted once."""
+    encoder, which is not cut): from the module's parameters, ties counted once, at most the
+    block setting (``MODELPREP_TRACT_BLOCK_BYTES``; without settings, whole layers)."""
     if built.kind != "causal_lm":
         return None
     return block_weight_bytes(
-        (name, p.numel() * p.element_size()) for name, p in built.module.named_parameters()
+        ((name, p.numel() * p.element_size()) for name, p in built.module.named_parameters()),
+        tract_block_limit(settings),
     )
 
 
@@ -444,8 +448,9 @@ def _export_causal_lm(
     def run(archive: Path, atol: float, rtol: float, work: Path) -> ParityReport:
         if mode == "layerwise":
             report = verify_causal_lm_layerwise(
-                archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort
-            )
+                archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort,
+                block_bytes=tract_block_limit(ctx.settings),
+            )  # fmt: skip
         else:
             report = verify_causal_lm(
                 archive, io, reference, atol, rtol, work=work, check_abort=ctx.check_abort,
@@ -455,8 +460,9 @@ def _export_causal_lm(
         return report
 
     return io, _verify_archive(
-        spec, built, out_dir, stage, ctx, spec.decode_steps + 1, run, _block_bytes(built)
-    )
+        spec, built, out_dir, stage, ctx, spec.decode_steps + 1, run,
+        _block_bytes(built, ctx.settings),
+    )  # fmt: skip
 
 
 def _export_encoder(

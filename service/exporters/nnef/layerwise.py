@@ -28,6 +28,19 @@ where the block's statements treat rows apart (a ``tract_core_gather`` on axis 0
 ``unsqueeze`` into a ``linear`` giving the block's output) and its file is plain float32 or
 float16; any other stays whole.
 
+Below a layer (``MODELPREP_TRACT_BLOCK_BYTES``, :func:`cut_blocks`' ``block_bytes``): a layer
+whose weights outweigh the block is cut at its attention's output (the first value past which the
+layer reads no attention weight: the residual sum, or the attention's own output where the
+residual is parallel) into ``layer i attention`` and ``layer i mlp``; a piece still heavier loses
+its largest matrices, one at a time, each product ``linear(x, W)`` becoming a block of its own
+(``layer i mlp.down_proj rows``) fed ``x``, run in chunks of ``W``'s rows (output features) as the
+head is, their columns laid side by side; what computes ``x`` becomes a piece of its own where
+nothing else gives it (``layer i mlp to down_proj``). Those boundaries inside a layer are fed as
+tract computed them (``carried``), like the lookup's, so a layer's blocks compose the layer's own
+statements and its output is judged against PyTorch's, fed PyTorch's input to the layer, exactly
+as a whole layer's block is; the largest block is then the setting, whatever the width. A
+matrix with a bias of its own stays whole (its bias is not cut).
+
 A piece is the backward closure of its outputs over the shipped graph's own statements, stopped
 at every layer boundary (a boundary it reaches becomes an external input, fed PyTorch's value):
 its statements are the shipped ones verbatim and its ``.dat`` files are hard links to the files
@@ -41,13 +54,14 @@ the piece's own KV cache), and frees each before loading the next: its peak is o
 weights, not the model's. ``blocks.json`` in the work directory lists the pieces for it.
 
 Why one module of over 450 lines: the cut (each piece's closure over the shipped statements, its
-boundaries) and the chunking of a vocabulary matrix (its rows, its ``.dat`` header, the block's
+boundaries, below a layer too) and the chunking of a matrix (its rows, its ``.dat`` header, the block's
 graph with that shape changed) both read and rewrite the same parsed graph (:class:`Graph`), and
 a chunk is a kind of block; the child that runs them is apart (``tract_cli``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -72,7 +86,7 @@ _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
 _VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*'([^']*)'")
 _SHAPE = re.compile(r"shape\s*=\s*\[([^\]]*)\]")
 _OPERATOR = re.compile(r"^\s*(\w+)\s*\(")
-_DATUM_TYPE = re.compile(r"datum_type\s*=\s*'(\w+)'")
+_DATUM_TYPE = re.compile(r"(?:datum_type|\bto)\s*=\s*'(\w+)'")
 
 DAT_HEADER_BYTES = 128
 """An NNEF tensor file's header (magic ``4E EF``, version, data length, rank, 8 dimensions,
@@ -103,8 +117,10 @@ class Graph:
     outputs: list[str]
     statements: list[Statement]
 
-    @property
+    @functools.cached_property
     def defined(self) -> dict[str, Statement]:
+        """Each name's statement; built once (the cut asks for it per closure, and a 70B
+        graph has tens of thousands of statements)."""
         return {n: s for s in self.statements for n in s.defines}
 
 
@@ -150,8 +166,11 @@ class Block:
     """The most weight bytes tract holds at once for this block (one chunk's, when chunked)."""
     weights: list[str] = field(default_factory=list)
     chunks: list[dict[str, object]] = field(default_factory=list)
-    """When the block runs in chunks of a vocabulary matrix's rows (module doc):
+    """When the block runs in chunks of a matrix's rows (module doc):
     ``{"directory", "begin", "end"}`` each, in order; ``directory`` is then unused."""
+    join: str = "sum"
+    """How the chunks' hidden outputs join: ``sum`` (the lookup's rows, zeros elsewhere) or
+    ``concat`` (a matrix's product, its columns side by side, as the head's logits)."""
 
 
 def _closure(graph: Graph, outputs: Sequence[str], cuts: set[str]) -> tuple[set[str], set[str]]:
@@ -178,10 +197,20 @@ def _external(name: str, shape: str, dtype: str) -> str:
     return f"{name} = tract_core_external(shape = [{shape}], datum_type = '{dtype}')"
 
 
-def cut_blocks(graph: Graph, unpacked: Path, work: Path, hidden: int, dtype: str) -> list[Block]:
+def cut_blocks(
+    graph: Graph,
+    unpacked: Path,
+    work: Path,
+    hidden: int,
+    dtype: str,
+    block_bytes: int | None = None,
+) -> list[Block]:
     """Write one NNEF directory per block under ``work`` (see the module docstring) and
     return them in order. ``unpacked`` holds the shipped archive's files; ``hidden`` and
-    ``dtype`` (``f16``/``f32``) describe a boundary fed to a block."""
+    ``dtype`` (``f16``/``f32``) describe a boundary fed to a block. ``block_bytes``: the most
+    weight bytes a block may hold (``MODELPREP_TRACT_BLOCK_BYTES``); a layer above it is cut
+    into its attention and MLP, and a matrix still above it into blocks of its rows (module
+    doc); None: whole layers."""
     layers = graph_text.layer_outputs(_render(graph))
     caches_in = [n for n in graph.inputs[1:]]
     caches_out = graph.outputs[1:]
@@ -196,7 +225,9 @@ def cut_blocks(graph: Graph, unpacked: Path, work: Path, hidden: int, dtype: str
         for i in range(len(layers))
     ]
     pieces.append(("head", [graph.outputs[0]]))
-    kinds = {layers[i]: ("hidden", i) for i in range(len(layers))}
+    kinds: dict[str, tuple[str, int | str]] = {
+        layers[i]: ("hidden", i) for i in range(len(layers))
+    }
     lookup = _embedding_lookup(graph)
     if lookup is not None:  # index -1: the input to layer 0, fed tract's own value
         cuts.add(lookup.defines[0])
@@ -204,20 +235,27 @@ def cut_blocks(graph: Graph, unpacked: Path, work: Path, hidden: int, dtype: str
         kinds[lookup.defines[0]] = ("hidden", -1)
     variables = {s.defines[0]: s for s in graph.statements if s.label is not None and s.defines}
     chunk_bytes = vocab_chunk_bytes(graph, unpacked, layers, cuts)
+    widths: dict[str, str] = {}
+    if block_bytes is not None:
+        chunk_bytes = min(chunk_bytes, block_bytes)
+        pieces = _below_layers(
+            graph, unpacked, pieces, cuts, kinds, variables, block_bytes, widths
+        )
     kinds |= {n: ("cache", i) for i, n in enumerate(caches_out)}
     kinds[graph.outputs[0]] = ("logits", 0)
     in_kinds = {graph.inputs[0]: ("ids", 0)} | {n: ("cache", i) for i, n in enumerate(caches_in)}
+    order = {n: i for i, s in enumerate(graph.statements) for n in s.defines}
     blocks = []
     for index, (label, outputs) in enumerate(pieces):
         needed, reached = _closure(graph, outputs, cuts)
         directory = work / f"block-{index:03d}"
         directory.mkdir(parents=True)
         # tract numbers a graph's inputs in the order their externals are declared: the
-        # boundaries first (declared first), then the graph's own inputs.
-        fed = sorted(reached, key=lambda n: kinds[n][1])
+        # boundaries first (declared first, in graph order), then the graph's own inputs.
+        fed = sorted(reached, key=lambda n: order.get(n, -1))
         inputs = fed + [n for n in graph.inputs if n in needed]
         fed_dtypes = {n: _fed_dtype(graph, n, dtype) for n in fed}
-        body = [_external(n, f"1, S, {hidden}", fed_dtypes[n]) for n in fed]
+        body = [_external(n, f"1, S, {widths.get(n) or hidden}", fed_dtypes[n]) for n in fed]
         weights = []
         for statement in graph.statements:
             if not needed.intersection(statement.defines):
@@ -234,27 +272,210 @@ def cut_blocks(graph: Graph, unpacked: Path, work: Path, hidden: int, dtype: str
         text = graph.prelude + header + "\n{\n" + "".join(f"    {s};\n" for s in body) + "}\n"
         (directory / "graph.nnef").write_text(text)
         chunks: list[dict[str, object]] = []
-        if label in ("embedding", "head"):
-            matrix = _chunkable(graph, needed, outputs, variables, unpacked, chunk_bytes)
+        rows = kinds[outputs[0]][0] == "carried" and label.endswith(ROWS_SUFFIX)
+        if label in ("embedding", "head") or rows:
+            limit = block_bytes if rows and block_bytes is not None else chunk_bytes
+            matrix = _chunkable(graph, needed, outputs, variables, unpacked, 0)
+            if matrix is not None:  # a chunk's file (its header too) beside the other weights
+                other = size - (unpacked / f"{matrix.label}.dat").stat().st_size
+                limit = max(1, limit - other - DAT_HEADER_BYTES)
+            matrix = _chunkable(graph, needed, outputs, variables, unpacked, limit)
             if matrix is not None:
-                chunks, largest = _write_chunks(matrix, unpacked, directory, text, chunk_bytes)
+                chunks, largest = _write_chunks(matrix, unpacked, directory, text, limit)
                 size += largest - (unpacked / f"{matrix.label}.dat").stat().st_size
+        fed_specs: list[dict[str, object]] = [
+            {"name": n, "kind": _fed_kind(kinds[n]), "index": kinds[n][1],
+             "dtype": NUMPY_DTYPES[fed_dtypes[n]]} for n in fed
+        ]  # fmt: skip
         blocks.append(
             Block(
                 name=label,
                 directory=directory.name,
-                inputs=[{"name": n, "kind": "hidden", "index": kinds[n][1],
-                         "dtype": NUMPY_DTYPES[fed_dtypes[n]]} for n in fed]
+                inputs=fed_specs
                 + [{"name": n, "kind": in_kinds[n][0], "index": in_kinds[n][1]}
                    for n in inputs[len(fed):]],
                 outputs=[{"name": n, "kind": kinds[n][0], "index": kinds[n][1]} for n in outputs],
                 weight_bytes=size,
                 weights=weights,
                 chunks=chunks,
+                join="concat" if rows else "sum",
             )
         )  # fmt: skip
     (work / "blocks.json").write_text(json.dumps([asdict(b) for b in blocks], indent=1))
     return blocks
+
+
+ROWS_SUFFIX = " rows"
+"""The name of a block that is one matrix's product, run in blocks of its rows."""
+
+
+def _fed_kind(kind: tuple[str, int | str]) -> str:
+    """How the child feeds a boundary: PyTorch's layer output (``hidden`` of a layer >= 0), or
+    tract's own value from the block that computed it (the lookup's, index -1, is ``hidden``
+    too, for the child's earlier contract; a value inside a layer is ``carried``)."""
+    return kind[0] if kind[0] == "hidden" else "carried"
+
+
+def _matrix_shape(graph: Graph, product: str) -> list[str]:
+    """The declared shape of the matrix a ``linear`` statement ``product`` multiplies by."""
+    statement = graph.defined[product]
+    operands = _NAME.findall(_STRING.sub("", statement.text.partition("(")[2]))
+    current = graph.defined.get(operands[1]) if len(operands) > 1 else None
+    while current is not None and current.label is None:
+        current = graph.defined.get(_NAME.findall(current.text.partition("(")[2])[0])
+    shape = _SHAPE.search(current.text.partition("=")[2]) if current is not None else None
+    if shape is None:
+        raise VerificationFailed(f"the matrix of {product} declares no shape")
+    return dims_text(shape.group(1))
+
+
+def _weight_bytes(graph: Graph, needed: set[str], unpacked: Path) -> dict[str, int]:
+    """The weight files (by label) the statements ``needed`` read, and their bytes."""
+    return {
+        s.label: (unpacked / f"{s.label}.dat").stat().st_size
+        for s in graph.statements
+        if s.label is not None and needed.intersection(s.defines)
+    }
+
+
+_ATTENTION = re.compile(r"^(?!.*norm).*(attn|attention)", re.IGNORECASE)
+"""An attention's weight: its label names ``attn``/``attention`` (``self_attn.q_proj``,
+``attention.query_key_value``), not a norm (``post_attention_layernorm`` may follow it)."""
+
+
+def _below_layers(
+    graph: Graph,
+    unpacked: Path,
+    pieces: list[tuple[str, list[str]]],
+    cuts: set[str],
+    kinds: dict[str, tuple[str, int | str]],
+    variables: dict[str, Statement],
+    budget: int,
+    widths: dict[str, str],
+) -> list[tuple[str, list[str]]]:
+    """``pieces`` with each layer heavier than ``budget`` cut at its attention's output (the
+    first value past which no attention weight is read, :func:`_attention_output`), then each
+    piece still heavier cut around its largest matrices, largest first, until it fits: each
+    matrix's product becomes a block of its own (``<matrix> rows``, run in blocks of its rows
+    where it alone outweighs the budget). The new boundaries join ``cuts``, ``kinds``
+    (``carried``: fed as tract computed them) and ``widths`` (their last dimension). Pieces
+    come back in an order where each runs after those it is fed by."""
+
+    def carry(name: str, width: str) -> None:
+        cuts.add(name)
+        kinds[name] = ("carried", name)
+        widths[name] = width
+
+    split: list[tuple[str, list[str]]] = []
+    for label, outputs in pieces:
+        needed, _ = _closure(graph, outputs, cuts)
+        heavy = sum(_weight_bytes(graph, needed, unpacked).values()) > budget
+        middle = _attention_output(graph, outputs[0], cuts, needed, variables) if heavy else None
+        if not label.startswith("layer ") or middle is None:
+            split.append((label, outputs))
+            continue
+        carry(middle, widths.get(middle, "") or _product_width(graph, middle))
+        split += [(f"{label} attention", [middle, *outputs[1:]]), (f"{label} mlp", outputs[:1])]
+    done: list[tuple[str, list[str]]] = []
+    queue = list(split)
+    while queue:
+        label, outputs = queue.pop(0)
+        needed, _ = _closure(graph, outputs, cuts)
+        sizes = _weight_bytes(graph, needed, unpacked)
+        products = _products(graph, needed, variables, unpacked)
+        if label in ("embedding", "head") or sum(sizes.values()) <= budget or not products:
+            done.append((label, outputs))
+            continue
+        product, matrix = max(products, key=lambda p: sizes.get(p[1], 0))
+        rows, columns = _matrix_shape(graph, product)[:2]
+        left = _NAME.findall(_STRING.sub("", graph.defined[product].text.partition("(")[2]))[0]
+        name = ".".join(matrix.removesuffix(".weight").split(".")[-2:])
+        layer = " ".join(label.split(" ")[:2])
+        done.append((f"{layer} {name}{ROWS_SUFFIX}", [product]))
+        carry(product, rows)
+        if product in outputs:  # the piece ended in the product: it now ends at its input
+            carry(left, columns)
+            queue.insert(0, (label, [left if o == product else o for o in outputs]))
+            continue
+        queue.insert(0, (label, outputs))
+        if left not in cuts:  # what computes the product's input, apart, before it
+            carry(left, columns)
+            side = " ".join(label.split(" ")[:3])
+            queue.insert(0, (f"{side} to {name.split('.')[-1]}", [left]))
+    return _in_feeding_order(graph, done, cuts)
+
+
+def _product_width(graph: Graph, name: str) -> str:
+    """A boundary's last dimension where it is a matrix's product (its rows), else empty (the
+    model's width)."""
+    statement = graph.defined.get(name)
+    return _matrix_shape(graph, name)[0] if statement and _operator(statement) == "linear" else ""
+
+
+def _products(
+    graph: Graph, needed: set[str], variables: dict[str, Statement], unpacked: Path
+) -> list[tuple[str, str]]:
+    """The ``linear`` products among ``needed`` whose matrix a block may run apart in blocks
+    of its rows (:func:`_chunkable`'s test), as (product, matrix label)."""
+    found = []
+    for name in sorted(needed):
+        statement = graph.defined.get(name)
+        if statement is None or _operator(statement) != "linear":
+            continue
+        matrix = _chunkable(graph, needed, [name], variables, unpacked, 0)
+        if matrix is not None and matrix.label is not None:
+            found.append((name, matrix.label))
+    return found
+
+
+def _attention_output(
+    graph: Graph, output: str, cuts: set[str], needed: set[str], variables: dict[str, Statement]
+) -> str | None:
+    """The first value of a layer (graph order) whose closure reads every attention weight of
+    the layer (:data:`_ATTENTION`) and past which the layer's output reads
+    none: where the layer is cut into its attention and its MLP. Works for a residual after
+    the attention (the MLP block is fed the sum) and a parallel one (fed the layer's input
+    too). None when the layer has no such value."""
+    attention = {
+        s.defines[0] for s in variables.values()
+        if s.defines[0] in needed and s.label is not None and _ATTENTION.search(s.label)
+    }  # fmt: skip
+    if not attention:
+        return None
+    for statement in graph.statements:
+        name = statement.defines[0] if statement.defines else None
+        if name is None or name not in needed or name in cuts or statement.label is not None:
+            continue
+        reads, _ = _closure(graph, [name], cuts)
+        if not attention <= reads:
+            continue
+        rest, _ = _closure(graph, [output], cuts | {name})
+        if not attention & rest:
+            return name
+    return None
+
+
+def _in_feeding_order(
+    graph: Graph, pieces: list[tuple[str, list[str]]], cuts: set[str]
+) -> list[tuple[str, list[str]]]:
+    """``pieces`` ordered so that each comes after every piece computing a boundary it reads
+    (ties in their order given)."""
+    producer = {out: i for i, (_, outputs) in enumerate(pieces) for out in outputs}
+    deps = []
+    for _, outputs in pieces:
+        _, reached = _closure(graph, outputs, cuts)
+        deps.append({producer[n] for n in reached if n in producer})
+    ordered: list[int] = []
+    placed: set[int] = set()
+    while len(ordered) < len(pieces):
+        ready = next(
+            (i for i in range(len(pieces)) if i not in placed and deps[i] <= placed), None
+        )
+        if ready is None:
+            raise VerificationFailed("the archive's blocks feed each other in a cycle")
+        ordered.append(ready)
+        placed.add(ready)
+    return [pieces[i] for i in ordered]
 
 
 def _embedding_lookup(graph: Graph) -> Statement | None:
@@ -278,7 +499,8 @@ def _operator(statement: Statement) -> str | None:
 
 
 def _fed_dtype(graph: Graph, name: str, default: str) -> str:
-    """The dtype a boundary is fed in: the lookup's own ``datum_type``, else the caches'."""
+    """The dtype a boundary is fed in: its statement's own (the lookup's ``datum_type``, a cast's
+    ``to``), else the caches'."""
     found = _DATUM_TYPE.search(graph.defined[name].text) if name in graph.defined else None
     return found.group(1) if found and found.group(1) in NUMPY_DTYPES else default
 
@@ -364,7 +586,7 @@ def _rowwise(name: str, users: dict[str, list[Statement]], outputs: Sequence[str
                 return False
         elif op == "linear":
             operands = _NAME.findall(_STRING.sub("", text.partition("(")[2]))
-            if len(operands) < 2 or operands[1] != name or statement.defines[0] not in outputs:
+            if len(operands) != 2 or operands[1] != name or statement.defines[0] not in outputs:
                 return False
         else:
             return False
@@ -448,10 +670,16 @@ def verify_causal_lm_layerwise(
     *,
     work: Path,
     check_abort: Callable[[], None] | None = None,
+    block_bytes: int | None = None,
 ) -> ParityReport:
     """The whole check's decode, block by block: each layer's output against PyTorch's within
     ``atol + rtol * max|layer|`` (as the divergence report judges a layer), and the head's
-    logits within the whole check's own tolerance (``atol + rtol * max|logits|``)."""
+    logits within the whole check's own tolerance (``atol + rtol * max|logits|``).
+
+    ``block_bytes``: :func:`cut_blocks`' budget. A layer cut below it (attention, MLP, a
+    matrix's rows) is judged as a whole one is: its blocks run one after the other, each fed
+    the one before it, from PyTorch's input to the layer, and its output is compared with
+    PyTorch's; the same numbers as the layer in one block, up to where the boundaries round."""
     import numpy as np
 
     from service.exporters.nnef.verify import decode_request, run_tract
@@ -466,7 +694,9 @@ def verify_causal_lm_layerwise(
         )
     unpacked = work / "unpacked"
     graph = unpack(archive, unpacked)
-    blocks = cut_blocks(graph, unpacked, work / "blocks", int(expected.hidden.shape[-1]), dtype)
+    blocks = cut_blocks(
+        graph, unpacked, work / "blocks", int(expected.hidden.shape[-1]), dtype, block_bytes
+    )
     request = decode_request(io, expected) | {"hidden": expected.hidden}
     run = run_tract(work / "blocks", "layerwise", request, work / "run", check_abort)
     peaks = [int(p) for p in run.outputs.get("block_peak_rss_bytes", [])]
@@ -479,6 +709,7 @@ def verify_causal_lm_layerwise(
             figure["tract_peak_rss_bytes"] = peaks[index]
         figures.append(figure)
     by_name = {f["block"]: f for f in figures}
+    ends = {int(str(o["index"])): b.name for b in blocks for o in b.outputs if o["kind"] == "hidden"}
     for layer in range(expected.hidden.shape[0]):
         found = run.outputs.get(f"hidden_{layer}")
         want = expected.hidden[layer].astype(np.float64)
@@ -489,12 +720,14 @@ def verify_causal_lm_layerwise(
             )
         diff = float(np.abs(found.astype(np.float64) - want).max(initial=0.0))
         tol = atol + rtol * float(np.abs(want).max(initial=0.0))
-        by_name[f"layer {layer}"] |= {"max_abs_err": diff, "tolerance": tol}
+        by_name[ends[layer]] |= {"max_abs_err": diff, "tolerance": tol}
         if not diff <= tol:  # NaN fails too
+            parts = [b.name for b in blocks if b.name.split(" ")[:2] == ["layer", str(layer)]]
+            ran = "" if parts == [f"layer {layer}"] else f"; it ran as {', '.join(parts)}"
             raise VerificationFailed(
                 f"tract's block for {expected.layer_names[layer]} differs from PyTorch by "
                 f"{diff:.3g} (tolerance {tol:.3g}), fed PyTorch's input to that layer "
-                "(layer-by-layer check)"
+                f"(layer-by-layer check{ran})"
             )
     logits = list(run.outputs["logits"])
     comparison = compare_outputs(logits, expected.logits, Tolerance(atol, rtol))

@@ -32,7 +32,8 @@ TRACT_WEIGHT_FACTOR = 1.35
 """tract holds the whole archive in RAM (bench/export_nnef.py: 6.36 GiB for 4.70 GiB)."""
 
 TRACT_LAYERWISE_FACTOR = 2.0
-"""tract checking the archive block by block holds one block at a time (a decoder layer, or a
+"""tract checking the archive block by block holds one block at a time (a decoder layer, or
+below ``MODELPREP_TRACT_BLOCK_BYTES`` its attention, its MLP or a chunk of a matrix's rows, or a
 chunk of the embedding's or the head's rows): 64 MiB + 2 x the largest block's weights (SmolLM2
 float16: a layer of 6.8 MiB peaks at 61 MiB, the head's 54 MiB at 163 MiB; tract packs a matrix
 for its matmul beside the loaded one)."""
@@ -45,13 +46,21 @@ NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
 SmolLM2 1043 MiB for 30, with twice the largest float32 tensor)."""
 
 
-def block_weight_bytes(tensors: Iterable[tuple[str, int]]) -> int:
+def block_weight_bytes(
+    tensors: Iterable[tuple[str, int]], block_bytes: int | None = None
+) -> int:
     """The largest block's weight bytes when tract checks a causal LM block by block, from its
     tensors' names and sizes: a decoder layer is every tensor under one ``layers.N.`` (or
     ``h.N.``, ``layer.N.``, ``blocks.N.``) prefix; the embedding lookup and the output head
     are blocks of their own, run in chunks of their rows no larger than the largest layer (at
     least 16 MiB: ``service.exporters.nnef.layerwise``), so the largest block is the largest
-    layer, or the largest tensor outside the layers up to that chunk."""
+    layer, or the largest tensor outside the layers up to that chunk.
+
+    With ``block_bytes`` (:func:`tract_block_limit`), no block outweighs it: a layer above it
+    runs as its attention and its MLP, and any matrix above it in blocks of its rows, so the
+    figure is ``min(that, block_bytes)`` whatever the width, except where one packed expert
+    stack (a mixture of experts, one ``tract_moe_ffn`` op) outweighs it: that stack is not cut."""
+    tensors = list(tensors)
     per_layer: dict[int, int] = {}
     outside = 0
     for name, size in tensors:
@@ -62,7 +71,16 @@ def block_weight_bytes(tensors: Iterable[tuple[str, int]]) -> int:
         else:
             outside = max(outside, size)
     layer = max(per_layer.values(), default=0)
-    return max(layer, min(outside, max(layer, MIN_VOCAB_CHUNK_BYTES)))
+    whole_layers = max(layer, min(outside, max(layer, MIN_VOCAB_CHUNK_BYTES)))
+    if block_bytes is None:
+        return whole_layers
+    return min(whole_layers, max(block_bytes, expert_stack_bytes(tensors) // 2))
+
+
+def tract_block_limit(settings: Settings | None) -> int | None:
+    """The most weight bytes one block of tract's check may hold (``MODELPREP_TRACT_BLOCK_BYTES``),
+    None without settings (whole layers)."""
+    return None if settings is None else parse_size(settings.tract_block_bytes)
 
 
 MIN_VOCAB_CHUNK_BYTES = 16 * MiB
@@ -141,11 +159,10 @@ def plan_nnef(spec: Any, inputs: PlanInputs) -> ExportPlan:
     layers = layer_count(headers)
     job = JOB_BASE_BYTES + 2 * largest + layers * NNEF_PER_LAYER_BYTES
     verify = bool(spec.verify) and not compressed
-    block = (
-        block_weight_bytes((t.name, t.numel * itemsize) for t in headers.tensors if t.floating)
-        if _causal(headers) and headers.tensors
-        else None
-    )
+    setting = tract_block_limit(inputs.settings)
+    sizes = [(t.name, t.numel * itemsize) for t in headers.tensors if t.floating]
+    block = block_weight_bytes(sizes, setting) if _causal(headers) and headers.tensors else None
+    layer = block_weight_bytes(sizes) if block is not None else 0
     mode = tract_mode(archive, block, tract_limit(inputs.settings)) if verify else None
     whole, layerwise = tract_peaks(archive, block or 0)
     if not verify:
@@ -153,9 +170,14 @@ def plan_nnef(spec: Any, inputs: PlanInputs) -> ExportPlan:
         tract = ""
     elif mode == "layerwise":
         children = (ChildPlan("tract", layerwise),)
+        bound = (
+            f"min(block setting {setting >> 20} MiB, largest layer {layer >> 20} MiB)"
+            if setting is not None
+            else f"largest layer {layer >> 20} MiB"
+        )
         tract = (
-            f"tract block by block: 64 MiB + 2 x largest block ({(block or 0) >> 20} MiB), "
-            f"whole would be 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
+            f"tract block by block: 64 MiB + 2 x largest block ({(block or 0) >> 20} MiB = "
+            f"{bound}), whole would be 64 MiB + 1.35 x archive ({archive >> 20} MiB)"
         )
     else:  # whole, or None: the whole figure, which the budget then refuses
         children = (ChildPlan("tract", whole),)

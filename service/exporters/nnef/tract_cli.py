@@ -44,8 +44,9 @@ time (the peak is one block's weights, not the model's)::
 Each block replays the same teacher-forced decode; every layer's output is saved as
 ``hidden_<layer>`` [T,width], the head's last-position logits as ``logits``, and each block's
 peak RSS (``VmHWM`` reset before it loads) as ``block_peak_rss_bytes``. The embedding lookup's
-block, where there is one, is fed to layer 0 as tract computed it; the lookup and the head run
-in chunks of their matrix's rows where ``blocks.json`` says so (``chunks``).
+block, where there is one, is fed to layer 0 as tract computed it, as is a ``carried`` value
+inside a layer cut below it (fed to the blocks after by its name); the lookup, the head and a
+matrix's product run in chunks of the matrix's rows where ``blocks.json`` says so (``chunks``).
 
 Run it as ``python service/exporters/nnef/tract_cli.py`` (it imports nothing of the service but
 its sibling :mod:`~service.exporters.nnef.graph_text`, the graph's text surgery, from its own
@@ -262,8 +263,8 @@ def _block_steps(
                 feed.append(step_ids)
             elif spec["kind"] == "cache":
                 feed.append(caches[int(spec["index"])])
-            else:
-                value = hidden[int(spec["index"])][done : done + count][None]
+            else:  # hidden (a layer's output, by index) or carried (a value, by name)
+                value = hidden[spec["index"]][done : done + count][None]
                 feed.append(np.ascontiguousarray(value.astype(spec["dtype"])))
         outputs = [t.to_numpy() for t in runnable.run(feed)]
         if window and len(outputs) == len(block["outputs"]) + 1:
@@ -277,11 +278,11 @@ def _block_steps(
         for spec, value in zip(block["outputs"], outputs, strict=True):
             if spec["kind"] == "cache":
                 caches[int(spec["index"])] = value
-            elif spec["kind"] == "hidden":
+            elif spec["kind"] in ("hidden", "carried"):
                 value = value.reshape(-1, value.shape[-1]).astype(np.float32)
                 if outside is not None:
                     value[outside] = 0.0
-                found.setdefault(f"hidden_{spec['index']}", []).append(value)
+                found.setdefault(f"{spec['kind']}_{spec['index']}", []).append(value)
             elif not window:
                 found.setdefault("logits", []).append(_last_position(value))
         step_ids = np.asarray(token, dtype=np.int64).reshape(1, -1)
@@ -302,8 +303,9 @@ def _piece_runs(
 ) -> list[Steps]:
     """Each of ``runs`` (:func:`_block_steps` of one input) on one block, loaded once
     (``VmHWM`` reset first), or on each of its chunks in turn when it runs in chunks of a
-    vocabulary matrix's rows: the head's logits laid side by side, the lookup's rows summed
-    (each position's row comes from the one chunk holding its id, zeros from the others).
+    matrix's rows: the head's logits laid side by side, as a matrix's product (``join``
+    ``concat``), the lookup's rows summed (each position's row comes from the one chunk
+    holding its id, zeros from the others).
     Appends the block's peak RSS to ``peaks``."""
     parts = block.get("chunks") or [{"directory": block["directory"]}]
     merged: list[Steps] = [{} for _ in runs]
@@ -316,7 +318,7 @@ def _piece_runs(
             for key, steps in run(runnable=runnable, rows=rows).items():
                 if key not in into:
                     into[key] = steps
-                elif key == "logits":  # the chunks' columns side by side
+                elif key == "logits" or block.get("join") == "concat":  # columns side by side
                     into[key] = [
                         np.concatenate([a, b], axis=-1)
                         for a, b in zip(into[key], steps, strict=True)
@@ -340,7 +342,7 @@ def run_layerwise(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
     saved: dict[str, Any] = {}
     peaks: list[int] = []
     # PyTorch's layer outputs; index -1 (the embedding lookup's) is tract's own, once run
-    hidden = {layer: value for layer, value in enumerate(request["hidden"])}
+    hidden: dict[int | str, Any] = dict(enumerate(request["hidden"]))
     for block in blocks:
         run: Run = functools.partial(
             _block_steps, block=block, prompt=request["prompt"], tokens=request["tokens"],
@@ -349,8 +351,9 @@ def run_layerwise(work: Path, request: dict[str, np.ndarray]) -> dict[str, Any]:
         (found,) = _piece_runs(work, block, [run], peaks)
         for key, parts in found.items():
             saved[key] = np.concatenate(parts) if key != "logits" else np.stack(parts)
-        if "hidden_-1" in found:
-            hidden[-1] = saved.pop("hidden_-1")
+        for key in found:  # tract's own values, fed to the blocks after: the lookup's, carried
+            if key == "hidden_-1" or key.startswith("carried_"):
+                hidden[_fed_key(key)] = saved.pop(key)
     saved["block_peak_rss_bytes"] = np.asarray(peaks, dtype=np.int64)
     saved["peak_rss_bytes"] = np.asarray(max(peaks, default=0), dtype=np.int64)
     return saved
@@ -374,13 +377,13 @@ def run_layerwise_chunks(work: Path, request: dict[str, np.ndarray]) -> dict[str
     shapes = [[int(d) for d in shape] for shape in request["cache_shapes"]]
     first, last = int(request["first"]), int(request["last"])
     chunks = np.asarray(request["chunks"], dtype=np.int64)
-    carried: list[dict[int, np.ndarray]] = [{} for _ in chunks]
+    carried: list[dict[int | str, np.ndarray]] = [{} for _ in chunks]
     logits: list[np.ndarray] = [np.empty(0, dtype=np.float32)] * len(chunks)
     peaks: list[int] = []
     copies = _heads_over_every_position(work, blocks)
     prefill = bool(copies)
     load = functools.partial(_load_every_position, copies)
-    for block in blocks:
+    for number, block in enumerate(blocks):
         runs: list[Run] = [
             functools.partial(
                 _block_steps, block=block, hidden=fed, shapes=shapes, dtypes=dtypes,
@@ -394,13 +397,23 @@ def run_layerwise_chunks(work: Path, request: dict[str, np.ndarray]) -> dict[str
                     rows = [p.reshape(-1, p.shape[-1]) for p in parts]
                     logits[c] = np.concatenate(rows).astype(np.float32)
                 else:
-                    carried[c] = {int(key.removeprefix("hidden_")): np.concatenate(parts)}
+                    carried[c][_fed_key(key)] = np.concatenate(parts)
+            later = {spec["index"] for b in blocks[number + 1 :] for spec in b["inputs"]
+                     if spec["kind"] in ("hidden", "carried")}  # fmt: skip
+            carried[c] = {k: v for k, v in carried[c].items() if k in later}
     return {
         "scored_by": np.asarray("prefill" if prefill else "steps"),
         "logits": np.stack(logits),
         "block_peak_rss_bytes": np.asarray(peaks, dtype=np.int64),
         "peak_rss_bytes": np.asarray(max(peaks, default=0), dtype=np.int64),
     }
+
+
+def _fed_key(key: str) -> int | str:
+    """The key a saved output is fed to a later block by: a layer's index (``hidden_3``), or
+    a carried value's name (``carried_<name>``)."""
+    kind, _, index = key.partition("_")
+    return int(index) if kind == "hidden" else index
 
 
 def _window_steps(chunk: np.ndarray, first: int, last: int, prefill: bool) -> dict[str, Any]:

@@ -7,6 +7,7 @@ The float16 SmolLM2 variants come from ``tests.fixtures.real_models`` (no networ
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 from dataclasses import asdict
 from pathlib import Path
@@ -158,6 +159,88 @@ def test_block_by_block_check_agrees_with_the_whole_check_on_real_smollm2(
     assert layerwise.peak_rss_bytes == max(b["tract_peak_rss_bytes"] for b in blocks)
 
 
+SUB_LAYER_BLOCK = 1 << 20
+"""A block setting below SmolLM2's layer (6.8 MiB in float16): its attention and MLP run apart,
+and its MLP matrices (1.7 MiB each) and vocabulary (54 MiB) in blocks of their rows."""
+
+
+def test_blocks_below_a_layer_give_the_whole_layer_blocks_verdict_and_figures(
+    exported: Exported, reference: GreedyReference, tmp_path: Path
+) -> None:
+    archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
+    atol, rtol = _tolerance(exported)
+    layers = verify_causal_lm_layerwise(
+        archive, io_spec, reference, atol, rtol, work=tmp_path / "layers"
+    )
+    below = verify_causal_lm_layerwise(
+        archive, io_spec, reference, atol, rtol, work=tmp_path / "below",
+        block_bytes=SUB_LAYER_BLOCK,
+    )  # fmt: skip
+    assert below.tokens == layers.tokens and below.argmax_agreed == layers.argmax_agreed
+    assert all(below.argmax_agreed) and below.max_abs_err <= below.tolerance
+    # the same graph, weights and float16: only where a boundary rounds may the figures move
+    assert abs(below.max_abs_err - layers.max_abs_err) <= 0.1 * layers.tolerance
+    blocks = below.extra["blocks"]
+    names = [b["block"] for b in blocks]
+    for layer in range(4):
+        mine = [n for n in names if n.startswith(f"layer {layer} ")]
+        assert f"layer {layer} attention" in mine and f"layer {layer} mlp" in mine, names
+        assert {f"layer {layer} mlp.{m}_proj rows" for m in ("gate", "up", "down")} <= set(mine)
+    judged = {b["block"]: b for b in blocks if "max_abs_err" in b}
+    whole = {b["block"]: b for b in layers.extra["blocks"] if "max_abs_err" in b}
+    for layer in range(4):  # each layer's output, judged where its last block gives it
+        a, b = judged[f"layer {layer} mlp"], whole[f"layer {layer}"]
+        assert a["max_abs_err"] <= a["tolerance"] and a["tolerance"] == b["tolerance"]
+        assert abs(a["max_abs_err"] - b["max_abs_err"]) <= 0.1 * b["tolerance"], (a, b)
+    # no block holds more than the setting; the MLP matrices ran in 2 blocks of rows each
+    assert max(b["weight_bytes"] for b in blocks) <= SUB_LAYER_BLOCK
+    mlp_rows = [b for b in blocks if re.fullmatch(r"layer \d mlp\.\w+_proj rows", b["block"])]
+    assert len(mlp_rows) == 12 and all(b.get("chunks") == 2 for b in mlp_rows), mlp_rows
+    assert max(b["tract_peak_rss_bytes"] for b in blocks) < max(
+        b["tract_peak_rss_bytes"] for b in layers.extra["blocks"]
+    )
+
+
+def _scale_rows(archive: Path, dest: Path, member: str, rows: range, factor: float) -> None:
+    """Copy ``archive`` with rows ``rows`` of the 2-D float16 tensor file ``member`` scaled."""
+    with tarfile.open(archive) as src:
+        payloads = {m.name: f.read() for m in src.getmembers() if (f := src.extractfile(m))}
+    raw = bytearray(payloads[member])
+    columns = int.from_bytes(raw[16:20], "little")
+    data = np.frombuffer(bytes(raw[128:]), dtype=np.float16).reshape(-1, columns).copy()
+    data[rows.start : rows.stop] *= np.float16(factor)
+    raw[128:] = data.tobytes()
+    payloads[member] = bytes(raw)
+    with tarfile.open(dest, "w:gz", compresslevel=0) as out:
+        for name, payload in payloads.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            out.addfile(info, __import__("io").BytesIO(payload))
+
+
+def test_a_wrong_weight_in_one_row_block_of_a_matrix_fails_naming_its_layer_and_blocks(
+    exported: Exported, reference: GreedyReference, tmp_path: Path
+) -> None:
+    """Rows 400-409 of layer 2's down projection (576 rows of 1536 float16: blocks of 341
+    rows at 1 MiB, so the second block's) scaled by -50: that layer fails, the message names
+    it and the blocks it ran as, the row-split one among them."""
+    archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
+    atol, rtol = _tolerance(exported)
+    bad = tmp_path / "rows.nnef.tgz"
+    _scale_rows(archive, bad, "model.model.layers.2.mlp.down_proj.weight.dat", range(400, 410), -50)
+    with pytest.raises(VerificationFailed) as failed:
+        verify_causal_lm_layerwise(bad, io_spec, reference, atol, rtol, work=tmp_path / "r",
+                                   block_bytes=SUB_LAYER_BLOCK)  # fmt: skip
+    message = str(failed.value)
+    assert re.search(r"tract's block for model\.layers\.2 differs from PyTorch by [0-9.e+]+ "
+                     r"\(tolerance [0-9.e+]+\), fed PyTorch's input", message), message  # fmt: skip
+    assert re.search(r"it ran as layer 2 attention.*, layer 2 mlp\.down_proj rows, layer 2 mlp\)",
+                     message), message  # fmt: skip
+    # the same archive checked with whole layers fails on the same layer
+    with pytest.raises(VerificationFailed, match=r"block for model\.layers\.2 differs"):
+        verify_causal_lm_layerwise(bad, io_spec, reference, atol, rtol, work=tmp_path / "w")
+
+
 def test_a_weight_broken_in_one_block_of_the_shipped_archive_fails_naming_that_layer(
     exported: Exported, reference: GreedyReference, tmp_path: Path
 ) -> None:
@@ -258,17 +341,19 @@ def test_block_by_block_logits_on_the_fixed_text_match_the_whole_archives(
     assert abs(blocks["top1"] - whole["top1"]) <= 2 / 126, (whole, blocks)
 
 
+@pytest.mark.parametrize("block_bytes", [None, SUB_LAYER_BLOCK], ids=["layers", "below"])
 def test_block_by_block_prefill_gives_the_logits_of_one_position_a_step(
-    exported: Exported, tmp_path: Path
+    exported: Exported, tmp_path: Path, block_bytes: int | None
 ) -> None:
     """Each block run once a chunk (the head's statements copied onto every position) gives
-    the logits the shipped archive gives run one position a step, tract's caches fed back."""
+    the logits the shipped archive gives run one position a step, tract's caches fed back;
+    below a layer too, each block fed the values the blocks before it computed."""
     from service.exporters.nnef import tract_cli
     from service.verification.logits import log_softmax, window_request
 
     archive, io_spec = exported.out / "model.nnef.tgz", _io(exported.out)
     cut_blocks(unpack(archive, tmp_path / "unpacked"), tmp_path / "unpacked", tmp_path / "blocks",
-               576, "f16")  # fmt: skip
+               576, "f16", block_bytes)  # fmt: skip
     vocab = int(io_spec.outputs[0].shape[-1])
     chunks = np.random.default_rng(1).integers(0, vocab, size=(2, 32))
     request: dict[str, np.ndarray] = {**window_request(chunks)}
@@ -284,3 +369,32 @@ def test_block_by_block_prefill_gives_the_logits_of_one_position_a_step(
     kl = float((np.exp(a) * (a - b)).sum(axis=-1).mean())
     assert kl < 1e-3, kl
     assert float((a.argmax(-1) == b.argmax(-1)).mean()) >= 28 / 30
+
+
+def test_a_tiny_llama_job_with_a_block_setting_below_its_layers_checks_attention_mlp_and_rows(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    """MODELPREP_TRACT_BLOCK_BYTES below the tiny Llama's layer (146 KiB) and its matrices
+    (16-32 KiB in float32): the job cuts each layer into its attention, its MLP and its
+    matrices' rows, and gives the verdict and figures of whole-layer blocks."""
+    source = tiny_checkpoint("llama", "safetensors")
+    tensors = [t for f in source.glob("*.safetensors") for t in local_file_header(f)]
+    block = 12000
+    sizes = [(t.name, t.nbytes) for t in tensors]
+    assert block_weight_bytes(sizes, block) == block < block_weight_bytes(sizes)
+    # a tract budget for one whole layer's block (the same in both runs), not the archive
+    _, layerwise = tract_peaks(sum(t.nbytes for t in tensors), block_weight_bytes(sizes))
+    reports = {}
+    for name, setting in (("layers", "1GiB"), ("below", str(block))):
+        settings = Settings(data_dir=tmp_path / name / "data", tract_max_memory=str(layerwise),
+                            tract_block_bytes=setting)  # fmt: skip
+        done = _export(source, tmp_path / name, NNEFSpec(decode_steps=2), settings)
+        reports[name] = done.result.summary["verify"]
+    layers, below = reports["layers"], reports["below"]
+    assert layers["mode"] == below["mode"] == "layerwise"
+    assert [b["block"] for b in layers["blocks"]] == ["embedding", "layer 0", "layer 1", "head"]
+    names = [b["block"] for b in below["blocks"]]
+    assert {"layer 0 attention", "layer 0 mlp", "layer 1 mlp.down_proj rows"} <= set(names)
+    assert max(b["weight_bytes"] for b in below["blocks"]) <= block
+    assert below["tokens"] == layers["tokens"] and all(below["argmax_agreed"])
+    assert abs(below["max_abs_err"] - layers["max_abs_err"]) <= 0.1 * layers["tolerance"]

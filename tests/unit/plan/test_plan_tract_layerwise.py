@@ -119,3 +119,46 @@ def test_a_per_expert_moe_plans_the_stack_its_experts_are_packed_into_as_its_lar
     vocabulary = 32000 * 2048 * 4  # the dense model's largest tensor
     assert moe_plan.job_peak_rss_bytes - dense_plan.job_peak_rss_bytes == 2 * (2 * stack - vocabulary)
     assert f"({2 * stack >> 20} MiB float32)" in moe_plan.notes[0]
+
+
+LLAMA_3_70B = {"hidden": 8192, "inter": 28672, "vocab": 128256}
+LLAMA_3_1_405B = {"hidden": 16384, "inter": 53248, "vocab": 128256}
+
+
+@pytest.mark.parametrize("widths", [LLAMA_3_70B, LLAMA_3_1_405B], ids=["70B", "405B"])
+def test_tracts_block_term_is_the_block_setting_not_the_layer_at_70b_and_405b_widths(
+    widths: dict[str, int],
+) -> None:
+    """One bfloat16 layer at Llama-3-70B's and Llama-3.1-405B's widths, in a 2.5 GiB service:
+    whole-layer blocks (3.6 and 13 GiB of float32 weights) would be refused; below a layer,
+    the largest block is the block setting and tract's term is 64 MiB + 2 x 256 MiB at
+    either width, within the 640 MiB tract gets there (two workers)."""
+    headers = llama(1, dtype="BF16", **widths)
+    settings = Settings(memory_limit=int(2.5 * GiB))
+    layer = block_weight_bytes((t.name, t.numel * 4) for t in headers.tensors)
+    assert layer > 3 * GiB
+    plan = plan_export(spec("nnef"), headers, GiB, settings=settings)
+    assert plan.verification == "layerwise"
+    (tract,) = plan.children
+    assert tract.peak_rss_bytes == 64 * 2**20 + 2 * 256 * 2**20
+    assert tract.peak_rss_bytes <= int(str(settings.tract_max_memory))
+    assert "min(block setting 256 MiB, largest layer" in plan.notes[0]
+    # whole layers, as before: more than the service's tract may hold
+    assert tract_mode(1 << 40, layer, int(str(settings.tract_max_memory))) is None
+
+
+def test_tracts_block_term_stays_flat_as_the_width_grows_past_the_block() -> None:
+    """The plan's formula at two widths beyond the block, and one below it (a small layer is
+    not cut: its block is the layer)."""
+    settings = Settings(tract_block_bytes="64MiB", tract_max_memory=str(GiB))
+
+    def tract_peak(hidden: int) -> int:
+        headers = llama(2, hidden=hidden, inter=4 * hidden, vocab=32000)
+        plan = plan_export(spec("nnef"), headers, GiB, settings=settings)
+        assert plan.verification == "layerwise"
+        return plan.children[0].peak_rss_bytes
+
+    assert tract_peak(2048) == tract_peak(4096) == 64 * 2**20 + 2 * 64 * 2**20
+    small = llama(2, hidden=256, inter=1024, vocab=32000)
+    sizes = [(t.name, t.nbytes) for t in small.tensors]
+    assert block_weight_bytes(sizes, 64 << 20) == block_weight_bytes(sizes) < 64 << 20
