@@ -116,6 +116,21 @@ def _manifest(service: ServiceProcess, job: dict[str, Any]) -> dict[str, Any]:
         return manifest
 
 
+def _succeeded(
+    service: ServiceProcess, checkpoint: Path, exports: list[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One job run to success while every poll is timed (:func:`_run`), no poll failing or
+    stalling: its JSON and manifest."""
+    with Poller(service) as poller:
+        done = _run(service, poller, checkpoint, exports)
+    print(json.dumps({k: done.get(k) for k in ("status", "error", "metrics")}, indent=1))
+    assert "refused" not in done, done
+    assert done["status"] == "succeeded", (done["error"], service.logs()[-3000:])
+    assert not poller.failures, poller.failures[:5]
+    assert not poller.stalls(), f"the API stalled: {poller.stalls()[:5]}"
+    return done, _manifest(service, done)
+
+
 def _references(value: Any) -> list[dict[str, Any]]:
     """Every summary of transformers' independent reference anywhere in a manifest."""
     if isinstance(value, list):
@@ -164,13 +179,7 @@ def test_a_verified_job_from_a_checkpoint_larger_than_the_limit_fits_its_budget_
     assert memory["limit_source"] == f"cgroup{cgroup.version}:{cgroup.path}"
     assert memory["job_budget_bytes"] == LIMIT - memory["api_share_bytes"]
 
-    with Poller(service) as poller:
-        done = _run(service, poller, checkpoint, EXPORTS)
-    print(json.dumps({k: done.get(k) for k in ("status", "error", "metrics")}, indent=1))
-
-    assert "refused" not in done, done
-    assert done["status"] == "succeeded", (done["error"], service.logs()[-3000:])
-    manifest = _manifest(service, done)
+    _, manifest = _succeeded(service, checkpoint, EXPORTS)
     figures = manifest["memory"]
     assert figures["limit_bytes"] == LIMIT
     assert figures["job_budget_bytes"] == memory["job_budget_bytes"]
@@ -189,9 +198,6 @@ def test_a_verified_job_from_a_checkpoint_larger_than_the_limit_fits_its_budget_
     # charge cannot pass the budget, the cgroup's limit: the proof of fitting is the job's
     # success in that cgroup (confinement above), not a comparison that could never fail.
     assert all(phase.get("cgroup_peak_bytes") for phase in figures["phases"]), figures
-
-    assert not poller.failures, poller.failures[:5]
-    assert not poller.stalls(), f"the API stalled: {poller.stalls()[:5]}"
     assert cgroup.oom_kills() == 0
     eventually(lambda: cgroup.children() == [], what="the job's memory cgroup removed after it",
                timeout=CGROUP_GONE_S, context=lambda: str(cgroup.children()))
@@ -247,14 +253,8 @@ def test_without_a_cgroup_a_verified_gguf_job_is_not_held_to_the_file_llama_cpp_
     env = {"MODELPREP_WORKERS": "1", "MODELPREP_MEMORY_LIMIT": str(LIMIT)}
     exports = [{"format": "gguf", "type": "f16"}, {"format": "gguf", "type": "q8_0"}]
     with running_service(tmp_path / "data", [checkpoint.parent], env=env) as service:
-        with Poller(service) as poller:
-            done = _run(service, poller, checkpoint, exports)
-        print(json.dumps({k: done.get(k) for k in ("status", "error", "metrics")}, indent=1))
-        assert "refused" not in done, done
-        assert done["status"] == "succeeded", (done["error"], service.logs()[-3000:])
-        manifest = _manifest(service, done)
+        _, manifest = _succeeded(service, checkpoint, exports)
     assert manifest["memory"]["confinement"] == "accounting", manifest["memory"]
     assert [e["format"] for e in manifest["exports"]] == ["gguf", "gguf"]
     for export in manifest["exports"]:
         assert _consumer_check(export)
-    assert not poller.stalls(), f"the API stalled: {poller.stalls()[:5]}"
