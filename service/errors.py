@@ -396,6 +396,15 @@ class VerificationInconclusive(VerificationFailed):
     title = "The check could not compare the artifact with its reference"
 
 
+class QualityBelowThreshold(VerificationFailed):
+    """A lossy artifact is correct (it is what was meant to be written) but costs more than the
+    request allows: a quality figure against the float source (KL, p99 KL, top-1, top-1 on
+    decided positions, perplexity ratio) beyond the export's ``"verify"`` thresholds."""
+
+    code = "quality_below_threshold"
+    title = "Quality below the requested threshold"
+
+
 class ReferenceUnavailable(VerificationFailed):
     """transformers (or PEFT) could not load the source as the job's independent reference. The
     job's own reader may still name the input's fault more precisely (a shape the config does not

@@ -142,6 +142,10 @@ FIXES: dict[str, str] = {
     'names the step): no evidence either way; `"verify": false` on that export skips the check.',
     "verification_failed": "The export differs from the source beyond the dtype's tolerance: "
     "the manifest holds the errors; try a wider dtype, or `\"verify\": false` to skip.",
+    "quality_below_threshold": "The file is what was meant to be written, but its quality "
+    "figures against the float source (in the detail, and in a successful job's manifest) are "
+    "beyond the export's `verify` thresholds: choose a higher-precision type (q8_0, Q6_K) or "
+    "relax the thresholds.",
     "reference_unavailable": "transformers' own `from_pretrained` (the job's independent "
     "reference) cannot load the checkpoint: the message says why; a checkpoint transformers "
     "cannot read is exported only with `\"verify\": false`.",

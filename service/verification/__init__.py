@@ -21,6 +21,10 @@ The modules:
   next-token distributions against the reference's, as ``llama-perplexity --kl-divergence``
   defines them (KL mean and p99, top-1 agreement, perplexity ratio), and the bounds graph
   runtimes are held to.
+- ``quality``: a lossy artifact's quality report read with the reference's own margins (near
+  ties by the type's noise, top-1 on decided positions) and what fails a job on quality: the
+  request's thresholds (``thresholds``, pydantic only, for the specs) or the margin-aware
+  default.
 - ``llama_kl``: llama.cpp's KL file format: the reference's logits written as
   ``llama-perplexity``'s base file, and the figures it prints read back.
 
@@ -35,7 +39,9 @@ What each consumer check compares, against what:
 - **GGUF** (``exporters.gguf``): the file read back against the source's tensors; llama.cpp's
   ``llama-tokenize`` against the Hugging Face tokenizer's ids; ``llama-perplexity
   --kl-divergence`` against ``independent``'s logits on the fixed text (written by
-  ``llama_kl``), the ``logits`` figures within the type's bounds; a VLM's projector by
+  ``llama_kl``): the ``quality`` report (the ``logits`` figures, the reference's margins, top-1
+  on decided positions), judged by the request's thresholds and the margin-aware default; a
+  VLM's projector by
   ``llama-mtmd-cli``'s greedy tokens against transformers' on a fixed image.
 - **NNEF** (``exporters.nnef.verify``): tract's prompt and greedy decode steps against
   PyTorch's (``reference.greedy_reference``), ``parity`` with the ``runtime`` tolerances; then

@@ -81,10 +81,11 @@ class IndependentReference:
     vocab_size: int = 0
     info: dict[str, Any] = field(default_factory=dict)
 
-    def chunk_logits(self) -> list[np.ndarray]:
-        """Each chunk's logits, memory-mapped from the work directory."""
+    def chunk_logits(self, prefix: str = "chunk") -> list[np.ndarray]:
+        """Each chunk's logits, memory-mapped from the work directory (``prefix="twin"``: the
+        rounded twin's, when the reference was computed with ``twin``)."""
         assert self.chunks is not None and self.logits_dir is not None
-        return [np.load(self.logits_dir / f"chunk-{i}.npy", mmap_mode="r") for i in range(len(self.chunks))]
+        return [np.load(self.logits_dir / f"{prefix}-{i}.npy", mmap_mode="r") for i in range(len(self.chunks))]
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -125,6 +126,7 @@ def independent_reference(
     with_outputs: bool = True,
     force_mode: str | None = None,
     block_bytes: int | None = None,
+    twin: dict[str, str] | None = None,
 ) -> IndependentReference:
     """transformers' outputs for ``input_ids`` and, for a causal LM, its logits on ``text``,
     within the budget; ``model_class`` the transformers class the job built (the one
@@ -139,7 +141,11 @@ def independent_reference(
 
     The mode is the budget's (:func:`reference_mode`) unless ``force_mode`` names one (a test
     comparing two modes); ``block_bytes`` is :class:`MappedLinear`'s block (None:
-    :data:`LINEAR_BLOCK_BYTES`)."""
+    :data:`LINEAR_BLOCK_BYTES`).
+
+    ``twin`` (module path -> ggml's activation rounding, ``verification.arithmetic``) also
+    computes the fixed text's logits with llama.cpp's roundings applied (``twin-<i>.npy``), in
+    the same forward: the batch holds the chunks twice, the second copy rounded."""
     import transformers
     from transformers import AutoConfig
 
@@ -187,7 +193,7 @@ def independent_reference(
         with torch.inference_mode():
             outputs = _outputs(model, model_class, input_ids) if with_outputs else None
             if chunks is not None:
-                _chunk_logits(model, chunks, logits_dir, window)
+                _chunk_logits(model, chunks, logits_dir, window, twin)
     finally:
         del model
         shutil.rmtree(offload, ignore_errors=True)
@@ -224,16 +230,29 @@ def _outputs(model: Any, model_class: Any, input_ids: Any) -> Any:
     return found.float().clone()
 
 
-def _chunk_logits(model: Any, chunks: np.ndarray, logits_dir: Path, window: slice) -> None:
+def _chunk_logits(
+    model: Any, chunks: np.ndarray, logits_dir: Path, window: slice,
+    twin: dict[str, str] | None = None,
+) -> None:
     """A causal LM's logits on every chunk of the fixed text (``chunk-<i>.npy``), from one
     forward over the chunks as a batch: layer by layer, every forward reads every weight from
     disk again, so one pass instead of one per chunk. (The fixed input is shorter: batched, its
-    padding would cost more compute than the pass it saves.)"""
+    padding would cost more compute than the pass it saves.) With ``twin``, the batch holds the
+    chunks twice and the second copy runs with ggml's roundings (``twin-<i>.npy``)."""
     import torch
 
+    from service.verification.arithmetic import ActivationRounding
+
+    n = len(chunks)
     ids = torch.from_numpy(chunks.astype(np.int64))
-    logits = model(input_ids=ids, use_cache=False).logits
-    for i in range(len(chunks)):
+    if twin is None:
+        logits = model(input_ids=ids, use_cache=False).logits
+    else:
+        with ActivationRounding(model, twin, first_row=n):
+            logits = model(input_ids=torch.cat([ids, ids]), use_cache=False).logits
+        for i in range(n):
+            _save_chunk(logits[n + i].float().numpy(), logits_dir / f"twin-{i}.npy", window)
+    for i in range(n):
         _save_chunk(logits[i].float().numpy(), logits_dir / f"chunk-{i}.npy", window)
 
 

@@ -28,20 +28,39 @@ LOG_PROB_FLOOR = 16.0
 
 
 def write_llama_base_logits(
-    path: Path, chunks: np.ndarray, n_vocab: int, logits: Iterable[np.ndarray]
+    path: Path,
+    chunks: np.ndarray,
+    n_vocab: int,
+    logits: Iterable[np.ndarray],
+    excluded: np.ndarray | None = None,
 ) -> None:
     """``llama-perplexity --kl-divergence-base`` file of the reference: ``chunks`` the tokens
-    ``(n_chunk, n_ctx)``, ``logits`` the reference's ``(n_ctx, >= n_vocab)`` for each chunk."""
+    ``(n_chunk, n_ctx)``, ``logits`` the reference's ``(n_ctx, >= n_vocab)`` for each chunk.
+
+    ``excluded`` (one bool per scored position, chunk by chunk) makes those positions count as
+    disagreeing in the tool's "Same top p": each such row is written with the reference's
+    *least* likely token first, which no file close enough to matter puts first. The tool
+    prints no per-position figures, so this is how it counts top-1 agreement on a subset (the
+    quality report's decided positions: agreement = same top p x positions / kept); the other
+    figures of such a run mean nothing."""
     n_chunk, n_ctx = chunks.shape
     nv = 2 * ((n_vocab + 1) // 2) + 4
     window = scored(n_ctx)
+    per_chunk = window.stop - window.start
     with path.open("wb") as out:
         out.write(MAGIC)
         out.write(np.asarray([n_ctx], dtype=np.uint32).tobytes())
         out.write(np.asarray([n_vocab, n_chunk], dtype=np.int32).tobytes())
         out.write(np.ascontiguousarray(chunks, dtype=np.int32).tobytes())
-        for chunk_logits in logits:
+        for i, chunk_logits in enumerate(logits):
             rows = np.asarray(chunk_logits, dtype=np.float32)[window, :n_vocab]
+            if excluded is not None:
+                drop = excluded[i * per_chunk : (i + 1) * per_chunk]
+                if drop.any():
+                    rows = rows.copy()
+                    low = rows[drop].argmin(axis=-1)
+                    rows[drop] = rows[drop].min(axis=-1, keepdims=True)
+                    rows[np.flatnonzero(drop), low] += 1.0
             out.write(_encode_rows(rows, nv).tobytes())
 
 def _encode_rows(rows: np.ndarray, nv: int) -> np.ndarray:

@@ -92,7 +92,7 @@ RUNTIME_LOGIT_BOUNDS: dict[str, LogitBounds] = {
 """The worst figures a graph runtime's logits (onnxruntime for ONNX, tract for NNEF) may show
 against transformers' float32 run of the source, by the dtype the graph computes in: the same
 for both formats, so one model exported to both is held to one standard. float32 and float16
-as the GGUF check's f32/f16 (``gguf.llama_check.LOGIT_BOUNDS``) with room for a runtime's own
+as the GGUF check's f32/f16 (``gguf.llama_check.CALIBRATED_FIGURES``) with room for a runtime's own
 kernels. No bfloat16 row: neither graph computes in bfloat16 (ONNX's dtype is float32 or
 float16, onnxruntime's CPU kernels having no bfloat16 matmul; NNEF widens a bfloat16 checkpoint
 to float32, ``offloaded_model.export_dtype``), so such a row could be neither reached nor
@@ -107,7 +107,7 @@ transformers' float32 run of the source, by compression (whatever the dtype: the
 4-bit error dwarfs the graph's float rounding). torch-to-nnef's min-max q4_0 measured by
 ``bench/runtime_logit_bounds.py`` on whole models: SmolLM2-135M KL 0.37 (p99 1.25, top-1
 0.667, perplexity ratio 1.14); on 2 of its layers 0.085 (0.88, 0.88). The bound is GGUF's q4_0
-(``gguf.llama_check.LOGIT_BOUNDS``), which holds llama.cpp's q4_0 of the same models (up to KL
+(``gguf.llama_check.CALIBRATED_FIGURES``), which holds llama.cpp's q4_0 of the same models (up to KL
 0.58, p99 3.6 on Qwen2.5-0.5B, perplexity ratio 1.55 on Gemma 3), with the same reasoning:
 loose because 4 bits of a small model are that poor, while a misread or miswritten archive
 lands at top-1 near 0."""

@@ -96,7 +96,7 @@ class GGUFExporter(Exporter):
         """A verified GGUF is run by llama.cpp on the fixed text against the job's independent
         reference (transformers' from_pretrained of the source): :meth:`verify`."""
         assert isinstance(spec, GGUFSpec)
-        return Needs(independent=spec.verify)
+        return Needs(independent=bool(spec.verify))
 
     def takes_unmerged_adapter(self, spec: ExportSpec) -> bool:
         """``"lora": true`` writes the job's adapter as a GGUF LoRA beside the base."""
@@ -107,7 +107,8 @@ class GGUFExporter(Exporter):
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext
     ) -> dict[str, Any]:
         """The file's logits in llama.cpp against transformers' on the fixed text
-        (``llama_check.check_logits``); VerificationFailed beyond the type's bounds. With
+        (``llama_check.check_logits``): the quality report, judged by the request's thresholds
+        (``quality_below_threshold``) and the margin-aware default (``verification_failed``). With
         ``"lora": true``, also the base with the GGUF LoRA (``--lora``) against PEFT's run
         of the base with the adapter (``lora.verify_lora``)."""
         from service.exporters.gguf.llama_check import check_logits
@@ -121,14 +122,42 @@ class GGUFExporter(Exporter):
         )
         work = ctx.work_dir / f"gguf-logits-{out_dir.name}"
         work.mkdir(parents=True, exist_ok=True)
+        # what was written first (model-independent), then what the type cost (the quality
+        # report): a fault is named as one, not as a quality shortfall
+        exact = self._check_exact(spec, inputs, files[0], work, ctx)
         report = check_logits(
-            files[0], spec.type, reference, work, ctx.check_abort, ctx.settings.llama_cpp_dir
+            files[0], spec.type, reference, work, ctx.check_abort, ctx.settings.llama_cpp_dir,
+            thresholds=spec.thresholds,
         )
+        checked = {"logits": report, "exact": exact}
         if not spec.lora:
-            return {"logits": report}
+            return checked
         from service.exporters.gguf.lora import verify_lora
 
-        return {"logits": report, "lora_logits": verify_lora(spec, inputs, out_dir, ctx)}
+        return {**checked, "lora_logits": verify_lora(spec, inputs, out_dir, ctx)}
+
+    @staticmethod
+    def _check_exact(
+        spec: GGUFSpec, inputs: ExportInputs, path: Path, work: Path, ctx: JobContext
+    ) -> dict[str, Any]:
+        """llama.cpp's logits against transformers' run of the file's own weights
+        (``exact.check_exact``): the model-independent check of what was written."""
+        import transformers
+
+        from service.exporters.gguf.exact import check_exact
+
+        checkpoint = inputs.checkpoint
+        config = checkpoint.config or {}
+        architectures = config.get("architectures") or []
+        model_class = getattr(transformers, architectures[0], None) if architectures else None
+        if model_class is None or checkpoint.adapter_root is not None:
+            return {"judged": False, "reason": "no transformers class, or an adapter merged"}
+        assert inputs.independent is not None
+        budget = parse_size(inputs.max_memory) if inputs.max_memory else 1 << 30
+        return check_exact(
+            path, spec.type, inputs.independent, checkpoint.root, config, checkpoint.reader,
+            model_class, budget, work / "exact", ctx.check_abort, ctx.settings.llama_cpp_dir,
+        )  # fmt: skip
 
     def check(
         self, spec: ExportSpec, config: dict[str, Any] | None, settings: Settings | None = None
@@ -224,9 +253,9 @@ class GGUFExporter(Exporter):
         shard_bytes = None if spec.max_shard_size is None else parse_size(spec.max_shard_size)
         # Progress counts passes over the weights: the write, the read-back when verifying, and
         # llama-quantize's pass for its types (which write f16 to the work dir first).
-        passes = 1 + int(spec.verify) + int(spec.quantized)
-        passes += int(projector is not None and spec.verify and spec.type in MTMD_ON_F16)
-        projector_bytes = (1 + int(spec.verify)) * projector.data_bytes if projector else 0
+        passes = 1 + int(bool(spec.verify)) + int(spec.quantized)
+        passes += int(projector is not None and bool(spec.verify) and spec.type in MTMD_ON_F16)
+        projector_bytes = (1 + int(bool(spec.verify))) * projector.data_bytes if projector else 0
         ctx.set_phase(Phase.EXPORT, total=passes * plan.data_bytes + projector_bytes, unit="bytes")
         # The read-back runs as the file is written: each block is read back from the file and
         # compared with the source's rows, read again (writer.write_gguf_files); the layout
@@ -244,7 +273,7 @@ class GGUFExporter(Exporter):
             written_path = stage / f"model-{written}.gguf"
             write_gguf(written_path, plan, reader, metadata, ctx, check=checked)
             report = verify_gguf(written_path, plan, reader, ctx, read_back=False)
-            check = spec.verify and tokenizer.get("model", "none") != "none"
+            check = bool(spec.verify) and tokenizer.get("model", "none") != "none"
             whole = path if shard_bytes is None else stage / name
             digest, extra = self._quantize(
                 spec, written_path, whole, plan.data_bytes, ctx, check, checkpoint.root, fetched

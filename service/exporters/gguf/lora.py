@@ -13,8 +13,8 @@ PEFT computes for every adapter this service accepts.
 
 The file is small (the adapter's own size), written and read back as it is written, like the
 base GGUF (``writer``), then checked by llama.cpp itself: ``llama-perplexity --lora`` on the base GGUF
-against PEFT's unmerged ``PeftModel`` on the fixed text (KL, top-1, perplexity ratio) within the
-base type's bounds (``llama_check.LOGIT_BOUNDS``).
+against PEFT's unmerged ``PeftModel`` on the fixed text (KL, top-1, perplexity ratio), judged by
+the margin-aware default of the quality report (``llama_check.check_logits``).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def verify_lora(
 ) -> dict[str, Any]:
     """llama.cpp runs the base GGUF with ``--lora`` on the fixed text against PEFT's own run
     of the base with the adapter (``PeftModel``, unmerged, transformers' ``from_pretrained``);
-    VerificationFailed beyond the base type's bounds."""
+    VerificationFailed by the margin-aware default of ``llama_check.check_logits``."""
     import gc
 
     from service.exporters.gguf.llama_check import check_logits

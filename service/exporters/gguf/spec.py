@@ -12,6 +12,7 @@ from service.exporters.base import ExportSpec
 from service.exporters.gguf.layout import OutType
 from service.sources.base import SourceRequest
 from service.units import parse_size
+from service.verification.thresholds import QualityThresholds
 
 QUANTIZER_TYPES: dict[str, str] = {
     "q2_k": "Q2_K",
@@ -83,12 +84,17 @@ class GGUFSpec(ExportSpec):
         description="An importance matrix for a llama-quantize type (better low-bit quality): "
         "computed in the job from calibration text, or fetched from a uri.",
     )
-    verify: bool = Field(
+    verify: bool | QualityThresholds = Field(
         default=True,
         description="Read the written file back and compare every tensor with the source "
         "within the type's error bound; for llama-quantize types also run llama.cpp on the "
         "file: tokenize a probe set (must equal the checkpoint's tokenizer) and compare "
-        "perplexity with the f16's. false checks only the file's layout (names, shapes, types)",
+        "perplexity with the f16's. The file's logits in llama.cpp are reported against the "
+        "float source (KL, p99 KL, top-1, top-1 on decided positions, perplexity ratio, the "
+        "share of near ties); an object of thresholds (max_kl, max_kl_p99, min_top1, "
+        "min_decided_top1, max_ppl_ratio) also fails the job below them "
+        "(quality_below_threshold). false checks only the file's layout (names, shapes, types)",
+        examples=[True, {"max_kl": 0.05, "min_decided_top1": 0.95}],
     )
     max_shard_size: str | int | None = Field(
         default=None,
@@ -140,6 +146,11 @@ class GGUFSpec(ExportSpec):
         return self
 
     @property
+    def thresholds(self) -> QualityThresholds | None:
+        """The quality the request demands, when ``verify`` is an object of thresholds."""
+        return self.verify if isinstance(self.verify, QualityThresholds) else None
+
+    @property
     def quantized(self) -> bool:
         """True for the types llama-quantize makes from an f16 file."""
         return self.type.lower() in QUANTIZER_TYPES
@@ -148,4 +159,4 @@ class GGUFSpec(ExportSpec):
     def runs_llama_cpp(self) -> bool:
         """llama.cpp runs the model on text in the job (imatrix, tokenize/perplexity checks)."""
         computes = self.imatrix is not None and self.imatrix.calibration is not None
-        return computes or (self.quantized and self.verify)
+        return computes or (self.quantized and bool(self.verify))

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from service.api.app import create_app
 from service.config import Settings
 from service.exporters.gguf.directory import read_directory
-from service.exporters.gguf.llama_check import LOGIT_BOUNDS, PPL_CTX, PPL_TEXT
+from service.exporters.gguf.llama_check import CALIBRATED_FIGURES, PPL_CTX, PPL_TEXT
 from service.jobs.layout import JobLayout
 from service.jobs.pipeline import run_pipeline
 from service.jobs.spec import JobSpec
@@ -82,7 +82,7 @@ def test_the_job_writes_the_base_and_a_gguf_lora_that_llama_cpp_runs_like_peft(
     assert folded["model.layers.0.mlp.down_proj"] == pytest.approx(4**0.5)
     checked = export["verify"]["lora_logits"]
     assert checked["reference"].endswith("+ peft.PeftModel") and checked["lora"] == "lora-f16.gguf"
-    bounds = LOGIT_BOUNDS["f16"]
+    bounds = CALIBRATED_FIGURES["f16"]
     assert checked["kl_mean"] <= bounds.kl_mean and checked["top1"] >= bounds.top1, checked
     assert manifest["source"]["adapter"]["uri"].endswith("/patterned")
 

@@ -1,0 +1,257 @@
+"""The written GGUF's own weights as a checkpoint transformers loads: dequantized, in the
+source's names and layout, for the exact check (``exact``).
+
+llama.cpp's converter transforms some tensors on the way in (Llama's q/k rows permuted for its
+rope, Gemma's norms stored as ``1 + w``, fused projections split, experts stacked). Its inverse
+is found generically, not per family: the converter (``service.shims.llama_cpp_convert``, the
+same classes that planned the file) is run on *probe* checkpoints of the same names and shapes,
+whose values say where each element came from: every element's source tensor (``id``), its row
+(``row``) and its position in the row (``col``), and zeros (``zero``: the constant the
+transform adds). A tensor whose probes are not whole numbers, or whose random probe (``rand``)
+is not moved exactly as the map says, is not a permutation plus a constant: it is reported as
+not invertible and the exact check does not judge that file. Every family of the corpus is a
+permutation plus a constant.
+
+Each GGUF tensor is dequantized with gguf-py (``gguf.quants.dequantize``), put back where the
+map says, and written as float32 safetensors shards of :data:`SHARD_BYTES` (float32: q8_0's
+int8 x f16-scale products are not exact in any narrower type), with the source's config and
+tokenizer files. Memory: one GGUF tensor and one shard at a time (the GGUF is memory-mapped by
+``gguf.GGUFReader``). Disk: 4 bytes per parameter, removed by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from service.errors import VerificationFailed
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from service.checkpoint.base import WeightReader
+
+SHARD_BYTES = 256 << 20
+"""float32 bytes per written shard."""
+PROBES = ("zero", "row", "col", "id", "rand")
+
+
+class NotInvertible(Exception):
+    """A converter transform that is not a permutation plus a constant."""
+
+
+@dataclass
+class ArtifactWeights:
+    """Where the file's weights were written, and what the map found."""
+
+    directory: Path
+    ggml_types: dict[str, str] = field(default_factory=dict)
+    """Checkpoint tensor -> the GGUF type it was stored as (for ggml's activation rounding)."""
+    transformed: list[str] = field(default_factory=list)
+    """GGUF tensors the converter transformed (inverted through the probes)."""
+    from_source: list[str] = field(default_factory=list)
+    """Checkpoint tensors the file does not hold (llama.cpp computes or ignores them)."""
+
+
+class _ProbeReader:
+    """A checkpoint of the reader's names and shapes, in float32, whose values are a probe."""
+
+    def __init__(self, reader: WeightReader, probe: str, ids: dict[str, int]) -> None:
+        self.reader, self.probe, self.ids = reader, probe, ids
+        self._aliases = reader.aliases()
+
+    def tensor_infos(self) -> list[Any]:
+        import torch
+
+        return [replace(info, dtype=torch.float32) for info in self.reader.tensor_infos()]
+
+    def aliases(self) -> dict[str, str]:
+        return self._aliases
+
+    def read(self, name: str) -> torch.Tensor:
+        return probe_values(self.probe, self.ids[self._aliases.get(name, name)], self._shape(name))
+
+    def iter_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]:
+        yield self.read(name).reshape(-1)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        canonical = self._aliases.get(name, name)
+        for info in self.reader.tensor_infos():
+            if info.name == canonical:
+                return tuple(info.shape)
+        raise KeyError(name)
+
+
+def probe_values(probe: str, ident: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Probe ``probe`` of the tensor numbered ``ident`` (from 1) of ``shape``."""
+    import math
+
+    import torch
+
+    if probe == "zero":
+        return torch.zeros(shape)
+    if probe == "id":
+        return torch.full(shape, float(ident))
+    if probe == "rand":
+        return torch.randn(shape, generator=torch.Generator().manual_seed(ident))
+    rows, cols = shape[0] if shape else 1, math.prod(shape[1:])
+    if probe == "row":
+        if len(shape) == 1:
+            return torch.arange(rows, dtype=torch.float32)
+        return torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, cols).reshape(shape).clone()
+    if len(shape) == 1:
+        return torch.zeros(shape)
+    return torch.arange(cols, dtype=torch.float32)[None, :].expand(rows, cols).reshape(shape).clone()
+
+
+def _conversions(
+    root: Path, config: dict[str, Any], reader: WeightReader, bin_dir: Path | None
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, int]]:
+    """The plain conversion's tensors by GGUF name, each probe's computed tensors by name, and
+    the probes' tensor numbering."""
+    from service.shims.llama_cpp_convert import plan_conversion
+
+    ids = {info.name: i + 1 for i, info in enumerate(reader.tensor_infos())}
+    plans: dict[str, dict[str, Any]] = {}
+    for probe in PROBES:
+        conversion = plan_conversion(
+            root, config, _ProbeReader(reader, probe, ids), "f32", bin_dir=bin_dir,
+            metadata=False, vocab=False,
+        )  # fmt: skip
+        plans[probe] = {t.name: t for t in conversion.tensors}
+    return plans["zero"], plans, ids
+
+
+def _inverse(
+    name: str, probes: dict[str, np.ndarray], shapes: dict[int, tuple[str, tuple[int, ...]]]
+) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np.ndarray]]]:
+    """For a computed GGUF tensor: its constant, and per source tensor the flat output
+    positions and the flat source positions they hold; NotInvertible when it is not that."""
+    import numpy as np
+
+    zero = probes["zero"].reshape(-1).astype(np.float64)
+    got = {k: probes[k].reshape(-1).astype(np.float64) - zero for k in ("row", "col", "id")}
+    for key, values in got.items():
+        if not np.array_equal(values, np.round(values)):
+            raise NotInvertible(f"{name}: its {key} probe is not whole numbers")
+    ident = got["id"].astype(np.int64)
+    pieces = []
+    rand = probes["rand"].reshape(-1).astype(np.float64) - zero
+    for tensor_id in np.unique(ident):
+        if int(tensor_id) not in shapes:
+            raise NotInvertible(f"{name}: an element from no source tensor")
+        source, shape = shapes[int(tensor_id)]
+        where = np.flatnonzero(ident == tensor_id)
+        cols = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        flat = got["row"][where].astype(np.int64) * cols + got["col"][where].astype(np.int64)
+        if len(shape) == 1:
+            flat = got["row"][where].astype(np.int64)
+        if flat.min() < 0 or flat.max() >= int(np.prod(shape)):
+            raise NotInvertible(f"{name}: a probe points outside {source}")
+        expected = probe_values("rand", int(tensor_id), shape).numpy().reshape(-1)[flat]
+        if not np.allclose(rand[where], expected, rtol=1e-6, atol=1e-6):
+            raise NotInvertible(f"{name}: {source}'s values are not moved unchanged")
+        pieces.append((source, where, flat))
+    return zero, pieces
+
+
+def write_artifact_weights(
+    gguf_path: Path,
+    root: Path,
+    config: dict[str, Any],
+    reader: WeightReader,
+    out: Path,
+    bin_dir: Path | None = None,
+) -> ArtifactWeights:
+    """The file's weights as a float32 checkpoint in ``out`` (module docstring); raises
+    NotInvertible for a transform the probes cannot undo."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+    from safetensors.numpy import save_file
+
+    from service.checkpoint import AUX_PATTERNS
+
+    plain, probes, ids = _conversions(root, config, reader, bin_dir)
+    infos = {info.name: info for info in reader.tensor_infos()}
+    aliases = reader.aliases()
+    shapes = {i: (n, tuple(infos[n].shape)) for n, i in ids.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    result = ArtifactWeights(out)
+    pending: dict[str, np.ndarray] = {}
+    filled: dict[str, int] = {}
+    shard: dict[str, np.ndarray] = {}
+    weight_map: dict[str, str] = {}
+
+    def flush() -> None:
+        if shard:
+            file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(out / file))
+            weight_map.update(dict.fromkeys(shard, file))
+            shard.clear()
+
+    def emit(name: str, values: np.ndarray) -> None:
+        shard[name] = np.ascontiguousarray(values, dtype=np.float32)
+        if sum(a.nbytes for a in shard.values()) >= SHARD_BYTES:
+            flush()
+
+    gguf_reader = GGUFReader(gguf_path)
+    for tensor in gguf_reader.tensors:
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        values = np.asarray(quants.dequantize(tensor.data, kind), dtype=np.float32).reshape(shape)
+        planned = plain.get(tensor.name)
+        if planned is None:
+            raise VerificationFailed(f"{tensor.name}: in the file, not in the converter's plan")
+        type_name = kind.name.lower()
+        if planned.source is not None:
+            source = aliases.get(planned.source, planned.source)
+            result.ggml_types[source] = type_name
+            if values.size != infos[source].numel:  # leading rows (Gemma's trimmed vocabulary)
+                whole = reader.read(source).to(torch.float32).numpy()
+                whole.reshape(-1)[: values.size] = values.reshape(-1)
+                values = whole
+            emit(source, values.reshape(infos[source].shape))
+        elif planned.parts:
+            for k, part in enumerate(planned.parts):
+                part = aliases.get(part, part)
+                result.ggml_types[part] = type_name
+                emit(part, values[k].reshape(infos[part].shape))
+        else:
+            computed = {p: probes[p][tensor.name].compute() for p in PROBES}
+            zero, pieces = _inverse(tensor.name, computed, shapes)
+            result.transformed.append(tensor.name)
+            flat = values.reshape(-1).astype(np.float64) - zero
+            for source, where, at in pieces:
+                buffer = pending.setdefault(source, np.zeros(infos[source].numel, dtype=np.float32))
+                buffer[at] = flat[where]
+                filled[source] = filled.get(source, 0) + len(at)
+                result.ggml_types[source] = type_name
+                if filled[source] >= infos[source].numel:
+                    emit(source, pending.pop(source).reshape(infos[source].shape))
+        del values
+    for source in list(pending):  # partly held: the rest from the source (llama.cpp lacks it)
+        result.from_source.append(source)
+        emit(source, pending.pop(source).reshape(infos[source].shape))
+    for name in infos:
+        if name not in result.ggml_types and name not in aliases:
+            result.from_source.append(name)
+            emit(name, reader.read(name).to(torch.float32).numpy())
+    flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+    )
+    for path in root.iterdir():
+        import fnmatch
+
+        if path.is_file() and any(fnmatch.fnmatchcase(path.name, p) for p in AUX_PATTERNS):
+            shutil.copy(path, out / path.name)
+    saved = {k: v for k, v in config.items() if k != "quantization_config"}
+    saved["torch_dtype"] = saved["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(saved, indent=1))
+    return result

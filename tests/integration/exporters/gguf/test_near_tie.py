@@ -1,0 +1,105 @@
+"""A model whose next-token logits are near ties (random init of std 0.02, unit norms:
+:mod:`tests.fixtures.near_tie`) through verified GGUF jobs (issue 35).
+
+Its correct q8_0 and Q4_K_M files flip top-1 tokens against the float source by chance; the
+jobs succeed, with the quality report (KL, top-1, near ties, top-1 on decided positions) in the
+manifest, and the exact check (llama.cpp against transformers on the file's own weights)
+within its arithmetic tolerance. A request's thresholds fail the job with
+``quality_below_threshold``. A converter fault (rows flipped, the q/k permutation skipped, a
+norm offset), which the quality figures of such a model could not tell from rounding, fails the
+exact check: each is a monkeypatch of llama.cpp's converter class for the test's duration, as
+in ``tests/integration/real_models/test_checks_fail.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.config import Settings
+from service.errors import QualityBelowThreshold, VerificationFailed
+from service.jobs.layout import JobLayout
+from service.jobs.pipeline import run_pipeline
+from service.jobs.spec import JobSpec
+from service.stage import InMemoryContext
+from tests.fixtures.near_tie import near_tie_llama
+
+
+def _run(tmp_path: Path, export: dict[str, Any]) -> dict[str, Any]:
+    """The job as the job process runs it; its manifest's one export entry."""
+    source = near_tie_llama()
+    config = Settings(data_dir=tmp_path / "data", local_roots=[source.parent])
+    job_id = "e" * 32
+    layout = JobLayout.for_job(config, job_id)
+    layout.prepare()
+    ctx = InMemoryContext(settings=config, work_dir=layout.work, job_id=job_id)
+    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [export]})
+    run_pipeline(spec, ctx, layout)
+    (entry,) = json.loads((layout.artifacts / "manifest.json").read_text())["exports"]
+    return dict(entry)
+
+
+@pytest.mark.parametrize("gguf_type", ["q8_0", "Q4_K_M"])
+def test_a_correct_file_of_a_near_tie_model_succeeds_with_its_quality_in_the_manifest(
+    tmp_path: Path, gguf_type: str
+) -> None:
+    verify = _run(tmp_path, {"format": "gguf", "type": gguf_type})["verify"]
+    quality, exact = verify["logits"], verify["exact"]
+    assert quality["margins"]["near_tie_share"] > 0.4, quality  # the model is what it claims
+    assert quality["top1"] < 0.95 and quality["kl_mean"] > 0, quality
+    if gguf_type == "Q4_K_M":  # below what a correct file of a decisive model shows (0.7)
+        assert quality["top1"] < quality["calibrated_on_decisive_models"]["top1"], quality
+    assert quality["thresholds"] is None and quality["default"].startswith("decided_top1")
+    assert exact["judged"] and exact["kl_mean"] <= exact["tolerance"], exact
+    assert exact["transformed_tensors"] == 4, exact  # q and k of 2 layers, inverted by probes
+
+
+def test_a_requested_threshold_the_file_misses_fails_with_quality_below_threshold(
+    tmp_path: Path,
+) -> None:
+    export = {"format": "gguf", "type": "q8_0", "verify": {"max_kl": 1e-9}}
+    with pytest.raises(QualityBelowThreshold, match=r"mean KL .* > 1e-09 \(max_kl\)") as failed:
+        _run(tmp_path, export)
+    assert failed.value.code == "quality_below_threshold"
+
+
+def _converter(monkeypatch: pytest.MonkeyPatch, change: Any) -> None:
+    """llama.cpp's Llama class with ``change(name, tensor)`` applied to what it writes."""
+    from service.shims.llama_cpp_convert import load_converter
+
+    load_converter()
+    llama = importlib.import_module("conversion.llama").LlamaModel
+    modify = llama.modify_tensors
+
+    def changed(self: Any, data: Any, name: str, bid: int | None) -> Any:
+        return [(new, change(new, tensor)) for new, tensor in modify(self, data, name, bid)]
+
+    monkeypatch.setattr(llama, "modify_tensors", changed)
+
+
+MUTATIONS = {
+    "rows flipped": lambda name, t: t.flip(0) if name == "blk.1.ffn_down.weight" else t,
+    "norm offset": lambda name, t: t + 1.0 if name == "blk.0.attn_norm.weight" else t,
+}
+
+
+@pytest.mark.parametrize("mutation", [*MUTATIONS, "q/k permutation skipped"])
+def test_a_converter_fault_on_a_near_tie_model_fails_the_exact_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutation: str
+) -> None:
+    if mutation in MUTATIONS:
+        _converter(monkeypatch, MUTATIONS[mutation])
+    else:
+        from service.shims.llama_cpp_convert import load_converter
+
+        load_converter()
+        llama = importlib.import_module("conversion.llama").LlamaModel
+        monkeypatch.setattr(
+            llama, "permute", staticmethod(lambda weights, n_head, n_head_kv=None: weights)
+        )
+    with pytest.raises(VerificationFailed, match="q8_0 GGUF is not what was meant to be written"):
+        _run(tmp_path, {"format": "gguf", "type": "q8_0"})
