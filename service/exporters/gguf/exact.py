@@ -95,6 +95,10 @@ def check_exact(
     chunks = own.chunks
     exact, twin = own.chunk_logits(), own.chunk_logits("twin")
     arith = compare_logits(exact, twin, chunks)
+    if not np.isfinite(arith.kl_mean):
+        # nothing arithmetic to compare with (raw FP8 codes read as weights overflow float32):
+        # the quality report, against the float source, judges such a file
+        return {"judged": False, "reason": "transformers' run of the file's weights is not finite"}
     base = work / "artifact.logits"
     write_llama_base_logits(base, chunks, int(exact[0].shape[-1]), exact)
     n_ctx = int(chunks.shape[1])

@@ -8,8 +8,8 @@ it touches, with no artifact published.
   against that same reference.
 * The GGUF writer flips a tensor's rows: caught by the read-back of the written file.
 * The GGUF converter skips the q/k permutation llama.cpp's Llama needs: the read-back undoes
-  the same (missing) permutation and passes; llama.cpp's logits against transformers' on the
-  fixed text (``gguf.llama_check.check_logits``) catch it.
+  the same (missing) permutation and passes; llama.cpp's logits against transformers' run of
+  the file's own weights (the exact check, ``gguf.exact.check_exact``) catch it.
 * The safetensors, ONNX and NNEF writers each flip the rows of one weight as they write it
   (``model.layers.0.mlp.down_proj.weight``): the reloaded safetensors' outputs, onnxruntime's
   and tract's against the job's reference catch it.
@@ -168,7 +168,7 @@ def test_a_gguf_converter_that_skips_the_qk_permutation_fails_the_job(
     monkeypatch.setattr(
         llama.LlamaModel, "permute", staticmethod(lambda weights, n_head, n_head_kv=None: weights)
     )
-    with pytest.raises(VerificationFailed, match="too far from transformers"):
+    with pytest.raises(VerificationFailed, match="GGUF is not what was meant to be written"):
         _run(tmp_path, real_variant("smollm2", Variant(layers=LAYERS)),
              {"format": "gguf", "type": gguf_type})  # fmt: skip
 
