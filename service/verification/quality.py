@@ -10,17 +10,16 @@ near ties, and the top-1 agreement on the others (*decided* positions), where a 
 chance but a fault.
 
 A position is a near tie when its reference margin (top-1 logit minus top-2) is below
-:data:`NEAR_TIE` of its type times the spread of its logits (their standard deviation over the
-vocabulary). The table is the type's logit noise relative to that spread, with a factor of 3:
-a logit moved by quantization noise of std ``r * spread`` moves a margin by ``sqrt(2) * r *
-spread``, so a margin beyond ``3 r * spread`` flips with probability under 2 %. ``r`` is from
-the measured KL of correct files (KL ~ r**2 spread**2 / 2 under the reference's distribution;
-``gguf.llama_check``'s figures on SmolLM2, Qwen2.5 and Gemma 3, logit spreads ~2.5-3.5): q8_0
-KL <= 0.0044 gives r <= 0.03; Q4_K_M <= 0.074, r <= 0.13; q4_0 <= 0.58, r <= 0.36; bf16
-<= 0.0025, r <= 0.025; f16 <= 1.7e-4, r <= 0.006. On the near-tie Llama of the tests (std
-0.02, hidden 256, logit spread 0.32): q8_0 KL 1.9e-5, r 0.019; Q4_K_M 0.0016, r 0.18; q4_0
-0.0031, r 0.25. Each entry is 3 x the largest r (Q4_K_M: 0.6 from 0.18-0.2); the K-quants
-between are interpolated by bits.
+:data:`NEAR_TIE_FACTOR` times the file's logit noise. That noise is measured, not assumed:
+``sqrt(2 * mean KL)`` nats, since a logit perturbation of std ``sigma`` under the reference's
+distribution costs a KL of about ``sigma**2 / 2``; a perturbation of that size moves a margin by
+``sqrt(2) * sigma``, so a margin beyond ``3 sigma`` flips by chance with probability under 2 %.
+It is capped by the type's ceiling (:data:`NOISE_CEILING`), twice the largest noise a correct
+file of the type showed: a broken file's KL (~1-10) would otherwise call every position a tie
+and nothing decided. Measured: q8_0 KL 0.0044 at most (sigma 0.094) on SmolLM2, Qwen2.5 and
+Gemma 3 (``gguf.llama_check.CALIBRATED_FIGURES``), Q4_K_M 0.074 (0.38), q4_0 0.58 (1.08), bf16
+0.0025 (0.07), f16 1.7e-4 (0.018); the near-tie Llama of the tests (std 0.02, hidden 256): q8_0
+1.9e-5 (0.006) with median margin 0.039, Q4_K_M 0.0016 (0.057).
 
 Judgement: a job fails on quality only against thresholds the request sets
 (:class:`~service.verification.thresholds.QualityThresholds`: ``quality_below_threshold``), or
@@ -32,6 +31,7 @@ model. numpy only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,32 +41,34 @@ import numpy as np
 from service.verification.logits import LogitFigures, scored
 from service.verification.thresholds import QualityThresholds
 
-NEAR_TIE: dict[str, float] = {
-    "f32": 0.003,
-    "f16": 0.02,
-    "bf16": 0.08,
-    "q8_0": 0.1,
-    "Q6_K": 0.2,
-    "Q5_K_S": 0.35,
-    "Q5_K_M": 0.35,
-    "Q4_K_S": 0.6,
-    "Q4_K_M": 0.6,
-    "IQ4_NL": 0.7,
-    "IQ4_XS": 0.7,
-    "q4_0": 1.1,
-    "Q3_K_S": 1.5,
-    "Q3_K_M": 1.3,
-    "Q3_K_L": 1.2,
-    "Q2_K": 2.5,
+NEAR_TIE_FACTOR = 3.0
+"""A margin below this many times the logit noise is a near tie (module docstring)."""
+NOISE_CEILING: dict[str, float] = {
+    "f32": 0.05,
+    "f16": 0.05,
+    "bf16": 0.15,
+    "q8_0": 0.2,
+    "Q6_K": 0.3,
+    "Q5_K_S": 0.5,
+    "Q5_K_M": 0.5,
+    "Q4_K_S": 0.8,
+    "Q4_K_M": 0.8,
+    "IQ4_NL": 0.9,
+    "IQ4_XS": 0.9,
+    "q4_0": 2.2,
+    "Q3_K_S": 2.5,
+    "Q3_K_M": 2.5,
+    "Q3_K_L": 2.5,
+    "Q2_K": 4.0,
 }
-"""Margin (top-1 minus top-2 logit) below which a position is a near tie, relative to the
-spread of its logits, by type: 3 x the type's relative logit noise (module docstring)."""
-DEFAULT_NEAR_TIE = 1.0
-"""For a type the table lacks: a q4-like noise, so few positions count as decided."""
+"""The largest logit noise (nats) a file of each type is credited with: twice the largest a
+correct file showed (module docstring); K-quants between measured types by their bits."""
+DEFAULT_NOISE_CEILING = 1.0
+"""For a type the table lacks."""
 
 DEFAULT_MIN_DECIDED_TOP1 = 0.9
 """The default judgement: top-1 agreement on decided positions. A correct file flips a decided
-position with probability under 2 % by construction of :data:`NEAR_TIE`; a misread or
+position with probability under 2 % by construction of :data:`NEAR_TIE_FACTOR`; a misread or
 miswritten one (a skipped q/k permutation, raw FP8 codes) agrees on few."""
 
 
@@ -76,45 +78,52 @@ class Margins:
 
     margins: np.ndarray
     """top-1 minus top-2 logit at each scored position."""
-    spreads: np.ndarray
-    """Standard deviation of the position's logits over the vocabulary."""
-    near_tie: np.ndarray
-    """True where the margin is below the type's noise."""
-    relative_noise: float
+    noise: float
+    """The file's logit noise (nats) the margins are read against."""
+    measured: bool
+    """Whether ``noise`` is the measured one (else the type's ceiling)."""
+
+    @property
+    def near_tie(self) -> np.ndarray:
+        """True where the margin is below :data:`NEAR_TIE_FACTOR` x the noise."""
+        result: np.ndarray = self.margins < NEAR_TIE_FACTOR * self.noise
+        return result
 
     @property
     def positions(self) -> int:
-        return int(self.near_tie.size)
+        return int(self.margins.size)
 
     @property
     def decided(self) -> int:
         return int((~self.near_tie).sum())
 
     def summary(self) -> dict[str, Any]:
-        relative = self.margins / np.maximum(self.spreads, 1e-30)
         return {
-            "near_tie_below": self.relative_noise,
+            "noise_nats": self.noise,
+            "noise": "measured: sqrt(2 x mean KL)" if self.measured else "the type's ceiling",
+            "near_tie_below_nats": NEAR_TIE_FACTOR * self.noise,
             "near_tie_positions": self.positions - self.decided,
             "near_tie_share": (self.positions - self.decided) / max(1, self.positions),
             "decided_positions": self.decided,
             "median_margin": float(np.median(self.margins)),
-            "median_relative_margin": float(np.median(relative)),
         }
 
 
-def reference_margins(logits: Iterable[np.ndarray], n_ctx: int, type_name: str) -> Margins:
+def reference_margins(
+    logits: Iterable[np.ndarray], n_ctx: int, type_name: str, kl_mean: float
+) -> Margins:
     """The margins of the reference's chunk ``logits`` (``(n_ctx, vocab)`` each) over the
-    scored window, near ties by ``type_name``'s noise (:data:`NEAR_TIE`)."""
+    scored window, read against the noise of a file of ``type_name`` whose mean KL from the
+    reference is ``kl_mean`` (module docstring)."""
     window = scored(n_ctx)
-    margins, spreads = [], []
+    margins = []
     for chunk in logits:
         rows = np.asarray(chunk[window], dtype=np.float64)
         top2 = np.partition(rows, -2, axis=-1)[:, -2:]
         margins.append(top2[:, 1] - top2[:, 0])
-        spreads.append(rows.std(axis=-1))
-    margin, spread = np.concatenate(margins), np.concatenate(spreads)
-    relative = NEAR_TIE.get(type_name, DEFAULT_NEAR_TIE)
-    return Margins(margin, spread, margin < relative * spread, relative)
+    ceiling = NOISE_CEILING.get(type_name, DEFAULT_NOISE_CEILING)
+    measured = math.sqrt(2 * max(kl_mean, 0.0)) if math.isfinite(kl_mean) else math.inf
+    return Margins(np.concatenate(margins), min(measured, ceiling), measured <= ceiling)
 
 
 def requested_violations(

@@ -232,11 +232,12 @@ def check_logits(
     logits = reference.chunk_logits()
     n_vocab = int(logits[0].shape[-1])
     n_ctx = int(chunks.shape[1])
-    margins = reference_margins(logits, n_ctx, type_name)
+    positions = len(chunks) * (n_ctx // 2 - 1)
     base = work / "reference.logits"
     write_llama_base_logits(base, chunks, n_vocab, logits)
-    figures, out, peaks = _kl_run(gguf_path, base, n_ctx, margins.positions, work, check_abort,
+    figures, out, peaks = _kl_run(gguf_path, base, n_ctx, positions, work, check_abort,
                                   bin_dir, lora)  # fmt: skip
+    margins = reference_margins(logits, n_ctx, type_name, figures.kl_mean)
     decided_top1: float | None = None
     if margins.decided == margins.positions:
         decided_top1 = figures.top1

@@ -14,7 +14,7 @@ from service.exporters.gguf import GGUFSpec
 from service.verification.llama_kl import write_llama_base_logits
 from service.verification.logits import LogitFigures, chunk_tokens, scored
 from service.verification.quality import (
-    NEAR_TIE,
+    NOISE_CEILING,
     default_violation,
     reference_margins,
     requested_violations,
@@ -36,15 +36,26 @@ def _logits(margin: float, spread: float = 1.0) -> list[np.ndarray]:
     return out
 
 
-def test_a_margin_below_the_types_noise_is_a_near_tie_and_the_noise_grows_with_fewer_bits() -> None:
-    assert NEAR_TIE["f16"] < NEAR_TIE["q8_0"] < NEAR_TIE["Q4_K_M"] < NEAR_TIE["q4_0"]
-    tight = reference_margins(_logits(0.05), N_CTX, "q8_0")
+def test_a_margin_below_three_times_the_files_measured_noise_is_a_near_tie() -> None:
+    # a KL of 0.0008 is a logit noise of 0.04 nats: margins of 0.05 are ties, of 2 decided
+    tight = reference_margins(_logits(0.05), N_CTX, "q8_0", kl_mean=0.0008)
+    assert tight.noise == pytest.approx(0.04) and tight.measured
     assert tight.positions == 2 * (N_CTX // 2 - 1) and tight.decided == 0
-    assert reference_margins(_logits(0.05), N_CTX, "f16").decided == tight.positions
-    clear = reference_margins(_logits(2.0), N_CTX, "Q4_K_M")
+    assert reference_margins(_logits(0.05), N_CTX, "q8_0", kl_mean=1e-6).decided == tight.positions
+    clear = reference_margins(_logits(2.0), N_CTX, "Q4_K_M", kl_mean=0.05)
     assert clear.decided == clear.positions
     summary = clear.summary()
     assert summary["near_tie_share"] == 0.0 and summary["median_margin"] == pytest.approx(2.0, abs=1e-5)
+
+
+def test_a_broken_files_noise_is_capped_by_its_types_ceiling() -> None:
+    """KL 5 (a misread file) would make every position a tie: the type's ceiling keeps the
+    decided ones decided, so the default can still fail the file."""
+    assert NOISE_CEILING["f16"] < NOISE_CEILING["q8_0"] < NOISE_CEILING["Q4_K_M"] < NOISE_CEILING["q4_0"]
+    for kl in (5.0, float("nan")):
+        broken = reference_margins(_logits(2.0), N_CTX, "q8_0", kl_mean=kl)
+        assert broken.noise == NOISE_CEILING["q8_0"] and not broken.measured
+        assert broken.decided == broken.positions
 
 
 FIGURES = LogitFigures(kl_mean=0.3, kl_p99=1.2, top1=0.8, ppl_ratio=1.1, positions=126)
@@ -65,7 +76,7 @@ def test_only_the_thresholds_the_request_sets_are_judged() -> None:
 
 
 def test_the_default_fails_only_a_flip_of_decided_positions() -> None:
-    margins = reference_margins(_logits(2.0), N_CTX, "q8_0")
+    margins = reference_margins(_logits(2.0), N_CTX, "q8_0", kl_mean=0.001)
     assert default_violation(0.95, margins) is None
     assert default_violation(None, margins) is None  # every position a near tie
     assert "0.5000 < 0.9 (14 of 14 positions" in str(default_violation(0.5, margins))

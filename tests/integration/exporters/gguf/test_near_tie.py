@@ -49,7 +49,7 @@ def test_a_correct_file_of_a_near_tie_model_succeeds_with_its_quality_in_the_man
 ) -> None:
     verify = _run(tmp_path, {"format": "gguf", "type": gguf_type})["verify"]
     quality, exact = verify["logits"], verify["exact"]
-    assert quality["margins"]["near_tie_share"] > 0.4, quality  # the model is what it claims
+    assert quality["margins"]["near_tie_share"] > 0.2, quality  # the model is what it claims
     assert quality["top1"] < 0.95 and quality["kl_mean"] > 0, quality
     if gguf_type == "Q4_K_M":  # below what a correct file of a decisive model shows (0.7)
         assert quality["top1"] < quality["calibrated_on_decisive_models"]["top1"], quality
