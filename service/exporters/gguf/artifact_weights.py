@@ -15,8 +15,12 @@ permutation plus a constant.
 Each GGUF tensor is dequantized with gguf-py (``gguf.quants.dequantize``), put back where the
 map says, and written as float32 safetensors shards of :data:`SHARD_BYTES` (float32: q8_0's
 int8 x f16-scale products are not exact in any narrower type), with the source's config and
-tokenizer files. Memory: one GGUF tensor and one shard at a time (the GGUF is memory-mapped by
-``gguf.GGUFReader``). Disk: 4 bytes per parameter, removed by the caller.
+tokenizer files. Memory: no term as large as a tensor for the tensors the converter moves
+unchanged (all but a few: the embedding, the head, every MLP and most attention matrices), which
+are dequantized :data:`ROW_BLOCK_BYTES` of float32 rows at a time from the memory-mapped GGUF
+into a safetensors file of their own (:func:`_stream_tensor`); the transformed ones (Llama's
+q/k, Gemma's norms, fused projections) one tensor and its probes at a time, small ones one shard
+at a time. Disk: 4 bytes per parameter, removed by the caller.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ if TYPE_CHECKING:
 
 SHARD_BYTES = 256 << 20
 """float32 bytes per written shard."""
+ROW_BLOCK_BYTES = 32 << 20
+"""float32 bytes of rows dequantized at once; a tensor moved unchanged of more than this is
+streamed to a file of its own."""
 PROBES = ("zero", "row", "col", "id", "rand")
 
 
@@ -160,6 +167,42 @@ def _inverse(
     return zero, pieces
 
 
+def _stream_tensor(
+    path: Path, name: str, shape: tuple[int, ...], blocks: Iterator[np.ndarray]
+) -> None:
+    """One float32 tensor as a safetensors file written block by block (the format: an 8-byte
+    little-endian header length, the JSON header padded to 8 bytes, the row-major data), where
+    ``safetensors.numpy.save_file`` needs the whole array; the blocks' sizes must add up."""
+    import struct
+
+    import numpy as np
+
+    nbytes = int(np.prod(shape)) * 4
+    header = json.dumps({name: {"dtype": "F32", "shape": list(shape),
+                                "data_offsets": [0, nbytes]}}, separators=(",", ":")).encode()  # fmt: skip
+    header += b" " * (-len(header) % 8)
+    written = 0
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        for block in blocks:
+            data = np.ascontiguousarray(block, dtype=np.float32)
+            f.write(data.tobytes())
+            written += data.nbytes
+    if written != nbytes:
+        raise VerificationFailed(f"{name}: {written} bytes streamed for a {nbytes}-byte tensor")
+
+
+def _row_blocks(data: np.ndarray, kind: Any, row_elements: int) -> Iterator[np.ndarray]:
+    """``data`` (a GGUF tensor's mapped rows, any leading dims) dequantized
+    :data:`ROW_BLOCK_BYTES` of float32 rows at a time."""
+    from gguf import quants
+
+    rows = data.reshape(-1, data.shape[-1])
+    step = max(1, ROW_BLOCK_BYTES // (4 * max(1, row_elements)))
+    for start in range(0, rows.shape[0], step):
+        yield quants.dequantize(rows[start : start + step], kind).reshape(-1)
+
+
 def write_artifact_weights(
     gguf_path: Path,
     root: Path,
@@ -200,15 +243,43 @@ def write_artifact_weights(
         if sum(a.nbytes for a in shard.values()) >= SHARD_BYTES:
             flush()
 
+    def stream(source: str, blocks: Iterator[np.ndarray]) -> None:
+        file = f"model-streamed-{len(streamed) + 1:05d}.safetensors"
+        _stream_tensor(out / file, source, tuple(infos[source].shape), blocks)
+        weight_map[source] = file
+        streamed.append(source)
+
+    def with_source_tail(source: str, head: Iterator[np.ndarray], held: int) -> Iterator[
+            np.ndarray]:  # fmt: skip
+        """The file's leading elements, then the source's beyond them (Gemma's trimmed
+        vocabulary: llama.cpp holds the first rows)."""
+        yield from head
+        seen = 0
+        for chunk in reader.iter_chunks(source, ROW_BLOCK_BYTES):
+            flat = chunk.to(torch.float32).numpy().reshape(-1)
+            if seen + flat.size > held:
+                yield flat[max(0, held - seen):]
+            seen += flat.size
+
+    streamed: list[str] = []
     gguf_reader = GGUFReader(gguf_path)
     for tensor in gguf_reader.tensors:
         kind = GGMLQuantizationType(tensor.tensor_type)
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = np.asarray(quants.dequantize(tensor.data, kind), dtype=np.float32).reshape(shape)
         planned = plain.get(tensor.name)
         if planned is None:
             raise VerificationFailed(f"{tensor.name}: in the file, not in the converter's plan")
         type_name = kind.name.lower()
+        elements = int(np.prod(shape))
+        if planned.source is not None and elements * 4 > ROW_BLOCK_BYTES:
+            source = aliases.get(planned.source, planned.source)
+            result.ggml_types[source] = type_name
+            blocks = _row_blocks(tensor.data, kind, shape[-1])
+            if elements != infos[source].numel:
+                blocks = with_source_tail(source, blocks, elements)
+            stream(source, blocks)
+            continue
+        values = np.asarray(quants.dequantize(tensor.data, kind), dtype=np.float32).reshape(shape)
         if planned.source is not None:
             source = aliases.get(planned.source, planned.source)
             result.ggml_types[source] = type_name
