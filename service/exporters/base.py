@@ -228,6 +228,14 @@ class Exporter(ABC):
         the default judges the config only."""
         self.check(spec, config, settings)
 
+    def check_headers(
+        self, spec: ExportSpec, headers: CheckpointHeaders, settings: Settings
+    ) -> None:
+        """:meth:`check` with a remote source's headers at hand (its config and tensor names,
+        read with a few range requests at submission), so that what the names alone refuse is
+        refused before the download; the default judges the config only."""
+        self.check(spec, headers.config, settings)
+
     @abstractmethod
     def export(
         self, spec: ExportSpec, inputs: ExportInputs, out_dir: Path, ctx: JobContext

@@ -84,6 +84,14 @@ def check_spec(
             exporters[export.format].check(export, config, settings)
 
 
+def _check_headers(spec: JobSpec, headers: CheckpointHeaders, settings: Settings) -> None:
+    """Each export judged on a remote source's headers (``Exporter.check_headers``): what its
+    config and tensor names refuse is refused at submission, not after the download."""
+    exporters = registry()
+    for export in spec.export_specs():
+        exporters[export.format].check_headers(export, headers, settings)
+
+
 def _check_adapter_use(spec: JobSpec) -> None:
     """An export that writes the adapter apart needs one kept apart (an adapter, ``"merge":
     false``); with ``"merge": false`` every export must be one that does
@@ -122,7 +130,7 @@ class JobService:
         if local is not None:
             self._check_plan(spec)
         else:
-            self._check_remote_quantization(spec)
+            self._check_remote_headers(spec)
         job = Job(
             id=uuid.uuid4().hex,
             status=JobStatus.QUEUED,
@@ -164,11 +172,12 @@ class JobService:
         if not plan.fits:
             raise PlanDoesNotFit("; ".join(plan.refusals) + ' (see "dry_run": true)')
 
-    def _check_remote_quantization(self, spec: JobSpec) -> None:
+    def _check_remote_headers(self, spec: JobSpec) -> None:
         """Refuse now (422, :class:`UnsupportedQuantization` naming the method) a remote
         checkpoint quantized in a way the readers do not implement, as a local one is: a hub
         commit's or an S3 prefix's config.json and safetensors headers are a few range reads,
-        and a GPTQ model must not be downloaded only to fail. Sources that do not describe
+        and a GPTQ model must not be downloaded only to fail; then each export's judgement of
+        the same headers (:func:`_check_headers`: a VLM layout GGUF cannot take, say). Sources that do not describe
         themselves (an HTTP file has no config.json, a pickle no headers) or cannot be reached
         now are left to the job, which fails with the same error."""
         try:
@@ -176,14 +185,17 @@ class JobService:
         except (CheckpointError, SourceError, OSError):
             return
         _check_quantization(headers)
+        _check_headers(spec, headers, self.settings)
 
     def plan(self, spec: JobSpec, tenant: str | None = None) -> JobPlan:
         """What the job would hold in memory and write to disk, and whether it fits, from the
         source's headers (a remote source's too: range reads, never the weights); checked as
         :meth:`submit` checks a job, but nothing is queued."""
-        self._check_request(spec)
+        local = self._check_request(spec)
         headers = source_headers(spec, self.settings)
         _check_quantization(headers)
+        if local is None:
+            _check_headers(spec, headers, self.settings)
         return plan_spec(spec, headers, self.settings)
 
     def _check_adapter(self, spec: JobSpec, local: LocalSource | None) -> None:

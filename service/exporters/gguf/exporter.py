@@ -64,6 +64,7 @@ from service.exporters.gguf.mmproj import (
     MMPROJ_PREFIX,
     MTMD_ON_F16,
     check_layout,
+    check_layout_of_names,
     check_vlm,
     mmproj_type,
 )
@@ -76,6 +77,7 @@ from service.stage import JobContext, Phase
 from service.units import parse_size
 
 if TYPE_CHECKING:
+    from service.checkpoint.headers import CheckpointHeaders
     from service.config import Settings
     from service.exporters.gguf.layout import GGUFPlan
 
@@ -91,6 +93,15 @@ class GGUFExporter(Exporter):
         (:func:`service.exporters.gguf.plan.plan_gguf`)."""
         assert isinstance(spec, GGUFSpec)
         return plan_gguf(spec, inputs)
+
+    def check_headers(
+        self, spec: ExportSpec, headers: CheckpointHeaders, settings: Settings
+    ) -> None:
+        """A remote VLM's tensor names judged as a local one's files are
+        (:func:`~service.exporters.gguf.mmproj.check_layout_of_names`), before the download."""
+        super().check_headers(spec, headers, settings)
+        if headers.config is not None:
+            check_layout_of_names(headers.config, [t.name for t in headers.tensors])
 
     def needs(self, spec: ExportSpec) -> Needs:
         """A verified GGUF is run by llama.cpp on the fixed text against the job's independent

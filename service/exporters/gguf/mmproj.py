@@ -182,16 +182,33 @@ def check_layout(config: dict[str, Any], root: Path) -> None:
     Every layout transformers reads passes: the Hub's, and what ``save_pretrained`` writes."""
     if not is_multimodal(config):
         return
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     from service.checkpoint.headers import local_file_header
-    from service.shims.transformers_keys import unloadable_names
 
     names = [t.name for f in sorted(root.glob("*.safetensors")) for t in local_file_header(f)]
     if not names:
         return  # a pickle checkpoint: its reader names what it holds
-    hf_config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    _check_names(config, names, AutoConfig.from_pretrained(str(root), local_files_only=True))
+
+
+def check_layout_of_names(config: dict[str, Any], names: list[str]) -> None:
+    """:func:`check_layout` from a remote source's headers (its config.json and its
+    safetensors headers' names), at submission, before the download."""
+    if not is_multimodal(config) or not names or "model_type" not in config:
+        return
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    _check_names(config, names, AutoConfig.for_model(str(config["model_type"]), **rest))
+
+
+def _check_names(config: dict[str, Any], names: list[str], hf_config: Any) -> None:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from service.shims.transformers_keys import unloadable_names
+
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(hf_config)  # type: ignore[no-untyped-call]
     unread = unloadable_names(model, names)

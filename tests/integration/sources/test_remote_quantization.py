@@ -139,3 +139,33 @@ def test_an_s3_checkpoint_with_a_stale_quantization_config_is_accepted(
     ckpt = with_quantization_config(llama_safetensors_dir, tmp_path / "src", {"quant_method": "gguf"})
     store = _submit(_s3_settings(tmp_path, seaweedfs), _upload(seaweedfs, ckpt))
     assert len(store.next_queued(10)) == 1
+
+
+def test_an_s3_vlm_in_a_layout_transformers_cannot_load_is_refused_at_submission(
+    seaweedfs: S3Server, tmp_path: Path  # noqa: F811
+) -> None:
+    """Not a quantization, but the same headers: a GGUF export judges a remote VLM's tensor
+    names (``Exporter.check_headers``) before anything is queued or downloaded; the published
+    layout of the same model is queued."""
+    from safetensors.torch import load_file, save_file
+
+    from service.errors import UnsupportedExport
+    from tests.fixtures.vlm import write_tiny_qwen2vl
+
+    published = write_tiny_qwen2vl(tmp_path / "published")
+    settings = _s3_settings(tmp_path, seaweedfs)
+    store = _submit(settings, _upload(seaweedfs, published))
+    assert len(store.next_queued(10)) == 1
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for path in published.iterdir():
+        if path.is_file():
+            (renamed / path.name).write_bytes(path.read_bytes())
+    weights = load_file(renamed / "model.safetensors")
+    save_file({k.replace("visual.", "vision_encoder."): v for k, v in weights.items()},
+              renamed / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    settings = _s3_settings(tmp_path / "again", seaweedfs)
+    with pytest.raises(UnsupportedExport, match="layout transformers' own rules"):
+        _submit(settings, _upload(seaweedfs, renamed))
+    assert JobStore.from_url(settings.sqlalchemy_url).next_queued(10) == []
+    assert not settings.cache_dir.exists() or not any(settings.cache_dir.iterdir())

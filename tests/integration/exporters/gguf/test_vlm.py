@@ -496,6 +496,42 @@ def test_a_layout_transformers_cannot_load_is_refused_at_submission(
         check_spec(spec, settings, config, config_known=True, source_dir=root)
 
 
+def test_a_remote_sources_layout_is_judged_on_its_headers_before_the_download(
+    qwen2vl: Path, tmp_path: Path
+) -> None:
+    """A hub or S3 source's config and safetensors headers are read at submission with range
+    requests (``JobService._check_remote_headers``): the names alone refuse a layout
+    transformers cannot load, and pass the Hub's and transformers 5's."""
+    from safetensors.torch import load_file, save_file
+
+    from service.checkpoint.headers import CheckpointHeaders, local_file_header
+    from service.exporters.gguf.mmproj import check_layout_of_names
+
+    def headers(root: Path) -> CheckpointHeaders:
+        weights = root / "model.safetensors"
+        return CheckpointHeaders(
+            format="safetensors", files={weights.name: weights.stat().st_size},
+            tensors=tuple(local_file_header(weights)),
+            config=json.loads((root / "config.json").read_text()), remote=True,
+        )  # fmt: skip
+
+    settings = Settings(data_dir=tmp_path / "data")
+    export = GGUFSpec(format="gguf")
+    GGUFExporter().check_headers(export, headers(qwen2vl), settings)
+    for published in (True, False):  # Gemma 3 itself is refused (RUNTIME_DIFFERS): its names pass
+        write_tiny_gemma3(tmp_path / f"gemma3-{published}", published=published)
+        gemma3 = headers(tmp_path / f"gemma3-{published}")
+        assert gemma3.config is not None
+        check_layout_of_names(gemma3.config, [t.name for t in gemma3.tensors])
+    renamed = tmp_path / "renamed"
+    shutil.copytree(qwen2vl, renamed)
+    weights = load_file(renamed / "model.safetensors")
+    save_file({k.replace("visual.", "vision_encoder."): v for k, v in weights.items()},
+              renamed / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    with pytest.raises(UnsupportedExport, match="layout transformers' own rules"):
+        GGUFExporter().check_headers(export, headers(renamed), settings)
+
+
 def test_another_models_projector_fails_the_mtmd_check(qwen2vl: Path, tmp_path: Path) -> None:
     """The check can fail: the same text model with a projector of another seed's vision
     tower (right shapes, right keys, wrong weights) diverges from transformers."""
