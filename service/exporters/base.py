@@ -96,6 +96,9 @@ class ExportInputs:
     ``reference`` is; ``reference`` holds its outputs."""
     max_memory: str | None = None
     """The job's RAM budget for a model's weights, for verifiers that stream a model."""
+    verify_text: str | None = None
+    """The request's text for the logit checks (None: the fixed text), for a verifier that
+    computes a reference of its own (an unmerged LoRA's)."""
 
 
 @dataclass(frozen=True)

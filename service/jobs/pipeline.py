@@ -337,6 +337,7 @@ def _export_checkpoint(
             reference=session.reference if session else None,
             independent=session.independent if session else None,
             max_memory=spec.max_memory or ctx.settings.offload_memory,
+            verify_text=spec.verify_text,
         )
         summaries, digests = _export_all(specs, inputs, layout, ctx)
         _verify_all(specs, needs, summaries, inputs, layout, ctx)
@@ -460,7 +461,8 @@ class _ModelSession:
                 ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
                 # only the fixed text's logits are read (no model of ours to compare with)
                 session.independent = _independent_reference(
-                    checkpoint, type(built.model), max_memory, ctx, with_outputs=False
+                    checkpoint, type(built.model), max_memory, ctx, spec.verify_text,
+                    with_outputs=False,
                 )
             return session
         ctx.set_phase(Phase.OFFLOAD, total=None, unit="bytes")
@@ -475,7 +477,7 @@ class _ModelSession:
         if needs_reference or spec.verify:
             try:
                 independent = _independent_reference(
-                    checkpoint, type(built.model), max_memory, ctx
+                    checkpoint, type(built.model), max_memory, ctx, spec.verify_text
                 )
             except ReferenceUnavailable as exc:
                 unavailable = exc
@@ -555,11 +557,12 @@ def _independent_reference(
     model_class: Any,
     max_memory: str,
     ctx: JobContext,
+    text: str | None,
     with_outputs: bool = True,
 ) -> IndependentReference:
     """transformers' reading of the source (:mod:`service.verification.independent`): its outputs
-    on the fixed input (unless ``with_outputs`` is False) and its logits on the fixed text,
-    what every check compares against. Its model is gone (and its pages returned) when this
+    on the fixed input (unless ``with_outputs`` is False) and its logits on the fixed text (the
+    request's ``verify_text`` when it has one), what every check compares against. Its model is gone (and its pages returned) when this
     returns."""
     import gc
 
@@ -572,7 +575,8 @@ def _independent_reference(
     vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)
     ctx.check_abort()
     reference = independent_reference(
-        checkpoint.root, model_class, fixed_input_ids(vocab), FIXED_TEXT, parse_size(max_memory),
+        checkpoint.root, model_class, fixed_input_ids(vocab), text or FIXED_TEXT,
+        parse_size(max_memory),
         ctx.work_dir / "reference", adapter_dir=checkpoint.adapter_root,
         with_outputs=with_outputs,
     )  # fmt: skip

@@ -78,10 +78,13 @@ _LINK_FALLBACK = {errno.EXDEV, errno.EMLINK, errno.EPERM, errno.ENOTSUP}
 
 def recipe_of(spec: JobSpec) -> dict[str, Any]:
     """What the job is asked to make, normalized: every option that changes the bytes."""
-    return {
+    recipe: dict[str, Any] = {
         "exports": [export.model_dump(mode="json") for export in spec.export_specs()],
         "verify": spec.verify,
     }
+    if spec.verify_text is not None:  # absent otherwise: the keys of earlier jobs hold
+        recipe["verify_text"] = spec.verify_text
+    return recipe
 
 
 def reuse_key(source_identity: str, spec: JobSpec, tenant: str | None = None) -> str:

@@ -113,6 +113,13 @@ class JobSpec(BaseModel):
         "the consumer runtime); false skips the checks that run the model, e.g. for a "
         "checkpoint without a tokenizer.",
     )
+    verify_text: str | None = Field(
+        default=None, min_length=1, max_length=1024**2,
+        description="The text every logit check and quality figure is computed on, instead of "
+        "the fixed English text: a code, multilingual or domain model judged on its own kind of "
+        "text. Its first 2 chunks of 128 tokens are scored (a shorter text is repeated). Part "
+        "of the reuse key.",
+    )
     reuse: bool = Field(
         default=True,
         description="Share the artifacts of a succeeded job with the same resolved source and "

@@ -39,6 +39,7 @@ compares what its offloaded model computes with this before any artifact is judg
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from service.errors import ReferenceUnavailable, VerificationFailed
-from service.verification.logits import chunk_tokens, scored
+from service.verification.logits import FIXED_TEXT, chunk_tokens, scored
 from service.verification.mapped import (
     LINEAR_BLOCK_BYTES,
     StoredTensor,
@@ -80,6 +81,9 @@ class IndependentReference:
     ``service.verification.logits.scored`` are zero)."""
     vocab_size: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
+    """The text ``chunks`` were cut from (the fixed text, or the request's ``verify_text``): a
+    check that computes logits of its own (the GGUF exact check) computes them on this one."""
 
     def chunk_logits(self, prefix: str = "chunk") -> list[np.ndarray]:
         """Each chunk's logits, memory-mapped from the work directory (``prefix="twin"``: the
@@ -93,6 +97,8 @@ class IndependentReference:
             "version": self.version,
             "mode": self.mode,
             "fixed_text_positions": 0 if self.chunks is None else len(self.chunks) * (FIXED_TEXT_CTX // 2 - 1),
+            "text": "fixed" if self.text in ("", FIXED_TEXT) else "request's verify_text (sha256 "
+            f"{hashlib.sha256(self.text.encode()).hexdigest()[:16]})",
             **self.info,
         }
 
@@ -201,6 +207,7 @@ def independent_reference(
         "merge_and_unload" if merge_adapter else "PeftModel"
     )
     return IndependentReference(
+        text=text,
         implementation=f"transformers.{model_class.__name__}.from_pretrained{peft}",
         version=transformers.__version__,
         mode=mode,

@@ -85,7 +85,8 @@ def check_exact(
         kinds = _rounding_kinds(weights.ggml_types, config)
         vocab = int(config.get("vocab_size", 0) or 0)
         own = independent_reference(
-            weights_dir, model_class, fixed_input_ids(vocab), FIXED_TEXT, max_memory_bytes,
+            weights_dir, model_class, fixed_input_ids(vocab), reference.text or FIXED_TEXT,
+            max_memory_bytes,
             work / "artifact-reference", with_outputs=False, twin=kinds,
         )  # fmt: skip
     finally:

@@ -287,7 +287,8 @@ class GGUFExporter(Exporter):
             check = bool(spec.verify) and tokenizer.get("model", "none") != "none"
             whole = path if shard_bytes is None else stage / name
             digest, extra = self._quantize(
-                spec, written_path, whole, plan.data_bytes, ctx, check, checkpoint.root, fetched
+                spec, written_path, whole, plan.data_bytes, ctx, check, checkpoint.root, fetched,
+                inputs.verify_text,
             )
             # the f16 file stays for the projector's mtmd check (below), then goes
             mtmd_text: Path | None = written_path if projector is not None else None
@@ -483,6 +484,7 @@ class GGUFExporter(Exporter):
         check: bool,
         root: Path,
         fetched: tuple[Path, dict[str, Any]] | None = None,
+        text: str | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """llama-quantize (after llama-imatrix when asked) from the verified f16 file, which the
         caller removes; with ``check``, llama.cpp's tokenization and perplexity of both files
@@ -492,7 +494,7 @@ class GGUFExporter(Exporter):
 
         bin_dir = ctx.settings.llama_cpp_dir
         checks: dict[str, Any] = {}
-        ppl_f16 = perplexity(f16, f16.parent, ctx.check_abort, bin_dir) if check else 0.0
+        ppl_f16 = perplexity(f16, f16.parent, ctx.check_abort, bin_dir, text) if check else 0.0
         imatrix = fetched[0] if fetched else None
         if spec.imatrix is not None and spec.imatrix.calibration is not None:
             imatrix = compute_imatrix(
@@ -506,7 +508,7 @@ class GGUFExporter(Exporter):
         if check:
             try:
                 checks["tokenizer"] = self._llama_tokenize(dest, root, ctx)
-                ppl = perplexity(dest, f16.parent, ctx.check_abort, bin_dir)
+                ppl = perplexity(dest, f16.parent, ctx.check_abort, bin_dir, text)
                 checks["perplexity"] = check_perplexity(spec.type, ppl, ppl_f16)
             except BaseException:
                 dest.unlink(missing_ok=True)

@@ -135,11 +135,17 @@ def check_tokenizer(
 
 
 def perplexity(
-    gguf_path: Path, work: Path, check_abort: Callable[[], None], bin_dir: Path | None = None
+    gguf_path: Path, work: Path, check_abort: Callable[[], None], bin_dir: Path | None = None,
+    text_of: str | None = None,
 ) -> float:
-    """llama-perplexity of the file on :data:`PPL_TEXT` (chunks of :data:`PPL_CTX` tokens)."""
+    """llama-perplexity of the file on ``text_of`` (the request's ``verify_text``), else
+    :data:`PPL_TEXT` (chunks of :data:`PPL_CTX` tokens). A request's text shorter than the
+    fixed one is repeated up to its length, so that llama-perplexity has its two chunks."""
+    body = text_of or PPL_TEXT
+    if len(body) < len(PPL_TEXT):
+        body = "\n".join([body] * (1 + len(PPL_TEXT) // len(body)))
     text = work / "perplexity.txt"
-    text.write_text(PPL_TEXT, encoding="utf-8")
+    text.write_text(body, encoding="utf-8")
     argv = [str(llama_cpp_tool("llama-perplexity", bin_dir)), "-m", str(gguf_path),
             "-f", str(text), "-c", str(PPL_CTX), "-b", str(PPL_CTX)]  # fmt: skip
     out = ""
@@ -252,6 +258,7 @@ def check_logits(
     calibrated = CALIBRATED_FIGURES.get(type_name)
     report: dict[str, Any] = {
         "reference": reference.summary()["implementation"],
+        "text": reference.summary()["text"],
         **figures.as_dict(),
         "decided_top1": decided_top1,
         "margins": margins.summary(),

@@ -183,7 +183,7 @@ def verify_lora(
     work.mkdir(parents=True, exist_ok=True)
     ctx.check_abort()
     reference = independent_reference(
-        checkpoint.root, model_class, fixed_input_ids(vocab), FIXED_TEXT,
+        checkpoint.root, model_class, fixed_input_ids(vocab), inputs.verify_text or FIXED_TEXT,
         parse_size(inputs.max_memory or ctx.settings.offload_memory), work / "reference",
         adapter_dir=checkpoint.unmerged_adapter, merge_adapter=False, with_outputs=False,
     )  # fmt: skip

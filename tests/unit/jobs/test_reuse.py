@@ -48,8 +48,9 @@ def test_the_key_changes_with_the_source_the_exports_and_verification() -> None:
                                              {"format": "safetensors", "dtype": "float16"}])),
         reuse_key("files:abc", spec(exports=[{"format": "safetensors", "dtype": "float16"},
                                              {"format": "safetensors"}])),
+        reuse_key("files:abc", spec(verify_text="def f(x):\n    return x")),
     }
-    assert plain not in others and len(others) == 6
+    assert plain not in others and len(others) == 7
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

@@ -29,18 +29,47 @@ from service.stage import InMemoryContext
 from tests.fixtures.near_tie import near_tie_llama
 
 
-def _run(tmp_path: Path, export: dict[str, Any]) -> dict[str, Any]:
-    """The job as the job process runs it; its manifest's one export entry."""
+def _manifest(tmp_path: Path, export: dict[str, Any], **job: Any) -> dict[str, Any]:
+    """The job as the job process runs it; its manifest."""
     source = near_tie_llama()
     config = Settings(data_dir=tmp_path / "data", local_roots=[source.parent])
     job_id = "e" * 32
     layout = JobLayout.for_job(config, job_id)
     layout.prepare()
     ctx = InMemoryContext(settings=config, work_dir=layout.work, job_id=job_id)
-    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [export]})
+    spec = JobSpec.model_validate({"source": f"file://{source}", "exports": [export], **job})
     run_pipeline(spec, ctx, layout)
-    (entry,) = json.loads((layout.artifacts / "manifest.json").read_text())["exports"]
+    manifest: dict[str, Any] = json.loads((layout.artifacts / "manifest.json").read_text())
+    return manifest
+
+
+def _run(tmp_path: Path, export: dict[str, Any]) -> dict[str, Any]:
+    """The job's manifest's one export entry."""
+    (entry,) = _manifest(tmp_path, export)["exports"]
     return dict(entry)
+
+
+CODE = """def fibonacci(n: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+"""
+
+
+def test_the_requests_verify_text_is_what_every_logit_figure_is_computed_on(
+    tmp_path: Path,
+) -> None:
+    """A short code text (repeated to two chunks): the reference, llama.cpp's KL run and the
+    exact check's forward all on it; the manifest names it, and the figures differ from the
+    fixed text's."""
+    manifest = _manifest(tmp_path / "code", {"format": "gguf", "type": "q8_0"}, verify_text=CODE)
+    (entry,) = manifest["exports"]
+    quality = entry["verify"]["logits"]
+    assert quality["text"].startswith("request's verify_text"), quality
+    fixed = _run(tmp_path / "fixed", {"format": "gguf", "type": "q8_0"})
+    assert entry["verify"]["exact"]["judged"], entry["verify"]["exact"]
+    assert entry["verify"]["logits"]["kl_mean"] != fixed["verify"]["logits"]["kl_mean"]
 
 
 @pytest.mark.parametrize("gguf_type", ["q8_0", "Q4_K_M"])
