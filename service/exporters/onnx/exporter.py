@@ -8,7 +8,7 @@ the second (:mod:`service.exporters.onnx.stamp`), so capture time does not grow 
 ``LazyTensor`` that re-reads its weight from the job's offload store (or the checkpoint) through
 the same :class:`~service.shims.torch_to_nnef.CheckpointTensor` the NNEF export uses, and
 onnx-ir writes the external data file one tensor at a time, serially; a weight the offload store
-holds is written a slice of rows at a time (:data:`CHUNK_BYTES`), cast slice by slice. Peak RSS
+holds is written a block at a time (:mod:`service.exporters.onnx.blocks`), cast block by block. Peak RSS
 of the job is therefore
 
     base (torch, transformers, onnx: ~0.35 GiB) + the captured graph (~4.5 MiB per layer)
@@ -56,7 +56,6 @@ import copy
 import dataclasses
 import functools
 import logging
-import math
 import shutil
 import time
 import uuid
@@ -82,6 +81,7 @@ from service.exporters.common.families import (
     is_causal_lm,
     refuse_multimodal,
 )
+from service.exporters.onnx.blocks import in_store
 from service.exporters.onnx.genai import write_genai_config
 from service.exporters.onnx.plan import plan_onnx
 from service.exporters.onnx.quantize import NBits, quantize_matmuls
@@ -377,7 +377,7 @@ def _rows_of(model: ir.Model) -> Any:
         assert value.dtype is not None
         target = _torch_dtype(value.dtype)
         source = getattr(tensor, "_source", None)
-        stored = _in_store(source) if source is not None else None
+        stored = in_store(source) if source is not None else None
         hook = getattr(source, "hook", None)
         if stored is not None:
             store, key = stored
@@ -559,10 +559,6 @@ def attach_weights(model: ir.Model, weights: nn.Module) -> None:
         )
 
 
-CHUNK_BYTES = 64 * 2**20
-"""Largest slice of a weight held in RAM while it is written from the offload store."""
-
-
 def _torch_dtype(dtype: ir.DataType) -> torch.dtype:
     import numpy as np
     import torch
@@ -572,13 +568,13 @@ def _torch_dtype(dtype: ir.DataType) -> torch.dtype:
 
 @functools.cache
 def _streamed_tensor_type() -> type[Any]:
-    """``LazyTensor`` whose ``tofile`` writes a stored weight a slice of rows at a time.
+    """``LazyTensor`` whose ``tofile`` writes its weight a block at a time
+    (:func:`service.exporters.onnx.blocks.weight_blocks`).
 
     onnx-ir writes external data with ``tensor.tofile(file)``; a plain ``LazyTensor`` would
-    evaluate the whole weight first (a 70B model's embedding is 4 GiB in float32). Weights the
-    job's offload store holds are read with ``OffloadStore.load_rows`` in slices of at most
-    :data:`CHUNK_BYTES`, cast slice by slice; others (the checkpoint read directly, computed
-    buffers) are evaluated whole. ``numpy()``/``tobytes()`` still evaluate the whole tensor."""
+    evaluate the whole weight first, and cast it whole (a 70B model's embedding is 4 GiB in
+    float32, beside its 2 GiB bfloat16 read). ``numpy()``/``tobytes()`` still evaluate the
+    whole tensor; the export never calls them for a weight."""
     import onnx_ir as ir
 
     class StreamedTensor(ir.LazyTensor):
@@ -587,38 +583,19 @@ def _streamed_tensor_type() -> type[Any]:
             self._source = source
 
         def tofile(self, file: Any) -> None:
-            stored = _in_store(self._source)
-            shape = tuple(int(d) for d in self.shape.numpy())
-            if stored is None or len(shape) < 2 or shape[0] == 0:
+            from service.exporters.onnx import blocks as weight_blocks
+
+            blocks = weight_blocks.weight_blocks(
+                self._source, _torch_dtype(self.dtype), weight_blocks.WRITE_BLOCK_BYTES
+            )
+            if blocks is None:
                 super().tofile(file)
                 return
-            store, name = stored
-            target = _torch_dtype(self.dtype)
-            row_bytes = math.prod(shape[1:]) * max(
-                target.itemsize, store.entry(name).torch_dtype.itemsize
-            )
-            step = max(1, CHUNK_BYTES // max(1, row_bytes))
-            hook = getattr(self._source, "hook", None)
-            for start in range(0, shape[0], step):
-                part = store.load_rows(name, start, min(shape[0], start + step), dtype=target)
-                if hook is not None:
-                    hook(part.nbytes)
-                file.write(part.contiguous().numpy().data)
-                del part
+            for block in blocks:
+                file.write(block.numpy().data)
+                del block
 
     return StreamedTensor
-
-
-def _in_store(source: Any) -> tuple[Any, str] | None:
-    """(store, name) when ``source`` is an offloaded weight read from the job's offload store."""
-    from service.shims.torch_to_nnef import CheckpointTensor
-
-    if not isinstance(source, CheckpointTensor) or source.source is None:
-        return None
-    store = getattr(source.reader, "store", None)  # the offloaded model's store-backed reader
-    if store is None or source.source not in store:
-        return None
-    return store, source.source
 
 
 def _reader(source: Any, dtype: ir.DataType) -> Any:

@@ -3,8 +3,9 @@
 onnxruntime runs in a child process (:mod:`service.exporters.onnx.ort_cli`, started through
 :func:`service.exporters.common.child_process.run_child`): it reads every weight into RAM,
 which must not count against the job process. PyTorch's side runs in the job process on the offloaded copy
-of the model (each weight re-read from the store while its op runs), so the reference costs a
-pass over the weights, not their sum in memory.
+of the model (each weight re-read from the store while its op runs, a Linear's a block of rows
+at a time and an Embedding's the rows of its ids: :func:`~service.exporters.onnx.blocks.weights_in_blocks`),
+so the reference costs a pass over the weights, not their sum nor the largest in memory.
 
 Causal LMs are checked the way they are served: PyTorch decodes greedily with its KV cache;
 onnxruntime runs the same prompt with empty ``past_key_values.*``, then each of PyTorch's tokens
@@ -28,6 +29,7 @@ import numpy as np
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import ChildRun, ensure_fits, run_npz_child
 from service.exporters.onnx import ort_cli
+from service.exporters.onnx.blocks import weights_in_blocks
 from service.verification.logits import compare_logits, placed_rows, runtime_bounds, window_request
 from service.verification.parity import (
     Comparison,
@@ -119,9 +121,10 @@ def verify_causal_lm(
     config: Any = module.config
     prompt = prompt_ids(prompt_tokens, int(config.vocab_size))
     if nbits is None:
-        expected = greedy_reference(module, prompt, decode_steps)
+        with weights_in_blocks(module):
+            expected = greedy_reference(module, prompt, decode_steps)
     else:
-        with artifact_weights(module, model_path, *nbits):
+        with artifact_weights(module, model_path, *nbits), weights_in_blocks(module):
             expected = greedy_reference(module, prompt, decode_steps)
     if check_abort is not None:
         check_abort()
@@ -308,7 +311,7 @@ def verify_encoder(
         "token_type_ids": torch.zeros_like(ids),
     }
     feeds = {k: v for k, v in feeds.items() if k in accepted}
-    with torch.no_grad():
+    with torch.no_grad(), weights_in_blocks(module):
         hidden = module(**feeds, return_dict=True).last_hidden_state
     expected = [hidden.float().as_subclass(torch.Tensor).numpy().copy()]
     if check_abort is not None:
