@@ -8,8 +8,9 @@ its token ids alone, read from the job's offload store (:func:`weights_in_blocks
 reloading the weight would hold it whole, and a second time when cast (a 70B embedding is
 2 GiB in bfloat16 and 4 GiB as float32).
 
-A block is at most :data:`WRITE_BLOCK_BYTES` in the wider of the stored and exported dtypes,
-whole rows when the offload store holds the weight. The job holds the block as read and its
+A block is at most ``WRITE_BLOCK_BYTES`` (the plan's figure, :data:`service.exporters.onnx.plan.
+WRITE_BLOCK_BYTES`, read from this module at each call: a test sets a tiny block here) in the
+wider of the stored and exported dtypes, whole rows when the offload store holds the weight. The job holds the block as read and its
 cast: ``plan.WRITE_BLOCK_COPIES`` blocks, whatever the width (the plan's write term).
 """
 
@@ -20,13 +21,14 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from service.exporters.onnx import plan
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-WRITE_BLOCK_BYTES = 64 * 2**20
-"""The most bytes of a weight held at once while it is written or multiplied by PyTorch's
-check, counted in the wider of its stored and exported dtypes."""
+WRITE_BLOCK_BYTES = plan.WRITE_BLOCK_BYTES
+"""The most bytes of a weight held at once, written or multiplied (the plan's figure)."""
 
 
 def in_store(source: Any) -> tuple[Any, str] | None:

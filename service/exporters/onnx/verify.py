@@ -28,8 +28,9 @@ import numpy as np
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import ChildRun, ensure_fits, run_npz_child
-from service.exporters.onnx import ort_cli
+from service.exporters.onnx import blocks, ort_cli
 from service.exporters.onnx.blocks import weights_in_blocks
+from service.exporters.onnx.plan import DEQUANTIZED_ITEMSIZE
 from service.verification.logits import compare_logits, placed_rows, runtime_bounds, window_request
 from service.verification.parity import (
     Comparison,
@@ -199,8 +200,9 @@ def check_genai(
 def artifact_weights(module: nn.Module, model_path: Path, scheme: NBits, names: list[str]) -> Any:
     """While inside, each linear layer of ``module`` whose weight was quantized (initializer
     ``names``) multiplies by the weight ``MatMulNBits`` reads from the artifact: its packed
-    blocks, scales and zero points dequantized (:func:`service.exporters.onnx.quantize.dequantize`),
-    one layer at a time, when the layer runs."""
+    blocks, scales and zero points dequantized (:func:`service.exporters.onnx.quantize.dequantize`)
+    from the mapped data file a block of rows at a time (:data:`blocks.WRITE_BLOCK_BYTES` of
+    float32), when the layer runs: never a whole weight in float32."""
     import torch
     from torch import nn
 
@@ -220,10 +222,21 @@ def artifact_weights(module: nn.Module, model_path: Path, scheme: NBits, names: 
             packed, scales = parts["packed"], parts["scales"]
             if packed is None or scales is None:
                 raise VerificationFailed(f"the artifact lacks {name}'s quantized blocks")
-            weight = dequantize(scheme, layer.in_features, packed, scales, parts["zero_points"])
-            w = torch.from_numpy(weight).to(x.dtype)
+            zero_points = parts["zero_points"]
+            x = x.as_subclass(torch.Tensor)
             bias = None if layer.bias is None else _plain(layer.bias)
-            return torch.nn.functional.linear(x.as_subclass(torch.Tensor), w, bias)
+            rows, k = layer.out_features, layer.in_features
+            out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
+            step = max(1, blocks.WRITE_BLOCK_BYTES // (k * DEQUANTIZED_ITEMSIZE))
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                zp = None if zero_points is None else zero_points[start:stop]
+                weight = dequantize(scheme, k, packed[start:stop], scales[start:stop], zp)
+                w = torch.from_numpy(weight).to(x.dtype)
+                out[..., start:stop] = torch.nn.functional.linear(
+                    x, w, None if bias is None else bias[start:stop]
+                )
+            return out
 
         return forward
 
@@ -257,9 +270,9 @@ def _plain(tensor: Any) -> Any:
 
 
 def _external_initializers(model_path: Path) -> Callable[[str], np.ndarray | None]:
-    """A reader of the graph's initializers by name, memory-mapped from the data file (small
-    ones, which ``ir.save`` keeps inside the graph, from the graph); None for a name the graph
-    lacks."""
+    """A reader of the graph's initializers by name, memory-mapped from the data file (read
+    only, left mapped: a caller reads the rows it needs; small ones, which ``ir.save`` keeps
+    inside the graph, from the graph); None for a name the graph lacks."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -281,7 +294,7 @@ def _external_initializers(model_path: Path) -> Callable[[str], np.ndarray | Non
         if name not in where:
             return inline.get(name)
         path, offset, dtype, shape = where[name]
-        return np.array(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape))
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
     return read
 
