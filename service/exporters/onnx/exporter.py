@@ -7,13 +7,12 @@ the second (:mod:`service.exporters.onnx.stamp`), so capture time does not grow 
 ``traced_layers`` in the manifest says so. Every initializer of the captured graph is then replaced by an onnx-ir
 ``LazyTensor`` that re-reads its weight from the job's offload store (or the checkpoint) through
 the same :class:`~service.shims.torch_to_nnef.CheckpointTensor` the NNEF export uses, and
-onnx-ir writes the external data file one tensor at a time, serially; a weight the offload store
-holds is written a block at a time (:mod:`service.exporters.onnx.blocks`), cast block by block. Peak RSS
-of the job is therefore
+onnx-ir writes the external data file one tensor at a time, serially, each a block of at most
+64 MiB at a time (:mod:`service.exporters.onnx.blocks`), cast block by block; PyTorch's side of
+the check multiplies by a block of a weight's rows at a time too. Peak RSS of the job is therefore
 
     base (torch, transformers, onnx: ~0.35 GiB) + the captured graph (~4.5 MiB per layer)
-    + one 64 MiB slice, and with verification the largest tensor, twice when cast (PyTorch's
-    reference forward reloads whole weights)
+    + min(64 MiB, the largest tensor), twice when cast (the block read and its cast)
 
 whatever the weights' total (bench/export_onnx.py shows it at two sizes).
 
