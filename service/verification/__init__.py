@@ -46,7 +46,9 @@ What each consumer check compares, against what:
 - **NNEF** (``exporters.nnef.verify``): tract's prompt and greedy decode steps against
   PyTorch's (``reference.greedy_reference``), ``parity`` with the ``runtime`` tolerances; then
   tract's logits on the fixed text against ``independent``'s, the ``logits`` figures within
-  the runtime bounds (a compressed archive's own).
+  the runtime bounds; a compressed (q4_0) archive is instead held exactly to PyTorch's run of
+  its own weights (``exporters.nnef.exact``, float32's tolerance), its quality figures
+  reported and judged only by the request's thresholds.
 - **ONNX** (``exporters.onnx.verify``): onnxruntime's prompt and decode steps against
   PyTorch's greedy decode with its KV cache, ``parity`` with the ``runtime`` tolerances and the
   same argmax at every step; then onnxruntime's logits on the fixed text against

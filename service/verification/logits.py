@@ -110,7 +110,10 @@ transformers' float32 run of the source, by compression (whatever the dtype: the
 (``gguf.llama_check.CALIBRATED_FIGURES``), which holds llama.cpp's q4_0 of the same models (up to KL
 0.58, p99 3.6 on Qwen2.5-0.5B, perplexity ratio 1.55 on Gemma 3), with the same reasoning:
 loose because 4 bits of a small model are that poor, while a misread or miswritten archive
-lands at top-1 near 0."""
+lands at top-1 near 0. A whole NNEF q4_0 archive checked by the export is no longer judged by
+it: tract's logits are held exactly to PyTorch's run of the archive's own weights
+(``exporters.nnef.exact``), and its quality only by the request's thresholds; it stays for
+:func:`runtime_bounds`' callers without that reference."""
 
 
 def runtime_bounds(dtype: str, compression: str | None = None) -> LogitBounds:

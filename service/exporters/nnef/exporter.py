@@ -44,7 +44,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from service.errors import ExportFailed, InvalidRequest, UnsupportedExport
 from service.exporters.base import ExportInputs, ExportResult, ExportSpec, Producers, register
@@ -58,6 +58,7 @@ from service.exporters.common.families import (
 from service.exporters.nnef.plan import block_weight_bytes, plan_nnef, tract_block_limit
 from service.plan import ExportPlan, PlanInputs, VerificationMode
 from service.stage import Phase
+from service.verification.thresholds import QualityThresholds
 
 if TYPE_CHECKING:
     from service.config import Settings
@@ -144,11 +145,34 @@ class NNEFSpec(ExportSpec):
         default=2, ge=0, le=32, description="Causal LMs: greedy steps verified with the KV cache"
     )
     sequence_length: int = Field(default=8, ge=1, le=512, description="Encoders: input length")
-    verify: bool = Field(default=True, description="Run the archive in tract and compare")
+    verify: bool | QualityThresholds = Field(
+        default=True,
+        description="Run the archive in tract and compare with PyTorch. A q4_0 archive is "
+        "compared exactly with PyTorch's run of its own q4_0 weights, and its quality against "
+        "the float source reported (KL, p99 KL, top-1, top-1 on decided positions, perplexity "
+        "ratio, the share of near ties); with compression, an object of thresholds (max_kl, "
+        "max_kl_p99, min_top1, min_decided_top1, max_ppl_ratio) also fails the job below them "
+        "(quality_below_threshold)",
+        examples=[True, {"max_kl": 0.5, "min_decided_top1": 0.9}],
+    )
     atol: float | None = Field(default=None, gt=0, description="Default by dtype/compression")
     rtol: float | None = Field(
         default=None, ge=0, description="Relative tolerance (of max |reference|); default by weights"
     )
+
+    @model_validator(mode="after")
+    def _thresholds_need_compression(self) -> NNEFSpec:
+        if isinstance(self.verify, QualityThresholds) and self.compression is None:
+            raise ValueError(
+                '"verify" thresholds judge a compressed archive\'s quality: a float archive is '
+                'held to the float runtime\'s bounds (set "compression", or "verify": true)'
+            )
+        return self
+
+    @property
+    def thresholds(self) -> QualityThresholds | None:
+        """The quality the request demands, when ``verify`` is an object of thresholds."""
+        return self.verify if isinstance(self.verify, QualityThresholds) else None
 
 
 class NNEFExporter(GraphExporter):
@@ -269,7 +293,8 @@ def export_nnef(
                 text = None
                 if independent is not None and independent.chunks is not None:
                     text = TextCheck(
-                        str(built.dtype).removeprefix("torch."), spec.compression, independent
+                        str(built.dtype).removeprefix("torch."), spec.compression, independent,
+                        thresholds=spec.thresholds,
                     )
                 io, report = _export_causal_lm(
                     spec, built, launcher, work / "stage", out_dir, ctx, mode, text
@@ -384,6 +409,7 @@ def _export_causal_lm(
     from torch_to_nnef_llm.exporter import LLMExporter
 
     from service.exporters.common.child_process import memory_limit
+    from service.exporters.nnef.exact import own_chunk_logits
     from service.exporters.nnef.layerwise import verify_causal_lm_layerwise
     from service.exporters.nnef.verify import verify_causal_lm
     from service.verification.reference import greedy_reference, prompt_ids
@@ -418,6 +444,11 @@ def _export_causal_lm(
                 exporter.hf_model_causal, prompt, spec.decode_steps, record_layers=True,
                 record_hidden=mode == "layerwise",
             )
+            if text is not None and spec.compression is not None:
+                # the exact check's reference: the same compressed model on the fixed text
+                text = replace(text, own=own_chunk_logits(
+                    exporter.hf_model_causal, text.reference.chunks
+                ))  # fmt: skip
         ctx.check_abort()
         exporter.export_model(
             stage,
@@ -562,7 +593,9 @@ def _verify_archive(
     ensure_tract_fits(archive.stat().st_size, ctx.settings.tract_max_memory, block_bytes)
     from service.verification.parity import tolerance_for
 
-    tolerance = tolerance_for("runtime", spec.compression or built.dtype)
+    # a compressed archive is compared with PyTorch's run of its own (compressed) weights, so
+    # with the float runtime's tolerance (service.exporters.nnef.exact)
+    tolerance = tolerance_for("runtime", built.dtype)
     tolerance = tolerance.overridden(spec.atol, spec.rtol)
     report = run(archive, tolerance.atol, tolerance.rtol, stage / VERIFY_DIR)
     ctx.advance(steps)

@@ -127,6 +127,11 @@ class TextCheck:
     compression: str | None
     reference: Any
     """The job's independent reference (``IndependentReference``, with ``chunks``)."""
+    own: np.ndarray | None = None
+    """A compressed archive's exact reference: PyTorch's scored-window logits on the archive's
+    own weights (:func:`service.exporters.nnef.exact.own_chunk_logits`)."""
+    thresholds: Any = None
+    """The request's ``QualityThresholds`` for a compressed archive's quality, if it set any."""
 
 
 def verify_causal_lm(
@@ -167,14 +172,19 @@ def verify_causal_lm(
     if problem is not None:
         raise VerificationFailed(f"{problem}; {where()}")
     if not comparison.passed:
+        against = (
+            f"PyTorch's run of the archive's own {io.compression} weights (dequantized as stored)"
+            if io.compression is not None
+            else "PyTorch"
+        )
         raise VerificationFailed(
-            f"tract logits differ from PyTorch by {comparison.max_abs_error:.3g} (tolerance "
+            f"tract logits differ from {against} by {comparison.max_abs_error:.3g} (tolerance "
             f"{comparison.tolerance:.3g}) over {len(found)} decode steps; {where()}"
         )
     extra: dict[str, Any] = {"mode": "whole"}
     if text is not None:
         extra["logits"] = judge_logits(
-            run.outputs["chunk_logits"], text, "whole", str(run.outputs["scored_by"])
+            run.outputs["chunk_logits"], text, "whole", str(run.outputs["scored_by"]), where
         )
     return ParityReport.of(
         "tract", comparison, len(found), expected.tokens, agreed,
@@ -313,10 +323,24 @@ def check_logits(
     return judge_logits(run.outputs["logits"], text, mode, str(run.outputs["scored_by"]))
 
 
-def judge_logits(found: np.ndarray, text: TextCheck, mode: str, scored_by: str) -> dict[str, Any]:
+def judge_logits(
+    found: np.ndarray, text: TextCheck, mode: str, scored_by: str,
+    where: Callable[[], str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """:func:`check_logits`' figures and bounds on tract's logits of the scored window
     (``found``, ``(n_chunk, window, vocab)``), wherever tract ran them (``scored_by``, as the
-    child says: ``steps`` or ``prefill``)."""
+    child says: ``steps`` or ``prefill``). A compressed archive with its exact reference
+    (``text.own``) is judged by :func:`service.exporters.nnef.exact.judge_compressed` instead:
+    exactly against its own weights, its quality reported (``where``: where tract first
+    diverges, for the failure message)."""
+    if text.own is not None and text.compression is not None:
+        from service.exporters.nnef.exact import judge_compressed
+
+        report = judge_compressed(
+            found, text.own, text.reference, text.compression, text.thresholds,
+            where or (lambda: "the first diverging layer was not looked for"),
+        )  # fmt: skip
+        return {**report, "mode": mode, "scored_by": scored_by}
     chunks = text.reference.chunks
     figures = compare_logits(text.reference.chunk_logits(), placed_rows(found, chunks), chunks)
     bounds = runtime_bounds(text.dtype, text.compression)

@@ -16,7 +16,8 @@ it touches, with no artifact published.
 * The same mutations through the quantized and constrained modes: GGUF Q4_K_M (reader,
   writer, converter; the raw FP8 codes make llama.cpp's perplexity NaN, caught by the
   K-quant's perplexity check before its logits), NNEF q4_0 (reader; its writer flipping a weight's q4_0 blocks, caught by
-  tract against the compressed model), NNEF checked block by block (tract's budget below the
+  the exact check, tract against PyTorch's run of the archive's own q4_0 weights, naming the
+  layer), NNEF checked block by block (tract's budget below the
   archive: the block holding the flipped weight differs from PyTorch's layer), and the job's
   reference computed layer by layer (a job budget below the model in float32: the misread
   source is still caught, for ONNX and NNEF). ONNX has no
@@ -291,7 +292,9 @@ def test_an_nnef_q4_0_writer_that_flips_a_tensors_rows_fails_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torch-to-nnef writes a q4_0 weight as its blocks' codes and scales, not through
-    ``write_nnef_tensor``: the flipped rows (codes and scales together) reach the archive."""
+    ``write_nnef_tensor``: the flipped rows (codes and scales together) reach the archive, and
+    the exact check (tract against PyTorch's run of the archive's own q4_0 weights, float32's
+    tolerance) fails, naming the layer that holds them."""
     from torch_to_nnef.tensor.quant import qtract
 
     from service.checkpoint.headers import local_file_header
@@ -312,29 +315,49 @@ def test_an_nnef_q4_0_writer_that_flips_a_tensors_rows_fails_the_job(
 
     monkeypatch.setattr(cls, "_write_binary_dat_from_parts", classmethod(flipped))
     _assert_failed_without_artifacts(
-        tmp_path, source, {"format": "nnef", "compression": "q4_0", "decode_steps": 3}, "tract",
+        tmp_path, source, {"format": "nnef", "compression": "q4_0", "decode_steps": 3},
+        r"tract logits differ from PyTorch's run of the archive's own q4_0 weights .* first "
+        r"diverges at model\.layers\.0 ",
     )  # fmt: skip
     assert len(flipped_files) == 1, flipped_files
 
 
-def test_an_nnef_q4_0_archive_beyond_its_logit_bound_fails_the_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_q4_0_nnef_passes_its_exact_check_and_fails_a_requested_threshold_it_misses(
+    tmp_path: Path,
 ) -> None:
-    """q4_0's logits are judged: a correct archive passes its bound (recorded in the
-    manifest), and the same archive held to float32's bound fails the job."""
+    """A correct q4_0 archive passes the exact check (tract against PyTorch's run of its own
+    q4_0 weights, within float32's tolerance) with its quality figures against the float source
+    in the manifest, and a request threshold met there passes; the same archive with a
+    threshold it misses fails quality_below_threshold, naming the figure, and publishes
+    nothing."""
     from dataclasses import asdict
 
-    from service.verification import logits
+    from service.errors import QualityBelowThreshold
+    from service.verification.parity import TOLERANCES
 
     source = real_variant("smollm2", Variant(layers=LAYERS))
     export = {"format": "nnef", "compression": "q4_0", "decode_steps": 3}
-    layout = _run(tmp_path / "within", source, export)
+    layout = _run(tmp_path / "within", source, {**export, "verify": {"max_kl": 5.0}})
     (entry,) = json.loads((layout.artifacts / "manifest.json").read_text())["exports"]
-    assert entry["verify"]["logits"]["bounds"] == asdict(logits.COMPRESSED_LOGIT_BOUNDS["q4_0"])
+    verify = entry["verify"]
+    float32 = asdict(TOLERANCES["runtime"]["float32"])
+    # the decode, against the archive's own weights too, is held to float32's tolerance
+    bound = TOLERANCES["runtime"]["float32"].bound(verify["ref_max_abs"])
+    assert verify["tolerance"] == pytest.approx(bound) and verify["max_abs_err"] <= bound, verify
+    figures = verify["logits"]
+    exact = figures["exact"]
+    assert exact["tolerance_of"] == {**float32, "dtype": "float32"}
+    assert exact["max_abs_error"] <= exact["tolerance"], exact
+    assert exact["positions"] == figures["positions"] > 0
+    # q4_0 of 2 SmolLM2 layers costs something measurable against the float source
+    assert 0 < figures["kl_mean"] < 5.0 and 0 < figures["top1"] <= 1, figures
+    assert figures["thresholds"] == {"max_kl": 5.0}
+    assert 0 <= figures["margins"]["near_tie_share"] <= 1
+    assert "bounds" not in figures  # no calibrated bound judges it any more
 
-    monkeypatch.setitem(
-        logits.COMPRESSED_LOGIT_BOUNDS, "q4_0", logits.RUNTIME_LOGIT_BOUNDS["float32"]
-    )
-    _assert_failed_without_artifacts(
-        tmp_path, source, export, "tract's run of the NNEF archive is too far from transformers'"
-    )
+    missed = figures["kl_mean"] / 2
+    with pytest.raises(QualityBelowThreshold, match=r"mean KL .* > .*\(max_kl\)") as failed:
+        _run(tmp_path / "missed", source, {**export, "verify": {"max_kl": missed}})
+    assert failed.value.code == "quality_below_threshold"
+    assert not JobLayout.for_job(Settings(data_dir=tmp_path / "missed" / "data"),
+                                 "f" * 32).artifacts.exists()  # fmt: skip
