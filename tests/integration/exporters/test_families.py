@@ -94,7 +94,7 @@ def _assert_submission(client: TestClient, source: Path, fmt: str, expected: Out
     assert expected.match in body["detail"], (fmt, body["detail"])
 
 
-def _assert_checked(export: dict[str, Any]) -> None:
+def _assert_checked(export: dict[str, Any], moe: bool) -> None:
     """The consumer's check ran in the job and passed (the job fails when it does not; this
     says it was not skipped)."""
     verify = export["verify"]
@@ -108,6 +108,9 @@ def _assert_checked(export: dict[str, Any]) -> None:
         # the families' logits are decisive by construction: what a decisive model's file shows
         calibrated = logits["calibrated_on_decisive_models"]
         assert logits["kl_p99"] <= calibrated["kl_p99"] and logits["top1"] >= calibrated["top1"], logits
+        # the exact check judges every dense family; a mixture of experts' routing flips on a
+        # rounding, so it is left to the figures above (gguf/exact.py)
+        assert verify["exact"]["judged"] is not moe, verify["exact"]
     else:
         assert verify["max_abs_err"] <= verify["tolerance"], verify
         assert all(verify["argmax_agreed"]), verify
@@ -136,8 +139,9 @@ def test_each_format_is_checked_by_its_consumer_or_refused_at_submission(
     if accepted:
         _, manifest = run_job(tmp_path / "job", source, [SPECS[f] for f in accepted])
         assert [e["format"] for e in manifest["exports"]] == accepted
+        moe = name in ("mixtral", "qwen2_moe", "qwen3_moe")
         for export in manifest["exports"]:
-            _assert_checked(export)
+            _assert_checked(export, moe)
     for fmt in (f for f in FORMATS if expected[f].kind == "fails"):
         with pytest.raises(ServiceError) as failed:
             run_job(tmp_path / f"job-{fmt}", source, [SPECS[fmt]])
