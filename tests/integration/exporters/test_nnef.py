@@ -530,23 +530,12 @@ DECODER_VARIANTS = {
 def _job_export(source: Path, root: Path, spec: NNEFSpec) -> Exported:
     """The job's path: one meta build, dispatched to the job's offload store (where a MoE's
     per-expert tensors fill transformers' packed stacks), exported from the store."""
-    from service.jobs.pipeline import ALL_ON_DISK
-    from service.offload.dispatch import dispatch_model
-    from service.offload.store import open_job_store
+    from tests.fixtures.offloaded import export_from_store
 
     settings = Settings(data_dir=root / "data")
     ctx = InMemoryContext(settings=settings, work_dir=root / "work", job_id="f" * 32)
     ctx.work_dir.mkdir(parents=True)
-    with open_checkpoint(source) as ckpt:
-        built = build_on_meta(ckpt, settings)
-        skeleton = copy.deepcopy(built.model)
-        store = open_job_store(settings, ctx.job_id, ckpt.root)
-        try:
-            dispatch_model(built, ckpt.reader, store, ctx, max_memory=ALL_ON_DISK)
-            inputs = ExportInputs(checkpoint=ckpt, model=built.model, skeleton=skeleton, store=store)
-            result = NNEFExporter().export(spec, inputs, root / "out", ctx)
-        finally:
-            store.close()
+    result = export_from_store(NNEFExporter(), spec, source, root / "out", settings, ctx)
     return Exported(root / "out", result, ctx, root, [])
 
 

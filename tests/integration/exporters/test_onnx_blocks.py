@@ -5,7 +5,6 @@ linear layers and embedding PyTorch's side of the check then runs a block of row
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from service.config import Settings
 from service.exporters.base import ExportInputs
 from service.exporters.onnx import blocks
 from service.exporters.onnx.exporter import DATA_NAME, ONNXExporter, ONNXSpec
-from service.offload.build import build_on_meta
 from service.stage import InMemoryContext
 from tests.conftest import TinyCheckpointFactory
 
@@ -26,26 +24,15 @@ TINY_BLOCK = 256
 def _export(ckpt_dir: Path, root: Path, spec: ONNXSpec, *, from_store: bool) -> dict[str, object]:
     """Export ``ckpt_dir`` as the pipeline does (from the job's offload store, every weight on
     disk) or alone (the checkpoint's reader); the manifest's summary."""
-    from service.jobs.pipeline import ALL_ON_DISK
-    from service.offload.dispatch import dispatch_model
-    from service.offload.store import open_job_store
+    from tests.fixtures.offloaded import export_from_store
 
     settings = Settings(data_dir=root / "data")
     ctx = InMemoryContext(settings=settings, work_dir=root / "work", job_id="b" * 32)
     ctx.work_dir.mkdir(parents=True)
+    if from_store:
+        return export_from_store(ONNXExporter(), spec, ckpt_dir, root / "out", settings, ctx).summary
     with open_checkpoint(ckpt_dir) as ckpt:
-        if not from_store:
-            inputs = ExportInputs(checkpoint=ckpt)
-            return ONNXExporter().export(spec, inputs, root / "out", ctx).summary
-        built = build_on_meta(ckpt, settings)
-        skeleton = copy.deepcopy(built.model)
-        store = open_job_store(settings, ctx.job_id, ckpt.root)
-        try:
-            dispatch_model(built, ckpt.reader, store, ctx, max_memory=ALL_ON_DISK)
-            inputs = ExportInputs(checkpoint=ckpt, model=built.model, skeleton=skeleton, store=store)
-            return ONNXExporter().export(spec, inputs, root / "out", ctx).summary
-        finally:
-            store.close()
+        return ONNXExporter().export(spec, ExportInputs(checkpoint=ckpt), root / "out", ctx).summary
 
 
 @pytest.mark.parametrize("from_store", [True, False], ids=["offload-store", "checkpoint-reader"])
