@@ -48,6 +48,7 @@ from service.sources import (
 )
 from service.sources.adapter import fetch_adapter, identify_adapter
 from service.stage import JobContext, Phase
+from service.verification.logits import check_text
 
 if TYPE_CHECKING:
     from service.checkpoint.lora import AdapterPlan
@@ -337,7 +338,7 @@ def _export_checkpoint(
             reference=session.reference if session else None,
             independent=session.independent if session else None,
             max_memory=spec.max_memory or ctx.settings.offload_memory,
-            verify_text=spec.verify_text,
+            verify_text=None if spec.verify_text is None else check_text(spec.verify_text),
         )
         summaries, digests = _export_all(specs, inputs, layout, ctx)
         _verify_all(specs, needs, summaries, inputs, layout, ctx)
@@ -569,13 +570,12 @@ def _independent_reference(
     from service.memory.libc import malloc_trim
     from service.units import parse_size
     from service.verification.independent import independent_reference
-    from service.verification.logits import FIXED_TEXT
     from service.verification.reference import fixed_input_ids
 
     vocab = int((checkpoint.config or {}).get("vocab_size", 0) or 0)
     ctx.check_abort()
     reference = independent_reference(
-        checkpoint.root, model_class, fixed_input_ids(vocab), text or FIXED_TEXT,
+        checkpoint.root, model_class, fixed_input_ids(vocab), check_text(text),
         parse_size(max_memory),
         ctx.work_dir / "reference", adapter_dir=checkpoint.adapter_root,
         with_outputs=with_outputs,

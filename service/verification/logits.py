@@ -47,6 +47,16 @@ FIXED_TEXT = (
 vocabulary): plain English prose, which any language model predicts well above chance."""
 
 
+def check_text(requested: str | None) -> str:
+    """The text every logit check runs on: the request's ``verify_text``, repeated up to the
+    fixed text's length when shorter (so llama-perplexity, which reads it itself, has its two
+    chunks, and the reference's chunks are cut from the same string), else the fixed text."""
+    if requested is None:
+        return FIXED_TEXT
+    if len(requested) >= len(FIXED_TEXT):
+        return requested
+    return "\n".join([requested] * (1 + len(FIXED_TEXT) // len(requested)))
+
 
 @dataclass(frozen=True)
 class LogitFigures:

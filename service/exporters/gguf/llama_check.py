@@ -48,7 +48,7 @@ None starts with a space: there transformers' SentencePiece tokenizers and sente
 (which llama.cpp follows) already disagree, whatever the GGUF says."""
 
 PPL_TEXT = FIXED_TEXT
-"""Fixed text for llama-perplexity: the one every artifact's logits are judged on."""
+"""Fixed text for llama-perplexity when the request gives none (``verify_text``)."""
 
 PPL_CTX = 128
 """Context of each perplexity chunk: short, so the text makes several chunks and it stays fast."""
@@ -138,12 +138,10 @@ def perplexity(
     gguf_path: Path, work: Path, check_abort: Callable[[], None], bin_dir: Path | None = None,
     text_of: str | None = None,
 ) -> float:
-    """llama-perplexity of the file on ``text_of`` (the request's ``verify_text``), else
-    :data:`PPL_TEXT` (chunks of :data:`PPL_CTX` tokens). A request's text shorter than the
-    fixed one is repeated up to its length, so that llama-perplexity has its two chunks."""
+    """llama-perplexity of the file on ``text_of`` (the request's text as
+    :func:`~service.verification.logits.check_text` made it), else :data:`PPL_TEXT` (chunks
+    of :data:`PPL_CTX` tokens)."""
     body = text_of or PPL_TEXT
-    if len(body) < len(PPL_TEXT):
-        body = "\n".join([body] * (1 + len(PPL_TEXT) // len(body)))
     text = work / "perplexity.txt"
     text.write_text(body, encoding="utf-8")
     argv = [str(llama_cpp_tool("llama-perplexity", bin_dir)), "-m", str(gguf_path),
