@@ -81,6 +81,10 @@ class IndependentReference:
     ``service.verification.logits.scored`` are zero)."""
     vocab_size: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    model_class: Any = None
+    """The transformers class that read the source (the job's build: the named architecture,
+    else the auto class of its config, as for InternLM3, which transformers 5 builds as Llama):
+    a check that runs transformers again (the GGUF exact check) runs this one."""
     text: str = ""
     """The text ``chunks`` were cut from (the fixed text, or the request's ``verify_text``): a
     check that computes logits of its own (the GGUF exact check) computes them on this one."""
@@ -208,6 +212,7 @@ def independent_reference(
     )
     return IndependentReference(
         text=text,
+        model_class=model_class,
         implementation=f"transformers.{model_class.__name__}.from_pretrained{peft}",
         version=transformers.__version__,
         mode=mode,

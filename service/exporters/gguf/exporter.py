@@ -153,17 +153,16 @@ class GGUFExporter(Exporter):
     ) -> dict[str, Any]:
         """llama.cpp's logits against transformers' run of the file's own weights
         (``exact.check_exact``): the model-independent check of what was written."""
-        import transformers
-
         from service.exporters.gguf.exact import check_exact
 
         checkpoint = inputs.checkpoint
         config = checkpoint.config or {}
-        architectures = config.get("architectures") or []
-        model_class = getattr(transformers, architectures[0], None) if architectures else None
+        assert inputs.independent is not None
+        # the class the job's reference ran, not config.json's name looked up again: a published
+        # name transformers lacks (InternLM3) is built by its config's auto class
+        model_class = inputs.independent.model_class
         if model_class is None or checkpoint.adapter_root is not None:
             return {"judged": False, "reason": "no transformers class, or an adapter merged"}
-        assert inputs.independent is not None
         budget = parse_size(inputs.max_memory) if inputs.max_memory else 1 << 30
         return check_exact(
             path, spec.type, inputs.independent, checkpoint.root, config, checkpoint.reader,
