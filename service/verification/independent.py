@@ -137,6 +137,7 @@ def independent_reference(
     force_mode: str | None = None,
     block_bytes: int | None = None,
     twin: dict[str, str] | None = None,
+    chunks: np.ndarray | None = None,
 ) -> IndependentReference:
     """transformers' outputs for ``input_ids`` and, for a causal LM, its logits on ``text``,
     within the budget; ``model_class`` the transformers class the job built (the one
@@ -155,7 +156,11 @@ def independent_reference(
 
     ``twin`` (module path -> ggml's activation rounding, ``verification.arithmetic``) also
     computes the fixed text's logits with llama.cpp's roundings applied (``twin-<i>.npy``), in
-    the same forward: the batch holds the chunks twice, the second copy rounded."""
+    the same forward: the batch holds the chunks twice, the second copy rounded.
+
+    ``chunks``: ``text`` already cut by the same tokenizer (a second reading of the same model's
+    text, the GGUF exact check's), used as given: loading Gemma 3's 262k-token tokenizer again
+    costs seconds for the same ids."""
     import transformers
     from transformers import AutoConfig
 
@@ -195,7 +200,8 @@ def independent_reference(
     for path, stored in mapped.items():
         replace_module(model, path, stored, block_bytes)
     model.eval()
-    chunks = text_chunks(source_dir, text) if causal else None
+    if chunks is None:
+        chunks = text_chunks(source_dir, text) if causal else None
     logits_dir = work / "reference-logits"
     logits_dir.mkdir(parents=True, exist_ok=True)
     window = scored(FIXED_TEXT_CTX)

@@ -559,10 +559,12 @@ def teacher_forced(
 def tie_bound(text_gguf: Path) -> float:
     """:data:`Q8_0_NEAR_TIE` for a q8_0 text model (beside its f16 projector), else
     :data:`NEAR_TIE`."""
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
-    field = GGUFReader(text_gguf).fields.get("general.file_type")
-    file_type = int(field.contents()) if field is not None else -1
+    from service.exporters.gguf.directory import read_directory
+
+    # the directory alone: GGUFReader would materialize the whole vocabulary to read one number
+    file_type = int(read_directory(text_gguf).metadata.get("general.file_type", -1))
     return Q8_0_NEAR_TIE if file_type == int(LlamaFileType.MOSTLY_Q8_0) else NEAR_TIE
 
 

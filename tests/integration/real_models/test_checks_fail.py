@@ -322,17 +322,18 @@ def test_an_nnef_q4_0_writer_that_flips_a_tensors_rows_fails_the_job(
     assert len(flipped_files) == 1, flipped_files
 
 
-def test_a_q4_0_nnef_passes_its_exact_check_and_fails_a_requested_threshold_it_misses(
+def test_a_q4_0_nnef_passes_its_exact_check_with_its_quality_and_a_met_threshold_reported(
     tmp_path: Path,
 ) -> None:
     """A correct q4_0 archive passes the exact check (tract against PyTorch's run of its own
     q4_0 weights, within float32's tolerance) with its quality figures against the float source
-    in the manifest, and a request threshold met there passes; the same archive with a
-    threshold it misses fails quality_below_threshold, naming the figure, and publishes
-    nothing."""
+    in the manifest, and a request threshold met there passes. A threshold the archive misses
+    fails ``quality_below_threshold`` naming the figure: NNEF's judgement of it is
+    tests/unit/exporters/nnef/test_exact.py's, and the job failing on it with nothing published
+    is test_near_tie's (GGUF; the pipeline's handling is the same exception), so no second
+    q4_0 job runs here (it took 35 s of the suite)."""
     from dataclasses import asdict
 
-    from service.errors import QualityBelowThreshold
     from service.verification.parity import TOLERANCES
 
     source = real_variant("smollm2", Variant(layers=LAYERS))
@@ -354,10 +355,3 @@ def test_a_q4_0_nnef_passes_its_exact_check_and_fails_a_requested_threshold_it_m
     assert figures["thresholds"] == {"max_kl": 5.0}
     assert 0 <= figures["margins"]["near_tie_share"] <= 1
     assert "bounds" not in figures  # no calibrated bound judges it any more
-
-    missed = figures["kl_mean"] / 2
-    with pytest.raises(QualityBelowThreshold, match=r"mean KL .* > .*\(max_kl\)") as failed:
-        _run(tmp_path / "missed", source, {**export, "verify": {"max_kl": missed}})
-    assert failed.value.code == "quality_below_threshold"
-    assert not JobLayout.for_job(Settings(data_dir=tmp_path / "missed" / "data"),
-                                 "f" * 32).artifacts.exists()  # fmt: skip

@@ -94,10 +94,13 @@ def test_a_correct_file_of_a_near_tie_model_succeeds_with_its_quality_in_the_man
 def test_a_requested_threshold_the_file_misses_fails_with_quality_below_threshold(
     tmp_path: Path,
 ) -> None:
+    """...and publishes nothing (the pipeline's handling of every format's
+    ``QualityBelowThreshold``; NNEF q4_0's judgement is unit-tested in nnef/test_exact.py)."""
     export = {"format": "gguf", "type": "q8_0", "verify": {"max_kl": 1e-9}}
     with pytest.raises(QualityBelowThreshold, match=r"mean KL .* > 1e-09 \(max_kl\)") as failed:
         _run(tmp_path, export)
     assert failed.value.code == "quality_below_threshold"
+    assert not JobLayout.for_job(Settings(data_dir=tmp_path / "data"), "e" * 32).artifacts.exists()
 
 
 def _converter(monkeypatch: pytest.MonkeyPatch, change: Any) -> None:
