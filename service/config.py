@@ -4,7 +4,8 @@ AWS SDKs, the Hugging Face tools, curl and OpenSSL read where they mean the same
 Precedence (:data:`STANDARD_VARIABLES`): a ``MODELPREP_*`` variable first, then the ecosystem's
 own (``AWS_ENDPOINT_URL_S3`` then ``AWS_ENDPOINT_URL`` for the store, ``AWS_REGION`` then
 ``AWS_DEFAULT_REGION``, ``HF_ENDPOINT``, ``HF_TOKEN``, ``HTTPS_PROXY`` / ``HTTP_PROXY`` /
-``NO_PROXY``, ``SSL_CERT_FILE`` then ``REQUESTS_CA_BUNDLE``), then the default. Each of those is
+``NO_PROXY``, ``SSL_CERT_FILE`` then ``REQUESTS_CA_BUNDLE``, ``AWS_CA_BUNDLE`` for the object
+store), then the default. Each of those is
 a field of its own (named ``env_<variable>``), so ``docs/settings.md`` lists it and a test can set
 it; the model validator copies the first one set into the setting the code reads and records
 which variable that was (:meth:`Settings.source_of`), for start-up's log line, ``/readyz`` and
@@ -80,9 +81,11 @@ STANDARD_VARIABLES: dict[str, tuple[str, ...]] = {
     "hf_token": ("env_hf_token",),
     "no_proxy": ("env_no_proxy",),
     "ca_bundle": ("env_ssl_cert_file", "env_requests_ca_bundle"),
+    "s3_ca_bundle": ("env_aws_ca_bundle", "ca_bundle"),
 }
 """A setting and the ecosystem's variables that set it when its ``MODELPREP_*`` one is unset,
-in order. ``proxy`` is resolved apart: ``HTTPS_PROXY`` and ``HTTP_PROXY`` each serve one
+in order. A fallback may be another setting of this table, resolved before it (the store's CA
+bundle falls back to the general one, from whichever variable set that). ``proxy`` is resolved apart: ``HTTPS_PROXY`` and ``HTTP_PROXY`` each serve one
 scheme (:attr:`Settings.proxy_routes`); the STS endpoint too (:meth:`Settings._sts_endpoint`)."""
 
 DEFAULT = "default"
@@ -342,7 +345,8 @@ class Settings(BaseSettings):
     ca_bundle: Path | None = Field(
         default=None, examples=["/etc/ssl/certs/corporate-ca.pem"],
         description="PEM file of the CAs every TLS connection trusts (hub, HTTP sources, "
-        "object store, STS, callbacks; a TLS-intercepting proxy's CA); default: SSL_CERT_FILE, "
+        "callbacks; the object store and STS too unless MODELPREP_S3_CA_BUNDLE or AWS_CA_BUNDLE "
+        "is set; a TLS-intercepting proxy's CA); default: SSL_CERT_FILE, "
         "else REQUESTS_CA_BUNDLE, else certifi's public CAs. The llama.cpp tools and other "
         "child processes make no connection.",
     )
@@ -354,6 +358,19 @@ class Settings(BaseSettings):
         default=None, validation_alias="REQUESTS_CA_BUNDLE",
         description="requests' variable: the CA bundle when neither MODELPREP_CA_BUNDLE nor "
         "SSL_CERT_FILE is set.",
+    )
+    s3_ca_bundle: Path | None = Field(
+        default=None, examples=["/etc/ssl/certs/storage-ca.pem"],
+        description="PEM file of the CAs the object store's and STS's TLS connections trust "
+        "(sources, artifact store, AssumeRoleWithWebIdentity), in place of MODELPREP_CA_BUNDLE "
+        "for them alone: a store inside the network signed by a private CA while the hub keeps "
+        "the public roots; default: AWS_CA_BUNDLE, else the CA bundle (MODELPREP_CA_BUNDLE, "
+        "SSL_CERT_FILE, REQUESTS_CA_BUNDLE), else the public CAs.",
+    )
+    env_aws_ca_bundle: Path | None = Field(
+        default=None, validation_alias="AWS_CA_BUNDLE",
+        description="The AWS SDKs' and CLI's variable: the object store's and STS's CA bundle "
+        "when MODELPREP_S3_CA_BUNDLE is unset. Not used for the hub or HTTP sources.",
     )
 
     # completion callbacks (service/jobs/callbacks.py)
@@ -613,7 +630,7 @@ class Settings(BaseSettings):
     @field_validator(
         "s3_web_identity_token_file", "s3_role_arn", "s3_sts_endpoint", "aws_profile",
         "aws_config_file", "aws_shared_credentials_file", "proxy", "no_proxy", "ca_bundle",
-        *(name for names in STANDARD_VARIABLES.values() for name in names),
+        "s3_ca_bundle", *(name for names in STANDARD_VARIABLES.values() for name in names),
         "env_https_proxy", "env_http_proxy", mode="before",
     )
     @classmethod
@@ -651,7 +668,7 @@ class Settings(BaseSettings):
                 value = getattr(self, fallback)
                 if value is not None:
                     setattr(self, name, value)
-                    self._sources[name] = env_name(fallback)
+                    self._sources[name] = self._sources.get(fallback) or env_name(fallback)
                     break
         if self.s3_sts_endpoint is not None:
             self._sources["s3_sts_endpoint"] = env_name("s3_sts_endpoint")
@@ -660,10 +677,10 @@ class Settings(BaseSettings):
             self._sources["s3_sts_endpoint"] = env_name("env_aws_endpoint_url")
         else:  # the store's own, else AWS STS of the region
             self._sources["s3_sts_endpoint"] = self._sources["s3_endpoint"]
-        if self.ca_bundle is not None and not self.ca_bundle.is_file():
-            raise ValueError(
-                f"{self._sources['ca_bundle']}: the CA bundle {self.ca_bundle} is not a file"
-            )
+        for name in ("ca_bundle", "s3_ca_bundle"):
+            bundle = getattr(self, name)
+            if bundle is not None and not bundle.is_file():
+                raise ValueError(f"{self._sources[name]}: the CA bundle {bundle} is not a file")
         return self
 
     def source_of(self, name: str) -> str:
@@ -677,7 +694,7 @@ class Settings(BaseSettings):
         """Every variable that sets ``name``, in their order of precedence, for a message
         that says how to change it: ``MODELPREP_S3_ENDPOINT, AWS_ENDPOINT_URL_S3 or
         AWS_ENDPOINT_URL``."""
-        names = [env_name(name), *(env_name(f) for f in STANDARD_VARIABLES.get(name, ()))]
+        names = setting_variables(name)
         if name == "s3_sts_endpoint":
             names += ["AWS_ENDPOINT_URL", "the store's endpoint"]
         return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
@@ -729,6 +746,8 @@ class Settings(BaseSettings):
             "no_proxy": entry(self.no_proxy, self.source_of("no_proxy"), ""),
             "ca_bundle": entry(str(self.ca_bundle) if self.ca_bundle else None,
                                self.source_of("ca_bundle"), "certifi"),
+            "s3_ca_bundle": entry(str(self.s3_ca_bundle) if self.s3_ca_bundle else None,
+                                  self.source_of("s3_ca_bundle"), "certifi"),
         }
 
     @field_validator("egress_allowlist")
@@ -744,7 +763,18 @@ class Settings(BaseSettings):
         proxy and CA bundle connections leave through."""
         return EgressPolicy.from_allowlist(
             self.egress_allowlist, proxy=self.proxy_routes, ca_bundle=self.ca_bundle,
-            ca_source=self.source_of("ca_bundle"),
+            ca_source=self.source_of("ca_bundle"), ca_variables=self.variables_of("ca_bundle"),
+        )
+
+    @property
+    def store_egress_policy(self) -> EgressPolicy:
+        """:attr:`egress_policy` with the object store's CA bundle (``s3_ca_bundle``): what
+        the store's and STS's requests are sent with. The hub, HTTP sources and callbacks keep
+        :attr:`egress_policy`, so a store's private CA never stands in for public roots."""
+        return EgressPolicy.from_allowlist(
+            self.egress_allowlist, proxy=self.proxy_routes, ca_bundle=self.s3_ca_bundle,
+            ca_source=self.source_of("s3_ca_bundle"),
+            ca_variables=self.variables_of("s3_ca_bundle"),
         )
 
     @field_validator("data_dir")
@@ -800,6 +830,14 @@ def _default_text(field: str) -> str:
     return f"`{default}`"
 
 
+def _fallback_text(field: str) -> str:
+    """A fallback's cell of the table: its variable, or for another setting of the table that
+    setting with what it falls back to in turn."""
+    if field in STANDARD_VARIABLES:
+        return f"`{env_name(field)}` and its fallbacks above"
+    return f"`{env_name(field)}`"
+
+
 def settings_reference() -> str:
     """``docs/settings.md``: every setting, generated from :class:`Settings` (``modelprep
     reference settings``; a test keeps the page equal to it)."""
@@ -819,7 +857,7 @@ def settings_reference() -> str:
         "",
         "| setting | then | then |",
         "|---|---|---|",
-        *(f"| `{env_name(name)}` | " + " | ".join(f"`{env_name(f)}`" for f in fallbacks)
+        *(f"| `{env_name(name)}` | " + " | ".join(_fallback_text(f) for f in fallbacks)
           + " |" * (3 - len(fallbacks)) for name, fallbacks in STANDARD_VARIABLES.items()),
         "| `MODELPREP_PROXY` (both schemes) | `HTTPS_PROXY` (https://), `HTTP_PROXY` (http://) | |",
         "| `AWS_ENDPOINT_URL_STS` | `AWS_ENDPOINT_URL` | the store's endpoint |",
@@ -833,6 +871,17 @@ def settings_reference() -> str:
             meaning += f" E.g. `{info.examples[0]}`."
         lines.append(f"| `{env_name(field)}` | {_default_text(field)} | {meaning} |")
     return "\n".join(lines) + "\n"
+
+
+def setting_variables(name: str) -> list[str]:
+    """Every variable that sets the setting ``name``, in order of precedence; a fallback that
+    is a setting of its own brings its variables (``AWS_CA_BUNDLE`` is followed by the CA
+    bundle's: ``MODELPREP_CA_BUNDLE``, ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``)."""
+    names = [env_name(name)]
+    for fallback in STANDARD_VARIABLES.get(name, ()):
+        names += (setting_variables(fallback) if fallback in STANDARD_VARIABLES
+                  else [env_name(fallback)])
+    return names
 
 
 def env_name(field: str) -> str:

@@ -25,6 +25,9 @@ certificate against the URL's host); what the proxy then resolves is the proxy's
 CA bundle (``MODELPREP_CA_BUNDLE``, else ``SSL_CERT_FILE``, else ``REQUESTS_CA_BUNDLE``) is the
 trust store of every TLS connection, as OpenSSL and requests read those variables; a certificate
 it does not trust fails at once as :class:`~service.errors.CertificateUntrusted`, naming them.
+The object store's and STS's requests are sent with a policy of their own CA bundle
+(``MODELPREP_S3_CA_BUNDLE``, else ``AWS_CA_BUNDLE``, as the AWS SDKs read it, else that one:
+``Settings.store_egress_policy``), whose refusals name those variables.
 """
 
 from __future__ import annotations
@@ -160,11 +163,15 @@ class EgressPolicy:
     ca_bundle: Path | None = None
     ca_source: str = ""
     """The variable that named ``ca_bundle``, for messages."""
+    ca_variables: str = CA_VARIABLES
+    """Every variable that chooses ``ca_bundle``, in order: what a refusal tells the operator
+    to set."""
 
     @classmethod
     def from_allowlist(
         cls, entries: Iterable[str], resolver: Resolver = system_resolver, *,
         proxy: Proxy | None = None, ca_bundle: Path | None = None, ca_source: str = "",
+        ca_variables: str = CA_VARIABLES,
     ) -> EgressPolicy:
         """Parse ``MODELPREP_EGRESS_ALLOWLIST`` entries: a CIDR or address, else a host name;
         the proxy and CA bundle are kept as they are."""
@@ -179,7 +186,7 @@ class EgressPolicy:
             except ValueError:
                 hosts.add(value.lower().rstrip("."))
         return cls(frozenset(hosts), tuple(networks), resolver, proxy or Proxy(), ca_bundle,
-                   ca_source)
+                   ca_source, ca_variables)
 
     def address_allowed(self, address: IpAddress) -> bool:
         """Global addresses, and those in an allowlisted network."""
@@ -242,7 +249,7 @@ class EgressPolicy:
             )
 
     def ssl_context(self) -> ssl.SSLContext:
-        """The context that verifies every TLS connection (see :data:`CA_VARIABLES`)."""
+        """The context that verifies every TLS connection (see :attr:`ca_variables`)."""
         return _ssl_context(self.ca_bundle)
 
     def untrusted(self, host: str, exc: ssl.SSLCertVerificationError) -> CertificateUntrusted:
@@ -252,7 +259,7 @@ class EgressPolicy:
                    if self.ca_bundle is not None else "certifi's public CA bundle")
         return CertificateUntrusted(
             f"the TLS certificate of {host} is not trusted by {trusted}: "
-            f"{exc.verify_message or exc.reason}; name its CA's bundle in {CA_VARIABLES}"
+            f"{exc.verify_message or exc.reason}; name its CA's bundle in {self.ca_variables}"
         )
 
 

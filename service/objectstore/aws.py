@@ -10,7 +10,10 @@ instance credentials).
 
 Every request of such a client is sent by the service's egress client (botocore's
 ``before-send`` event: a handler that returns a response is used instead of botocore's own
-sending), so the proxy and the CA bundle apply to it as to an HTTP source. STS requests are
+sending), so the proxy and the store's CA bundle (``Settings.store_egress_policy``:
+``MODELPREP_S3_CA_BUNDLE``, else ``AWS_CA_BUNDLE``, else the general one) apply to it as they
+do to obstore's requests; a certificate it does not trust fails typed
+(:class:`~service.errors.CertificateUntrusted`), naming those variables. STS requests are
 judged by the egress policy each time, each connection going to the address it checked; the
 store's endpoint, the operator's choice, is judged once per source (``check_egress``), as
 obstore's requests are. botocore's own retries are
@@ -137,10 +140,10 @@ class _Body:
 
 class _EgressSend:
     """botocore's ``before-send`` handler: sends the signed request with the service's egress
-    client (policy, proxy, CA bundle) and hands botocore the answer."""
+    client (policy, proxy, the store's CA bundle) and hands botocore the answer."""
 
     def __init__(self, settings: Settings, read_seconds: float, judged: bool) -> None:
-        self._http = egress_client(settings.egress_policy,
+        self._http = egress_client(settings.store_egress_policy,
                                    httpx.Timeout(read_seconds, connect=10.0), judged)
 
     def __call__(self, request: AWSPreparedRequest, **_: object) -> AWSResponse:

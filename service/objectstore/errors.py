@@ -2,8 +2,11 @@
 
 Error mapping (:func:`classify`): a missing bucket or key is :class:`ObjectNotFound`, a refused
 signature, unknown key or missing permission :class:`AccessDenied`, bytes that do not match
-the checksum sent with them (``BadDigest``) :class:`ChecksumMismatch`, a connection failure a
-transient error that is retried and then :class:`SourceUnreachable`. ``obstore`` raises typed
+the checksum sent with them (``BadDigest``) :class:`ChecksumMismatch`, a server certificate the
+store's CA bundle does not trust :class:`CertificateUntrusted` at once (another attempt meets the
+same certificate; the message names ``MODELPREP_S3_CA_BUNDLE``, ``AWS_CA_BUNDLE`` and the general
+bundle's variables), a connection failure a transient error that is retried and then
+:class:`SourceUnreachable`. ``obstore`` raises typed
 exceptions for object requests (NotFoundError, PermissionDeniedError, UnauthenticatedError)
 but a bare ``GenericError`` for listings; for those the HTTP status and S3 error code in its
 message are read (tests/unit/objectstore/test_objectstore.py pins that assumption). botocore's
@@ -29,9 +32,10 @@ from obstore.exceptions import (
     UnauthenticatedError,
 )
 
-from service.config import Settings
+from service.config import Settings, setting_variables
 from service.errors import (
     AccessDenied,
+    CertificateUntrusted,
     ChecksumMismatch,
     DiskFull,
     InvalidRequest,
@@ -60,6 +64,30 @@ _DIGEST_CODES = ("BadDigest", "XAmzContentSHA256Mismatch", "InvalidDigest")
 """What a server answers a part whose bytes do not match the checksum sent with it."""
 
 
+_CERTIFICATE = re.compile(r"InvalidCertificate\(\s*(\w+)")
+"""rustls's refusal of the server's certificate in obstore's message (``UnknownIssuer``,
+``NotValidForName``, ``Expired``...); tests/unit/objectstore/test_store_ca.py pins it against a
+real TLS server."""
+
+
+def untrusted_store(what: str, reason: str, settings: Settings | None) -> CertificateUntrusted:
+    """The typed error of a store certificate that the store's CA bundle does not trust,
+    naming the bundle in use (when ``settings`` are at hand) and every variable that sets it."""
+    names = setting_variables("s3_ca_bundle")
+    variables = ", ".join(names[:-1]) + " or " + names[-1]
+    if settings is None:
+        where, trusted = "the object store", "the store's CA bundle"
+    else:
+        where = f"the object store at {describe_endpoint(settings)}"
+        bundle = settings.s3_ca_bundle
+        trusted = (f"the CA bundle {bundle} ({settings.source_of('s3_ca_bundle')})"
+                   if bundle is not None else "the public CA roots")
+    return CertificateUntrusted(
+        f"the TLS certificate of {where} is not trusted by {trusted} ({reason}, for {what}); "
+        f"name its CA's bundle in {variables}"
+    )
+
+
 def _status(message: str) -> int | None:
     match = _STATUS.search(message)
     return int(match.group(1)) if match else None
@@ -80,11 +108,16 @@ def _provider_failure(message: str, what: str) -> ServiceError:
     name, detail = (match.group(1), match.group(2)) if match else ("", message.splitlines()[0])
     if name == SourceUnreachable.__name__:
         return SourceUnreachable(f"{what}: {detail}")
+    if name == CertificateUntrusted.__name__:  # the STS's certificate: its message names it
+        return CertificateUntrusted(detail)
     return AccessDenied(f"no credentials for {what}: {detail}")
 
-def classify(exc: BaseException, what: str) -> ServiceError | None:
+def classify(
+    exc: BaseException, what: str, settings: Settings | None = None,
+) -> ServiceError | None:
     """The typed error for an object-store failure about ``what`` (a location, never a key
-    pair), or None when another attempt may succeed (connection failures, 5xx, throttling)."""
+    pair), or None when another attempt may succeed (connection failures, 5xx, throttling).
+    ``settings``: what an untrusted certificate's message names (the bundle in use)."""
     if isinstance(exc, ServiceError):
         return exc
     # obstore raises the builtin FileNotFoundError (no errno) for a missing object; one from
@@ -102,6 +135,9 @@ def classify(exc: BaseException, what: str) -> ServiceError | None:
         return DiskFull(f"disk full while transferring {what}")
     if isinstance(exc, BaseError):
         message = str(exc)
+        refused = _CERTIFICATE.search(message)
+        if refused is not None:
+            return untrusted_store(what, refused.group(1), settings)
         status = _status(message)
         if status == 404 or any(code in message for code in _NOT_FOUND_CODES):
             return ObjectNotFound(f"{what} not found in the object store")
@@ -146,7 +182,7 @@ def call(fn: Callable[[], T], what: str, settings: Settings) -> T:
         try:
             return fn()
         except Exception as exc:  # every failure is classified below, none is swallowed
-            mapped = classify(exc, what)
+            mapped = classify(exc, what, settings)
             if mapped is not None:
                 if mapped is exc:
                     raise

@@ -112,9 +112,9 @@ def check_egress(settings: Settings) -> None:
     proxy = settings.proxy_routes.for_target(parts.scheme, host)
     try:
         if proxy is not None:
-            settings.egress_policy.check_through_proxy(host, port, proxy)
+            settings.store_egress_policy.check_through_proxy(host, port, proxy)
         else:
-            settings.egress_policy.resolve(host, port)
+            settings.store_egress_policy.resolve(host, port)
     except EgressRefused as exc:
         raise EgressRefused(
             f"the object store endpoint {describe_endpoint(settings)}: {exc.message}"

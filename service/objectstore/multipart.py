@@ -82,7 +82,7 @@ class _Requests:
         try:
             return send(self._s3())
         except Exception as exc:  # every failure ends typed, none is swallowed
-            mapped = classify(exc, what)
+            mapped = classify(exc, what, self._settings)
             raise (mapped or SourceUnreachable(
                 f"the object store at {describe_endpoint(self._settings)} did not answer for "
                 f"{what}"

@@ -40,7 +40,8 @@ def stall_read_seconds(settings: Settings) -> float:
 
 @functools.cache
 def _pem(path: Path) -> bytes:
-    """The CA bundle's certificates, read once per process."""
+    """The store's CA bundle's certificates (``s3_ca_bundle``: ``MODELPREP_S3_CA_BUNDLE``,
+    ``AWS_CA_BUNDLE``, else the general CA bundle), read once per process."""
     return path.read_bytes()
 
 
@@ -71,8 +72,8 @@ def store_for(
     proxy = settings.proxy_routes.for_target(parts.scheme, parts.hostname or "")
     if proxy is not None:
         client["proxy_url"] = proxy
-    if settings.ca_bundle is not None:  # added to the roots object_store trusts
-        client["root_certificate"] = _pem(settings.ca_bundle)
+    if settings.s3_ca_bundle is not None:  # added to the roots object_store trusts
+        client["root_certificate"] = _pem(settings.s3_ca_bundle)
     # Retries are the caller's (:func:`call`, the source's resumable reads): one policy,
     # service/retry.py, for every transfer.
     retry: RetryConfig = {"max_retries": 0}

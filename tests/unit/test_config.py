@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import trustme
 
 from service.config import STANDARD_VARIABLES, Settings, env_name, load_settings, outbound_line
 from service.errors import ConfigurationError
@@ -13,7 +14,7 @@ from service.errors import ConfigurationError
 ECOSYSTEM = (
     "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_STS", "AWS_REGION",
     "AWS_DEFAULT_REGION", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE", "HTTPS_PROXY",
-    "HTTP_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE",
+    "HTTP_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "AWS_CA_BUNDLE",
 )
 
 
@@ -25,7 +26,7 @@ def _clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         monkeypatch.delenv(name.lower(), raising=False)
     for name in ("MODELPREP_S3_ENDPOINT", "MODELPREP_S3_REGION", "MODELPREP_HF_ENDPOINT",
                  "MODELPREP_HF_TOKEN", "MODELPREP_PROXY", "MODELPREP_NO_PROXY",
-                 "MODELPREP_CA_BUNDLE"):
+                 "MODELPREP_CA_BUNDLE", "MODELPREP_S3_CA_BUNDLE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MODELPREP_DATA_DIR", str(tmp_path))
 
@@ -151,8 +152,77 @@ def test_a_ca_bundle_that_is_not_a_file_stops_start_up_naming_its_variable(
 
 
 def test_every_standard_variable_is_a_documented_setting() -> None:
+    settings = list(STANDARD_VARIABLES)
     for name, fallbacks in STANDARD_VARIABLES.items():
         assert env_name(name).startswith("MODELPREP_")
         for fallback in fallbacks:
-            assert not env_name(fallback).startswith("MODELPREP_")
+            # an ecosystem variable, or a setting of the table resolved before this one
+            assert (not env_name(fallback).startswith("MODELPREP_")
+                    or settings.index(fallback) < settings.index(name))
             assert Settings.model_fields[fallback].description
+
+
+def _bundles(tmp_path: Path, *names: str) -> list[Path]:
+    bundles = [tmp_path / f"{name}.pem" for name in names]
+    for bundle in bundles:
+        bundle.write_text("-----BEGIN CERTIFICATE-----\n")
+    return bundles
+
+
+def test_the_stores_ca_bundle_is_its_own_then_aws_ca_bundle_then_the_ca_bundles_chain(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    assert Settings().s3_ca_bundle is None
+    assert Settings().source_of("s3_ca_bundle") == "default"
+    requests, ssl_file, general, aws, own = _bundles(
+        tmp_path, "requests", "ssl", "general", "aws", "own")
+    for name, bundle in (("REQUESTS_CA_BUNDLE", requests), ("SSL_CERT_FILE", ssl_file),
+                         ("MODELPREP_CA_BUNDLE", general)):
+        monkeypatch.setenv(name, str(bundle))
+        settings = Settings()  # no store variable yet: the general bundle, from its variable
+        assert (settings.s3_ca_bundle, settings.source_of("s3_ca_bundle")) == (bundle, name)
+    for name, bundle in (("AWS_CA_BUNDLE", aws), ("MODELPREP_S3_CA_BUNDLE", own)):
+        monkeypatch.setenv(name, str(bundle))
+        settings = Settings()
+        assert (settings.s3_ca_bundle, settings.source_of("s3_ca_bundle")) == (bundle, name)
+        assert (settings.ca_bundle, settings.source_of("ca_bundle")) == (
+            general, "MODELPREP_CA_BUNDLE")
+    assert settings.outbound()["s3_ca_bundle"] == {"value": str(own),
+                                                   "source": "MODELPREP_S3_CA_BUNDLE"}
+    assert settings.variables_of("s3_ca_bundle") == (
+        "MODELPREP_S3_CA_BUNDLE, AWS_CA_BUNDLE, MODELPREP_CA_BUNDLE, SSL_CERT_FILE or "
+        "REQUESTS_CA_BUNDLE")
+
+
+def test_aws_ca_bundle_is_the_stores_trust_and_never_the_hubs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """A store signed by an internal CA: the hub, HTTP sources and callbacks keep the public
+    roots (no general bundle: certifi's) while the store's and STS's policy trusts the CA."""
+    store_ca = tmp_path / "store-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(store_ca))
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(store_ca))
+    settings = Settings()
+    assert settings.ca_bundle is None
+    assert settings.egress_policy.ca_bundle is None
+    assert settings.outbound()["ca_bundle"] == {"value": "certifi", "source": "default"}
+    store = settings.store_egress_policy
+    assert (store.ca_bundle, store.ca_source) == (store_ca, "AWS_CA_BUNDLE")
+    assert store.ca_variables.startswith("MODELPREP_S3_CA_BUNDLE, AWS_CA_BUNDLE, ")
+    assert settings.egress_policy.ca_variables == (
+        "MODELPREP_CA_BUNDLE, SSL_CERT_FILE or REQUESTS_CA_BUNDLE")
+    assert store.ssl_context() is not settings.egress_policy.ssl_context()
+
+
+def test_a_store_ca_bundle_that_is_not_a_file_stops_start_up_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
+    with pytest.raises(ConfigurationError, match="AWS_CA_BUNDLE: the CA bundle .* is not a file"):
+        load_settings()
+
+
+def test_an_empty_aws_ca_bundle_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_CA_BUNDLE", "")
+    monkeypatch.setenv("MODELPREP_S3_CA_BUNDLE", "")
+    assert Settings().s3_ca_bundle is None
