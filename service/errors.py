@@ -232,8 +232,9 @@ class SourceUnreachable(DownloadFailed):
 
 class CertificateUntrusted(ConnectionError, SourceError):
     """A TLS server's certificate is not signed by a CA the service trusts (its CA bundle:
-    ``MODELPREP_CA_BUNDLE``, ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``, else certifi's). Not
-    retried: another attempt meets the same certificate."""
+    ``MODELPREP_CA_BUNDLE``, ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``, else certifi's; for the
+    object store and STS ``MODELPREP_S3_CA_BUNDLE`` or ``AWS_CA_BUNDLE`` first). Not retried:
+    another attempt meets the same certificate."""
 
     code = "certificate_untrusted"
     title = "Certificate not trusted"

@@ -106,7 +106,8 @@ FIXES: dict[str, str] = {
     "service, then submit again.",
     "certificate_untrusted": "The server's certificate comes from a CA the service does not "
     "trust: the operator names its bundle in `MODELPREP_CA_BUNDLE` (or `SSL_CERT_FILE`, "
-    "`REQUESTS_CA_BUNDLE`); a TLS-intercepting proxy's CA included.",
+    "`REQUESTS_CA_BUNDLE`; for the object store and STS first `MODELPREP_S3_CA_BUNDLE` or "
+    "`AWS_CA_BUNDLE`); a TLS-intercepting proxy's CA included.",
     "download_stalled": "The source sent too little for too long "
     "(`MODELPREP_DOWNLOAD_STALL_SECONDS`, `MODELPREP_DOWNLOAD_MIN_BYTES_PER_SECOND`).",
     "checksum_mismatch": "The file's sha256 is not the `sha256` the job gave: check both.",

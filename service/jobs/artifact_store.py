@@ -41,6 +41,7 @@ from obstore.store import S3Store
 
 from service.config import Settings
 from service.errors import (
+    CertificateUntrusted,
     ChecksumMismatch,
     Forbidden,
     ObjectNotFound,
@@ -118,7 +119,10 @@ class ArtifactStore:
             etags[MANIFEST] = self._upload(store, manifest, location.key(MANIFEST), None, ctx)
         except BaseException as exc:
             self._discard(store, location, list(etags))
-            if isinstance(exc, ServiceError) and not isinstance(exc, ConnectionError):
+            # a store unreachable is a failed publication; an untrusted certificate is the
+            # operator's CA setting, whose own type names the variables to set
+            untrusted = isinstance(exc, CertificateUntrusted)
+            if isinstance(exc, ServiceError) and (untrusted or not isinstance(exc, ConnectionError)):
                 raise
             if isinstance(exc, Exception):
                 reason = exc.message if isinstance(exc, ServiceError) else type(exc).__name__
