@@ -130,6 +130,9 @@ class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
     """The most stored bytes read at a time when the weight is written, and above which a
     forward or the trace reads it in blocks (:attr:`in_blocks`); None: whole in a forward, as
     torch-to-nnef does (the writer still writes in :data:`WRITE_BLOCK_BYTES` blocks)."""
+    looked_up_by_inputs: bool = False
+    """The model's input embedding, which the graph indexes with its ``input_ids`` (an input,
+    never a constant): the trace may run it on zeros (:meth:`_to_trace_tensor`)."""
 
     @classmethod
     def create(
@@ -235,12 +238,13 @@ class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
 
     def _to_trace_tensor(self, device: Any) -> torch.Tensor:
         """The trace asks real values of an ``embedding``'s weight (torch-to-nnef materializes
-        it, lest a constant index bake uninitialized memory): for a floating weight
-        :attr:`in_blocks` (the vocabulary, indexed by the graph's ``input_ids``), zeros of its
-        shape on untouched anonymous pages (:func:`_zero_pages`), no weight memory. The traced
-        graph is the same; its variable is written from the weight itself."""
+        it, lest a constant index bake uninitialized memory): for the input embedding
+        (:attr:`looked_up_by_inputs`, indexed by the graph's ``input_ids``) :attr:`in_blocks`,
+        zeros of its shape on untouched anonymous pages (:func:`_zero_pages`), no weight
+        memory. The traced graph is the same; its variable is written from the weight itself.
+        Other embeddings (positions, token types: constant indices) keep the library's path."""
         shell: torch.Tensor = self.elem
-        if device != "meta" and self.in_blocks and shell.is_floating_point():
+        if device != "meta" and self.looked_up_by_inputs and self.in_blocks:
             return _zero_pages(tuple(shell.shape), shell.dtype)
         return super()._to_trace_tensor(device)  # type: ignore[no-any-return]
 
@@ -369,10 +373,16 @@ def checkpoint_tensors_writable() -> Iterator[None]:
 
 def read_in_blocks(module: torch.nn.Module, block_bytes: int | None) -> None:
     """Give every :class:`CheckpointTensor` of ``module`` its :attr:`~CheckpointTensor.
-    block_bytes` (the export's ``MODELPREP_NNEF_BLOCK_BYTES``)."""
+    block_bytes` (the export's ``MODELPREP_NNEF_BLOCK_BYTES``) and mark the input embedding's
+    (transformers' ``get_input_embeddings()``) :attr:`~CheckpointTensor.looked_up_by_inputs`."""
     for tensor in module.state_dict(keep_vars=True).values():
         if isinstance(tensor, CheckpointTensor):
             tensor.block_bytes = block_bytes
+    get_embeddings = getattr(module, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, CheckpointTensor):
+        weight.looked_up_by_inputs = True
 
 
 def _plain(tensor: Any) -> Any:

@@ -63,6 +63,26 @@ def test_weights_read_in_blocks_give_the_same_archive_weights_and_tract_agrees(
                 np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6)
 
 
+def test_an_encoder_with_its_weights_read_in_blocks_gives_the_same_weights_and_tract_agrees(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    """BERT through torch-to-nnef's traced path: its word embedding is the input embedding
+    (zeros in the trace), its position and token-type embeddings, indexed by constants, keep
+    their values in the trace."""
+    ckpt = tiny_checkpoint("bert", "safetensors")
+    whole = _export(ckpt, tmp_path / "whole", NNEFSpec())
+    settings = Settings(data_dir=tmp_path / "data", nnef_block_bytes="256B")
+    blocks = _export(ckpt, tmp_path / "blocks", NNEFSpec(), settings)
+    assert _weights(blocks.out / "model.nnef.tgz") == _weights(whole.out / "model.nnef.tgz")
+    assert blocks.result.summary["verify"]["max_abs_err"] < 1e-4
+    with (
+        np.load(whole.out / "example_outputs.npz") as a,
+        np.load(blocks.out / "example_outputs.npz") as b,
+    ):
+        for name in a.files:
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6)
+
+
 def test_weights_read_in_blocks_from_the_jobs_offload_store_raw_and_packed(
     tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:

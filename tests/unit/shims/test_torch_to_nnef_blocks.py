@@ -120,7 +120,21 @@ def test_a_forward_reads_a_weight_larger_than_the_block_a_block_of_rows_at_a_tim
     )
 
 
-def test_the_traces_embedding_is_zero_pages_the_size_of_the_weight(tmp_path: Path) -> None:
+class _Model(torch.nn.Module):
+    """Two embeddings as a transformers model holds them: the input one (its
+    ``get_input_embeddings()``) and one of positions."""
+
+    def __init__(self, words: torch.Tensor, positions: torch.Tensor) -> None:
+        super().__init__()
+        self.words, self.positions = torch.nn.Module(), torch.nn.Module()
+        self.words._parameters["weight"] = words  # as torch-to-nnef's updater sets it
+        self.positions._parameters["weight"] = positions
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.words
+
+
+def test_the_traces_input_embedding_is_zero_pages_the_size_of_the_weight(tmp_path: Path) -> None:
     from torch_to_nnef.tensor.opaque import OpaqueTensor
 
     assert "_to_trace_tensor" in OpaqueTensor.__dict__, (
@@ -129,11 +143,16 @@ def test_the_traces_embedding_is_zero_pages_the_size_of_the_weight(tmp_path: Pat
     )
     weights = _Weights({"embed": torch.randn(50, 8)})
     embed = _tensor(weights, "embed", torch.float32, tmp_path, block=64)
+    positions = _tensor(weights, "embed", torch.float32, tmp_path, block=64)
+    t2n.read_in_blocks(_Model(embed, positions), 64)
+    assert embed.looked_up_by_inputs and not positions.looked_up_by_inputs
+    assert torch.equal(positions._to_trace_tensor("cpu"), weights.tensors["embed"])
+    weights.whole.clear()
     traced = embed._to_trace_tensor("cpu")
     assert traced.shape == (50, 8) and traced.dtype == torch.float32
     assert not traced.any() and weights.whole == []
-    small = _tensor(weights, "embed", torch.float32, tmp_path, block=None)
-    assert torch.equal(small._to_trace_tensor("cpu"), weights.tensors["embed"])
+    embed.block_bytes = None  # within the block: torch-to-nnef's path, the real values
+    assert torch.equal(embed._to_trace_tensor("cpu"), weights.tensors["embed"])
 
 
 def test_dtype_questions_in_the_trace_are_answered_from_the_shell() -> None:
