@@ -126,10 +126,11 @@ class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
     reader: TensorSource
     source: str | None
     hook: ReloadHook | None
-    block_bytes: int | None = WRITE_BLOCK_BYTES
+    block_bytes: int | None = None
     """The most stored bytes read at a time when the weight is written, and above which a
-    forward or the trace reads it in blocks (:attr:`in_blocks`); None: whole in a forward, as
-    torch-to-nnef does (the writer still writes in :data:`WRITE_BLOCK_BYTES` blocks)."""
+    forward or the trace reads it in blocks (:attr:`in_blocks`); the NNEF export sets it
+    (:func:`read_in_blocks`). None (the ONNX export's weights): whole in a forward, as
+    torch-to-nnef does; the NNEF writer then writes in :data:`WRITE_BLOCK_BYTES` blocks."""
     looked_up_by_inputs: bool = False
     """The model's input embedding, which the graph indexes with its ``input_ids`` (an input,
     never a constant): the trace may run it on zeros (:meth:`_to_trace_tensor`)."""
@@ -358,7 +359,7 @@ def checkpoint_tensors_writable() -> Iterator[None]:
 
     def write(tensor: Any, filename: str, quantized: bool) -> None:
         if isinstance(tensor, CheckpointTensor) and tensor.source is not None and not quantized:
-            write_dat_in_blocks(tensor, Path(filename))
+            write_dat_in_blocks(tensor, Path(filename), tensor.block_bytes or WRITE_BLOCK_BYTES)
             return
         original(tensor, filename, quantized)
 
