@@ -439,6 +439,13 @@ class Settings(BaseSettings):
         "(576 MiB at 256 MiB, whatever the model's width: within the 640 MiB tract gets in a "
         "2.5 GiB service of two workers).",
     )
+    nnef_block_bytes: str = Field(
+        default="64MiB",
+        description="The most bytes of one weight an NNEF export reads at a time: it writes "
+        "each tensor's file in blocks of rows of this size (cast to the archive's dtype beside "
+        "them), and its PyTorch forwards read a larger weight (the vocabulary) a block at a "
+        "time, so the job holds no whole tensor whatever the model's width.",
+    )
     ort_max_memory: str | None = Field(
         default=None,
         description="RAM an ONNX verification may give onnxruntime, whose weights are "

@@ -10,6 +10,12 @@ broke; torch-to-nnef capped in pyproject.toml at the series they were checked on
   module attribute ``write_offloaded_tensor(tensor, filename, quantized)`` and archives through
   ``tgz_compress(dir, file, compression_level)``; ``write_nnef_tensor`` and
   ``maybe_torch_to_np`` write one array (:func:`checkpoint_tensors_writable` swaps both).
+  ``write_nnef_tensor`` is ``nnef.write_tensor``: a 128-byte header (magic, version, data
+  length, rank, the shape padded to ``nnef.binary.MaxTensorRank`` dimensions, bits and item
+  type from ``nnef.binary._numpy_dtype_split``, 19 reserved words) then the array's bytes in C
+  order, little-endian; :func:`write_dat_in_blocks` writes that header itself and the bytes a
+  block of rows at a time, so no whole tensor (the 4 GiB float32 embedding of a bfloat16 70B)
+  is ever in RAM.
 * ``QScalePerGroupF16._dequantize`` is a ``torch.compile`` wrapper of
   ``_dequantize_original`` (:func:`eager_q4_dequantize` calls the latter).
 * torch-to-nnef pickles only classes of ``tensor.quant.base`` and ``tensor.quant.qtract`` in
@@ -51,17 +57,36 @@ broke; torch-to-nnef capped in pyproject.toml at the series they were checked on
   quantized stacks under ``T2N_OFFLOAD_QUANTIZED_EXPERTS``), which the writer writes from its
   file: 293 MiB.
 
+* ``OffloadedTensor.__torch_function__`` (a classmethod) reloads a weight whole for every op
+  on it; a real forward's ``F.embedding`` and ``F.linear`` reach :class:`CheckpointTensor`'s
+  override with the weight second, which reads a weight larger than its block a block of rows
+  at a time (the 4 GiB float32 vocabulary of a 70B, embedded or multiplied). In the trace the
+  weights are wrapped (``OpaqueTensorRef``): ``OpaqueTensor.to_trace_tensor(device)`` goes
+  through ``_to_trace_tensor(device)``, which materializes an ``embedding``'s weight
+  (``device`` ``"cpu"``), and the wrapper asks the module global
+  ``opaque.trace_tensor_device_for_func(func)`` whether a call may use a ``"meta"``
+  placeholder, None for ``is_floating_point`` and ``numel`` (a whole reload each):
+  :meth:`CheckpointTensor._to_trace_tensor` and :func:`metadata_from_shells` answer both without
+  the weight's values.
+
 The patches are context managers: a job process enters them around an export and leaves them
-as they were. This module imports torch and torch-to-nnef at import time: import it inside
+as they were.
+
+Why one module of over 450 lines: it is one library's internals, each patch beside the
+assumption it makes, and its test names them all; the weight-reading ones (:class:`CheckpointTensor`,
+the writer's blocks, the trace's placeholders) depend on each other's attributes. This module imports torch and torch-to-nnef at import time: import it inside
 functions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 import os
 import pickle
 import shutil
+import sys
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
@@ -84,6 +109,11 @@ class TensorSource(Protocol):
 ReloadHook = Callable[[int], None]
 """Called with the byte size of every weight read: progress, metrics, cancellation."""
 
+WRITE_BLOCK_BYTES = 64 << 20
+"""The most stored bytes of one weight the NNEF writer reads at a time (its cast beside it: up
+to twice that for bfloat16 written as float32), whatever the tensor's size; the plan's term
+(``service.exporters.nnef.plan``)."""
+
 
 class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
     """An ``OffloadedTensor`` whose payload is the checkpoint's own bytes.
@@ -96,6 +126,14 @@ class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
     reader: TensorSource
     source: str | None
     hook: ReloadHook | None
+    block_bytes: int | None = None
+    """The most stored bytes read at a time when the weight is written, and above which a
+    forward or the trace reads it in blocks (:attr:`in_blocks`); the NNEF export sets it
+    (:func:`read_in_blocks`). None (the ONNX export's weights): whole in a forward, as
+    torch-to-nnef does; the NNEF writer then writes in :data:`WRITE_BLOCK_BYTES` blocks."""
+    looked_up_by_inputs: bool = False
+    """The model's input embedding, which the graph indexes with its ``input_ids`` (an input,
+    never a constant): the trace may run it on zeros (:meth:`_to_trace_tensor`)."""
 
     @classmethod
     def create(
@@ -170,6 +208,89 @@ class CheckpointTensor(OffloadedTensor):  # type: ignore[misc]
             strict_dtype = False  # there is no previous .pt payload to compare with
         super().update_values(values, strict_shape=strict_shape, strict_dtype=strict_dtype)
 
+    @property
+    def in_blocks(self) -> bool:
+        """Whether this weight is read in blocks when a forward or the trace uses it: the
+        checkpoint's own bytes, larger than :attr:`block_bytes`."""
+        shell: torch.Tensor = self.elem
+        return (
+            self.source is not None
+            and self.block_bytes is not None
+            and shell.numel() * shell.element_size() > self.block_bytes
+        )
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """A real forward's ``embedding`` and ``linear`` of a weight :attr:`in_blocks` read it a
+        block of rows at a time (:func:`_embedding_in_blocks`, :func:`_linear_in_blocks`)
+        instead of torch-to-nnef's whole reload; the trace (``torch.jit.is_tracing``) and every
+        other call are the parent's."""
+        kwargs = kwargs or {}
+        weight = args[1] if len(args) > 1 else None
+        tracing = torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call]
+        if isinstance(weight, CheckpointTensor) and weight.in_blocks and not tracing:
+            max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
+            if func is torch.nn.functional.embedding and max_norm is None:
+                return _embedding_in_blocks(args[0], weight)
+            if func is torch.nn.functional.linear and not kwargs.keys() - {"bias"}:
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                return _linear_in_blocks(args[0], weight, bias)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def _to_trace_tensor(self, device: Any) -> torch.Tensor:
+        """The trace asks real values of an ``embedding``'s weight (torch-to-nnef materializes
+        it, lest a constant index bake uninitialized memory): for the input embedding
+        (:attr:`looked_up_by_inputs`, indexed by the graph's ``input_ids``) :attr:`in_blocks`,
+        zeros of its shape on untouched anonymous pages (:func:`_zero_pages`), no weight
+        memory. The traced graph is the same; its variable is written from the weight itself.
+        Other embeddings (positions, token types: constant indices) keep the library's path."""
+        shell: torch.Tensor = self.elem
+        if device != "meta" and self.looked_up_by_inputs and self.in_blocks:
+            return _zero_pages(tuple(shell.shape), shell.dtype)
+        return super()._to_trace_tensor(device)  # type: ignore[no-any-return]
+
+    def iter_rows(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first row, rows)`` of the value in the shell's dtype, read :attr:`block_bytes`
+        stored bytes at a time (:meth:`iter_blocks`): a row is never split."""
+        shell: torch.Tensor = self.elem
+        row_shape = tuple(shell.shape[1:])
+        per_row = max(1, math.prod(row_shape))
+        pending: list[torch.Tensor] = []
+        have = start = 0
+        for chunk in self.iter_blocks(self.block_bytes or WRITE_BLOCK_BYTES):
+            pending.append(chunk)
+            have += chunk.numel()
+            del chunk
+            full = have // per_row
+            if not full:
+                continue
+            flat = torch.cat(pending) if len(pending) > 1 else pending[0]
+            rest = flat[full * per_row :].clone()  # less than a row
+            rows = flat[: full * per_row].reshape(full, *row_shape)
+            del flat
+            pending.clear()
+            yield start, rows
+            del rows
+            start += full
+            pending, have = ([rest] if rest.numel() else []), rest.numel()
+
+    def iter_blocks(self, max_bytes: int = WRITE_BLOCK_BYTES) -> Iterator[torch.Tensor]:
+        """The value's elements, flattened in C order and cast to the shell's dtype, in pieces
+        read ``max_bytes`` stored bytes at a time (the source's ``iter_chunks``); one whole
+        reload for a source that cannot read in pieces or a payload torch-to-nnef rewrote."""
+        chunks = getattr(self.reader, "iter_chunks", None)
+        if self.source is None or chunks is None:
+            yield self.reload().reshape(-1)
+            return
+        shell: torch.Tensor = self.elem
+        for chunk in chunks(self.source, max_bytes):
+            if self.hook is not None:
+                self.hook(chunk.nbytes)
+            block = chunk.to(shell.dtype)
+            del chunk  # the stored piece is gone before the caller gets its cast
+            yield block
+            del block  # and the cast before the next piece is read
+
 
 
 def _offload_state_globals() -> list[Any]:
@@ -237,12 +358,8 @@ def checkpoint_tensors_writable() -> Iterator[None]:
     original_tgz = writer.tgz_compress
 
     def write(tensor: Any, filename: str, quantized: bool) -> None:
-        if isinstance(tensor, CheckpointTensor) and tensor.source is not None:
-            value = tensor.reload()
-            writer.write_nnef_tensor(
-                np.asarray(writer.maybe_torch_to_np(value), order="C"), filename, quantized
-            )
-            del value
+        if isinstance(tensor, CheckpointTensor) and tensor.source is not None and not quantized:
+            write_dat_in_blocks(tensor, Path(filename), tensor.block_bytes or WRITE_BLOCK_BYTES)
             return
         original(tensor, filename, quantized)
 
@@ -253,6 +370,130 @@ def checkpoint_tensors_writable() -> Iterator[None]:
     finally:
         writer.write_offloaded_tensor = original
         writer.tgz_compress = original_tgz
+
+
+def read_in_blocks(module: torch.nn.Module, block_bytes: int | None) -> None:
+    """Give every :class:`CheckpointTensor` of ``module`` its :attr:`~CheckpointTensor.
+    block_bytes` (the export's ``MODELPREP_NNEF_BLOCK_BYTES``) and mark the input embedding's
+    (transformers' ``get_input_embeddings()``) :attr:`~CheckpointTensor.looked_up_by_inputs`."""
+    for tensor in module.state_dict(keep_vars=True).values():
+        if isinstance(tensor, CheckpointTensor):
+            tensor.block_bytes = block_bytes
+    get_embeddings = getattr(module, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, CheckpointTensor):
+        weight.looked_up_by_inputs = True
+
+
+def _plain(tensor: Any) -> Any:
+    """A weight torch-to-nnef offloaded, reloaded (a bias: one row's size); others as they are."""
+    return tensor.reload() if isinstance(tensor, OffloadedTensor) else tensor
+
+
+def _embedding_in_blocks(ids: torch.Tensor, weight: CheckpointTensor) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` gathering each block's rows as it is read: the same values,
+    the weight never whole."""
+    flat = ids.reshape(-1)
+    out = torch.zeros((flat.numel(), *weight.elem.shape[1:]), dtype=weight.elem.dtype)
+    for start, rows in weight.iter_rows():
+        hit = (flat >= start) & (flat < start + rows.shape[0])
+        if bool(hit.any()):
+            out[hit] = rows[flat[hit] - start]
+        del rows
+    return out.reshape(*ids.shape, *weight.elem.shape[1:])
+
+
+def _linear_in_blocks(x: torch.Tensor, weight: CheckpointTensor, bias: Any) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` a block of output rows at a time: each output element is
+    the same dot product, the weight never whole."""
+    bias = _plain(bias)
+    pieces = []
+    for start, rows in weight.iter_rows():
+        part = None if bias is None else bias[start : start + rows.shape[0]]
+        pieces.append(torch.nn.functional.linear(x, rows, part))
+        del rows
+    return torch.cat(pieces, dim=-1)
+
+
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``shape`` on a private anonymous mapping: pages read stay the kernel's shared
+    zero page and count in no process's resident memory until written."""
+    nbytes = max(1, math.prod(shape) * dtype.itemsize)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=math.prod(shape)).reshape(shape)
+
+
+def nnef_dat_header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """The 128 bytes ``nnef.write_tensor`` writes before a non-quantized array's data."""
+    from nnef import binary
+
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    item_type, bits = binary._numpy_dtype_split(np_dtype)
+    if len(shape) > binary.MaxTensorRank:
+        raise ValueError(f"tensor rank exceeds {binary.MaxTensorRank}")
+    count = int(np.prod(shape, dtype=np.int64))
+    length = (count + 7) // 8 if bits == 1 else count * (bits // 8)
+    words = [length, len(shape), *shape, *[0] * (binary.MaxTensorRank - len(shape))]
+    words += [bits, item_type, *[0] * 19]
+    return bytes([0x4E, 0xEF, 1, 0]) + np.asarray(words, dtype="<u4").tobytes()
+
+
+def write_dat_in_blocks(
+    tensor: CheckpointTensor, path: Path, max_bytes: int = WRITE_BLOCK_BYTES
+) -> None:
+    """Write ``tensor`` as the ``.dat`` file ``nnef.write_tensor`` writes, byte for byte: its
+    header, then its value read, cast and written a block at a time
+    (:meth:`CheckpointTensor.iter_blocks`), never whole."""
+    shell: torch.Tensor = tensor.elem
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if shell.dtype == torch.bool or sys.byteorder != "little":
+        from nnef import write_tensor  # packed bits, or a byte swap: nnef's own writer, whole
+
+        with path.open("wb") as f:
+            write_tensor(file=f, tensor=np.asarray(tensor.reload().numpy(), order="C"))
+        return
+    written = 0
+    with path.open("wb") as f:
+        f.write(nnef_dat_header(tuple(shell.shape), shell.dtype))
+        for block in tensor.iter_blocks(max_bytes):
+            f.write(block.contiguous().numpy().data)
+            written += block.numel()
+            del block  # before the next block is read
+    if written != shell.numel():
+        raise ValueError(f"{tensor.source}: read {written} elements, expected {shell.numel()}")
+
+
+METADATA_FUNCS = frozenset(
+    {"is_floating_point", "is_complex", "dim", "size", "numel", "element_size"}
+)
+"""Tensor methods whose answer is the weight's dtype or shape, never its values."""
+
+
+@contextlib.contextmanager
+def metadata_from_shells() -> Iterator[None]:
+    """Answer a wrapped weight's dtype and shape questions from its shell, not its values.
+
+    Once torch-to-nnef wraps the module's weights for its trace, every call on one expands it
+    (``opaque.trace_tensor_device_for_func(func)`` None: ``to_base_tensor``, a whole reload),
+    and ``torch.jit.trace`` reads every attribute of every module, transformers' ``dtype``
+    among them: ``next(p for p in parameters() if p.is_floating_point())``, the embedding,
+    read whole four times on a Llama. The :data:`METADATA_FUNCS` go through the library's own
+    ``"meta"`` placeholder instead."""
+    from torch_to_nnef.tensor import opaque
+
+    original = opaque.__dict__["trace_tensor_device_for_func"]
+
+    def device_for(func: Any) -> str | None:
+        if getattr(func, "__name__", "") in METADATA_FUNCS:
+            return "meta"
+        return original(func)  # type: ignore[no-any-return]
+
+    opaque.trace_tensor_device_for_func = device_for
+    try:
+        yield
+    finally:
+        opaque.trace_tensor_device_for_func = original
 
 
 @contextlib.contextmanager

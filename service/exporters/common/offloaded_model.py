@@ -159,6 +159,17 @@ class _StoreWeights:
     def read(self, name: str) -> torch.Tensor:
         return self.store.load(name)
 
+    def iter_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]:
+        """The weight flattened, in pieces of at most ``max_bytes`` stored bytes (a packed
+        entry: blocks of its rows, dequantized), for the NNEF writer's blocks."""
+        if self.store.entry(name).encoding == "raw":
+            yield from self.store.iter_chunks(name, max_bytes)
+            return
+        rows = self.store.entry(name).shape[0]
+        step = max(1, max_bytes // max(1, self.store.row_nbytes(name)))
+        for start in range(0, rows, step):
+            yield self.store.load_rows(name, start, min(rows, start + step)).reshape(-1)
+
 
 def attach_offloaded_weights(
     module: nn.Module,

@@ -55,7 +55,12 @@ from service.exporters.common.families import (
     is_causal_lm,
     refuse_multimodal,
 )
-from service.exporters.nnef.plan import block_weight_bytes, plan_nnef, tract_block_limit
+from service.exporters.nnef.plan import (
+    block_weight_bytes,
+    nnef_block_limit,
+    plan_nnef,
+    tract_block_limit,
+)
 from service.plan import ExportPlan, PlanInputs, VerificationMode
 from service.stage import Phase
 from service.verification.thresholds import QualityThresholds
@@ -269,6 +274,7 @@ def export_nnef(
             t2n.sliding_window_masks(),
             t2n.cache_heads_from_config(),
             t2n.moe_experts_offloaded(work / "offload"),
+            t2n.metadata_from_shells(),
         ):
             launcher = write_launcher(work / "bin")
             offload_dir = work / "offload"
@@ -280,6 +286,7 @@ def export_nnef(
                 skeleton, checkpoint, offload_dir=offload_dir, store=inputs.store, hook=on_read
             )
             _traceable(built.module)
+            t2n.read_in_blocks(built.module, nnef_block_limit(ctx.settings))
             mode: VerificationMode = "none"
             if spec.verify and spec.compression is None:
                 # Fail before exporting, not after: tract needs every weight it runs in RAM,
@@ -450,6 +457,9 @@ def _export_causal_lm(
                     exporter.hf_model_causal, text.reference.chunks
                 ))  # fmt: skip
         ctx.check_abort()
+        # asked before export_model(), which leaves the weights wrapped so that counting their
+        # elements (torch-to-nnef's dtype vote) reloads each one whole
+        cache_dtype = str(exporter.inputs_dtype).removeprefix("torch.")
         exporter.export_model(
             stage,
             inference_target=target,
@@ -463,7 +473,6 @@ def _export_causal_lm(
     ctx.check_abort()
     _collect(stage / ARCHIVE_NAME, stage / "tests", out_dir)
     io = _io_spec(out_dir, "causal_lm", target.dynamic_axes, spec)
-    cache_dtype = str(exporter.inputs_dtype).removeprefix("torch.")
     # The example npz bundles hold the caches as float32 whatever the model's dtype.
     io.inputs = io.inputs[:1] + [replace(t, dtype=cache_dtype) for t in io.inputs[1:]]
     io.outputs = io.outputs[:1] + [replace(t, dtype=cache_dtype) for t in io.outputs[1:]]

@@ -45,10 +45,13 @@ NNEF_PER_LAYER_BYTES = int(14.5 * MiB)
 """torch-to-nnef's trace of the meta copy, per layer (MiniLM 570 MiB for 6 layers,
 SmolLM2 1043 MiB for 30, with twice the largest float32 tensor)."""
 
+Q4_0_LARGEST_COPIES = 4
+"""q4_0: torch-to-nnef's ``min_max_q4_0`` quantizes each Linear weight whole, the head
+included: 4 x the largest tensor in float32 (bench/nnef_wide.py: a 256 MiB float32 head,
+stored in bfloat16, raised the job 1018 MiB)."""
 
-def block_weight_bytes(
-    tensors: Iterable[tuple[str, int]], block_bytes: int | None = None
-) -> int:
+
+def block_weight_bytes(tensors: Iterable[tuple[str, int]], block_bytes: int | None = None) -> int:
     """The largest block's weight bytes when tract checks a causal LM block by block, from its
     tensors' names and sizes: a decoder layer is every tensor under one ``layers.N.`` (or
     ``h.N.``, ``layer.N.``, ``blocks.N.``) prefix; the embedding lookup and the output head
@@ -81,6 +84,17 @@ def tract_block_limit(settings: Settings | None) -> int | None:
     """The most weight bytes one block of tract's check may hold (``MODELPREP_TRACT_BLOCK_BYTES``),
     None without settings (whole layers)."""
     return None if settings is None else parse_size(settings.tract_block_bytes)
+
+
+NNEF_BLOCK_BYTES = 64 * MiB
+"""``MODELPREP_NNEF_BLOCK_BYTES``'s default: the export reads a weight this many stored bytes
+at a time (:mod:`service.shims.torch_to_nnef`'s ``WRITE_BLOCK_BYTES``, the same figure)."""
+
+
+def nnef_block_limit(settings: Settings | None) -> int:
+    """The most stored bytes of one weight the export reads at a time
+    (``MODELPREP_NNEF_BLOCK_BYTES``; without settings, :data:`NNEF_BLOCK_BYTES`)."""
+    return NNEF_BLOCK_BYTES if settings is None else parse_size(settings.nnef_block_bytes)
 
 
 MIN_VOCAB_CHUNK_BYTES = 16 * MiB
@@ -141,10 +155,40 @@ def tract_limit(settings: Settings | None) -> int | None:
     return parse_size(settings.tract_max_memory)
 
 
+def weight_block_bytes(headers: CheckpointHeaders, itemsize: int, block: int) -> tuple[int, str]:
+    """The job's term for the weights it reads, and its words: a block of at most ``block``
+    stored bytes of the largest tensor (the export writes each ``.dat``, and its forwards
+    multiply or index a larger weight, that many bytes at a time: ``CheckpointTensor`` in
+    :mod:`service.shims.torch_to_nnef`), beside its cast to the archive's dtype when that is
+    another (``itemsize`` per element). Flat once the largest tensor outgrows the block."""
+    largest = headers.largest()
+    stored_itemsize = largest.nbytes / max(1, largest.numel) if largest else 2
+    read = min(block, largest_bytes(headers))
+    cast = int(read * itemsize / stored_itemsize) if stored_itemsize != itemsize else 0
+    words = (
+        f"a block of the largest tensor {read >> 20} MiB"
+        + (f" + its cast {cast >> 20} MiB" if cast else "")
+        + f" (largest tensor {largest_bytes(headers, itemsize) >> 20} MiB in the archive; "
+        f"blocks of {block >> 20} MiB)"
+    )
+    return read + cast, words
+
+
+def moe_stack_bytes(headers: CheckpointHeaders) -> int:
+    """The largest expert stack in float32, 0 without experts: a mixture of experts' forward
+    indexes its packed stacks (transformers 5), which read whole (:func:`expert_stack_bytes`
+    for per-expert checkpoints, a packed tensor's own size for the others)."""
+    floating = [(t.name, t.numel * 4) for t in headers.tensors if t.floating]
+    packed = (size for name, size in floating if ".experts." in f".{name}")
+    return max(expert_stack_bytes(floating), max(packed, default=0))
+
+
 def plan_nnef(spec: Any, inputs: PlanInputs) -> ExportPlan:
-    """The job traces a meta copy (about 14.5 MiB per layer) and streams each weight from the
-    offload store (twice the largest, in float32; a MoE's expert stack, which
-    :func:`expert_stack_bytes` sizes from per-expert tensors, is one weight); tract holds the whole archive
+    """The job traces a meta copy (about 14.5 MiB per layer) and reads each weight from the
+    offload store a block at a time (:func:`weight_block_bytes`, ``MODELPREP_NNEF_BLOCK_BYTES``),
+    except a mixture of experts' stacks (twice the largest, :func:`moe_stack_bytes`) and a
+    q4_0 export, which torch-to-nnef quantizes a whole weight at a time
+    (:data:`Q4_0_LARGEST_COPIES`); tract holds the whole archive
     (64 MiB + 1.35 x archive) when it verifies it, or, when that exceeds :func:`tract_limit`
     and the model is a causal LM, one block at a time (64 MiB + 2 x the largest block). The
     job checks its model against the independent reference first
@@ -154,10 +198,20 @@ def plan_nnef(spec: Any, inputs: PlanInputs) -> ExportPlan:
     weights = floating_elements(headers) * itemsize - tied_head_bytes(headers) // 4 * itemsize
     compressed = getattr(spec, "compression", None) == "q4_0"
     archive = int(weights * (18 / 32 / itemsize)) if compressed else weights
-    stack = expert_stack_bytes((t.name, t.numel * 4) for t in headers.tensors if t.floating)
-    largest = max(largest_bytes(headers, 4), stack)
     layers = layer_count(headers)
-    job = JOB_BASE_BYTES + 2 * largest + layers * NNEF_PER_LAYER_BYTES
+    read, words = weight_block_bytes(headers, itemsize, nnef_block_limit(inputs.settings))
+    stack = moe_stack_bytes(headers)
+    if compressed:
+        largest = largest_bytes(headers, 4)
+        read = max(read, Q4_0_LARGEST_COPIES * largest)
+        words = (
+            f"q4_0 quantizes whole weights: {Q4_0_LARGEST_COPIES} x largest tensor "
+            f"({largest >> 20} MiB float32)"
+        )
+    elif 2 * stack > read:
+        read = 2 * stack
+        words = f"2 x the largest expert stack ({stack >> 20} MiB float32), read whole"
+    job = JOB_BASE_BYTES + read + layers * NNEF_PER_LAYER_BYTES
     verify = bool(spec.verify) and not compressed
     setting = tract_block_limit(inputs.settings)
     sizes = [(t.name, t.numel * itemsize) for t in headers.tensors if t.floating]
@@ -192,8 +246,7 @@ def plan_nnef(spec: Any, inputs: PlanInputs) -> ExportPlan:
         children=children, verification=(mode or "whole") if verify else "none",
         artifact_bytes=archive,
         notes=(
-            (f"job: base + 2 x largest tensor ({largest >> 20} MiB float32) + {layers} layers x "
-            f"14.5 MiB; {tract}"),
+            f"job: base + {words} + {layers} layers x 14.5 MiB; {tract}",
         ),
     )  # fmt: skip
     return with_independent_reference(plan, inputs)
