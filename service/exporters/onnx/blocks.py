@@ -97,7 +97,9 @@ def weight_blocks(
         return from_reader()
     flat = source.detach().as_subclass(torch.Tensor).reshape(-1)
     elements = max(1, block_bytes // max(target.itemsize, flat.element_size()))
-    return (flat[i : i + elements].to(target).contiguous() for i in range(0, flat.numel(), elements))
+    return (
+        flat[i : i + elements].to(target).contiguous() for i in range(0, flat.numel(), elements)
+    )
 
 
 def _stored_dtype(source: Any) -> torch.dtype | None:

@@ -93,9 +93,7 @@ def genai_config(
         eos.append(turn_end)
     pad = pick("pad_token_id")
     context = int(config.get("max_position_embeddings") or 4096)
-    names = {
-        key: key for key in ("input_ids", "attention_mask", "position_ids") if key in inputs
-    }
+    names = {key: key for key in ("input_ids", "attention_mask", "position_ids") if key in inputs}
     return {
         "model": {
             "bos_token_id": int(pick("bos_token_id") if pick("bos_token_id") is not None else 1),

@@ -46,7 +46,9 @@ def test_a_linear_layer_reads_its_weight_in_place_with_the_same_outputs(tmp_path
     assert [o.name for o in model.graph.outputs] == ["y"]
     ir.save(model, tmp_path / "mapped.onnx", external_data="mapped.data", alignment=ALIGNMENT)
 
-    np.testing.assert_allclose(_run(tmp_path / "mapped.onnx", x), x @ weight.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        _run(tmp_path / "mapped.onnx", x), x @ weight.T, rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_allclose(
         _run(tmp_path / "mapped.onnx", x), _run(tmp_path / "plain.onnx", x), rtol=1e-5, atol=1e-6
     )
