@@ -83,7 +83,12 @@ from service.exporters.common.families import (
 from service.exporters.onnx.blocks import in_store
 from service.exporters.onnx.genai import write_genai_config
 from service.exporters.onnx.plan import plan_onnx
-from service.exporters.onnx.quantize import NBits, quantize_matmuls
+from service.exporters.onnx.quantize import (
+    NBits,
+    QuantizedWeights,
+    gather_quantized,
+    quantize_matmuls,
+)
 from service.plan import ExportPlan, PlanInputs
 from service.stage import Phase
 from service.tensors import dtype_name
@@ -152,9 +157,10 @@ class ONNXSpec(ExportSpec):
     weights: Literal["float", "int4", "int8"] = Field(
         default="float",
         description="Causal LMs: float keeps every weight in dtype; int4/int8 write each linear "
-        "layer's weight (the output head included; the embedding stays float) as onnxruntime's "
-        "MatMulNBits, block-wise round-to-nearest, byte for byte what onnxruntime's own "
-        "MatMulNBitsQuantizer writes",
+        "layer's weight (the output head included) as onnxruntime's MatMulNBits, block-wise "
+        "round-to-nearest, byte for byte what onnxruntime's own MatMulNBitsQuantizer writes. "
+        "The embedding, as onnxruntime-genai's model builder does: at int4 a tied embedding "
+        "reads the head's quantized blocks (GatherBlockQuantized), otherwise it stays float",
     )
     block_size: Literal[16, 32, 64, 128, 256] | None = Field(
         default=None,
@@ -311,12 +317,13 @@ def export_onnx(
             ctx.check_abort()
             attach_weights(graph.model, weights.module)
             nbits = spec.nbits()
-            quantized: list[str] = []
+            quantized: QuantizedWeights | None = None
             if nbits is not None:
                 done = quantize_matmuls(
                     graph.model.graph, nbits, _rows_of(graph.model), work / "nbits-spool"
                 )
-                quantized = [q.name for q in done]
+                gathered = gather_quantized(graph.model.graph, nbits, done)
+                quantized = QuantizedWeights(nbits, tuple(q.name for q in done), tuple(gathered))
             timings["write"] = time.monotonic()
             _save(graph.model, out_dir)
             ctx.check_abort()
@@ -354,15 +361,19 @@ def _layout(spec: ONNXSpec, task: Task) -> Literal["genai", "optimum"] | None:
     return spec.layout or "genai"
 
 
-def _weights_summary(spec: ONNXSpec, quantized: list[str]) -> dict[str, Any]:
+def _weights_summary(spec: ONNXSpec, quantized: QuantizedWeights | None) -> dict[str, Any]:
     """The manifest's account of the weights' encoding."""
-    nbits = spec.nbits()
-    if nbits is None:
+    if quantized is None:
         return {"type": "float"}
+    nbits = quantized.scheme
+    gathered = bool(quantized.gathered)
     return {
         "type": spec.weights, "op": "com.microsoft.MatMulNBits", "bits": nbits.bits,
         "block_size": nbits.block_size, "symmetric": nbits.symmetric, "method": "rtn",
-        "quantized_matmuls": len(quantized), "float": "embedding, norms, biases",
+        "quantized_matmuls": len(quantized.matmuls),
+        "embedding": "com.microsoft.GatherBlockQuantized on the tied head's blocks"
+        if gathered else "float",
+        "float": "norms, biases" if gathered else "embedding, norms, biases",
     }  # fmt: skip
 
 
@@ -651,7 +662,7 @@ def _verify(
     out_dir: Path,
     work: Path,
     ctx: JobContext,
-    quantized: list[str],
+    quantized: QuantizedWeights | None,
 ) -> ParityReport:
     from service.exporters.onnx import verify as ver
     from service.verification.parity import tolerance_for
@@ -661,11 +672,9 @@ def _verify(
     ver.ensure_ort_fits((out_dir / DATA_NAME).stat().st_size, ctx.settings.ort_max_memory)
     if task == "text-generation-with-past":
         ctx.set_phase(Phase.VERIFY, total=spec.decode_steps + 1, unit="steps")
-        nbits = spec.nbits()
         report = ver.verify_causal_lm(
             out_dir / MODEL_NAME, module, spec.prompt_tokens, spec.decode_steps, atol, rtol,
-            work=work / "verify", check_abort=ctx.check_abort,
-            nbits=(nbits, quantized) if nbits is not None else None,
+            work=work / "verify", check_abort=ctx.check_abort, quantized=quantized,
             genai=_layout(spec, task) == "genai",
         )  # fmt: skip
         ctx.advance(spec.decode_steps + 1)

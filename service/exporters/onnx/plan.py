@@ -26,7 +26,7 @@ from typing import Any
 
 from service.checkpoint.headers import CheckpointHeaders, TensorHeader
 from service.exporters.common.families import is_causal_lm
-from service.exporters.onnx.quantize import NBits, quantized_bytes
+from service.exporters.onnx.quantize import GATHERED_BITS, NBits, quantized_bytes
 from service.plan import ChildPlan, ExportPlan, PlanInputs
 from service.plan.terms import (
     JOB_BASE_BYTES,
@@ -85,7 +85,8 @@ WRITE_BLOCK_COPIES = 2
 (one when the export keeps the stored dtype: the read is written as it is)."""
 
 EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
-"""Input embeddings: read by ``Gather``, never by a ``MatMul``, so they stay float."""
+"""Input embeddings: read by ``Gather``, never by a ``MatMul``: float, unless tied to a
+quantized head (:func:`nbits_weight_bytes`)."""
 
 
 def _quantized(t: TensorHeader) -> bool:
@@ -97,9 +98,11 @@ def _quantized(t: TensorHeader) -> bool:
 def nbits_weight_bytes(headers: CheckpointHeaders, scheme: NBits, itemsize: int) -> int:
     """Bytes of an int4/int8 export's weights: each linear weight ``[n, k]`` quantized
     (:func:`~service.exporters.onnx.quantize.quantized_bytes`, scales in the export's dtype),
-    every other floating tensor in ``itemsize``; a head tied to the embedding gets its own
-    quantized copy beside the float embedding, as the export writes it (a tied head the
-    checkpoint also stores is that copy: counted once, quantized)."""
+    every other floating tensor in ``itemsize``. A head tied to the embedding is one quantized
+    weight: at the widths the embedding reads it too (:data:`~service.exporters.onnx.quantize.
+    GATHERED_BITS`, ``GatherBlockQuantized``) the float embedding is not written, at the others
+    it is written beside the head's quantized copy (a tied head the checkpoint also stores is
+    that copy: counted once, quantized)."""
     total = 0
     for t in headers.tensors:
         if not t.floating:
@@ -110,10 +113,13 @@ def nbits_weight_bytes(headers: CheckpointHeaders, scheme: NBits, itemsize: int)
             total += t.numel * itemsize
     config = headers.config or {}
     names = {t.name for t in headers.tensors}
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in names:
+    if config.get("tie_word_embeddings"):
         embedding = headers.largest(lambda t: t.name.endswith(EMBEDDINGS) and len(t.shape) == 2)
         if embedding is not None:
-            total += quantized_bytes(scheme, embedding.shape[0], embedding.shape[1], itemsize)
+            if "lm_head.weight" not in names:
+                total += quantized_bytes(scheme, embedding.shape[0], embedding.shape[1], itemsize)
+            if scheme.bits in GATHERED_BITS:
+                total -= embedding.numel * itemsize
     return total
 
 
@@ -128,7 +134,9 @@ def _spool_bytes(headers: CheckpointHeaders, scheme: NBits, itemsize: int) -> in
     )
 
 
-def write_block_bytes(headers: CheckpointHeaders, itemsize: int, cast: bool) -> tuple[int, list[str]]:
+def write_block_bytes(
+    headers: CheckpointHeaders, itemsize: int, cast: bool
+) -> tuple[int, list[str]]:
     """The job's weight term and its words: a block of at most :data:`WRITE_BLOCK_BYTES` (the
     largest tensor when it is smaller) in the wider of the stored and exported dtypes, twice when
     the export casts (the read and its cast, :data:`WRITE_BLOCK_COPIES`). Flat in the width."""

@@ -13,14 +13,21 @@ onnxruntime's kernel (:mod:`service.shims.onnxruntime`, byte for byte what its q
 and writes the slice's bytes. The pass that writes the packed blocks spools the slice's scales
 and zero points to a file beside it, which the next two initializers copy: one read of ``W``.
 
-What is quantized: every weight read by such a product, the output head included; a head tied
-to the embedding gets its own quantized copy and the ``Gather`` keeps the float embedding (what
-the model builder does without ``GatherBlockQuantized``). Norms, biases and the embedding stay
-float. Arithmetic: round to nearest (RTN, onnxruntime's default); symmetric blocks have no zero
-point input (the kernel's implicit ``2**(bits-1)``).
+What is quantized: every weight read by such a product, the output head included. The input
+embedding follows onnxruntime-genai's model builder (``make_embedding_lookup``, 0.18): a head
+tied to the embedding at int4 is one quantized weight, which the embedding's ``Gather`` reads
+too, as ``com.microsoft.GatherBlockQuantized`` over the head's own packed blocks reshaped to
+``[N, K_padded / 2]``, its scales and zero points (then a ``Slice`` when ``K`` is not a whole
+number of blocks): :func:`gather_quantized`. The float embedding is then not written at all.
+At int8 the builder keeps a float embedding beside the tied head's int8 copy (its
+``GatherBlockQuantized`` path is int4 only), and an untied embedding stays float at any width
+(the builder quantizes ``Gather`` only when the embedding is shared): so do we. Norms and biases
+stay float. Arithmetic: round to nearest (RTN, onnxruntime's default); symmetric blocks have no
+zero point input (the kernel's implicit ``2**(bits-1)``, which ``GatherBlockQuantized`` also
+takes for ``uint8`` data).
 
 :func:`dequantize` is the inverse the checks use: the float weight ``MatMulNBits`` multiplies
-by, from the artifact's own bytes.
+by, and the rows ``GatherBlockQuantized`` returns, from the artifact's own bytes.
 """
 
 from __future__ import annotations
@@ -152,7 +159,9 @@ class NBitsWeight:
         }  # fmt: skip
         try:
             for start in range(0, self.n, self._step):
-                quantized = self.scheme.quantize_rows(self._rows(start, min(self.n, start + self._step)))
+                quantized = self.scheme.quantize_rows(
+                    self._rows(start, min(self.n, start + self._step))
+                )
                 file.write(quantized[part].data)
                 for p, out in others.items():
                     out.write(quantized[p].data)
@@ -251,6 +260,103 @@ def quantize_matmuls(
     if done and MS_DOMAIN not in graph.opset_imports:
         graph.opset_imports[MS_DOMAIN] = 1
     return done
+
+
+@dataclass(frozen=True)
+class QuantizedWeights:
+    """What an int4/int8 export quantized: the scheme, the weights each ``MatMulNBits`` reads
+    (initializer names of the float weights they replace) and, of those, the ones the embedding
+    also reads through ``GatherBlockQuantized`` (a tied head at int4)."""
+
+    scheme: NBits
+    matmuls: tuple[str, ...]
+    gathered: tuple[str, ...] = ()
+
+
+GATHERED_BITS = frozenset({4})
+"""Widths at which a tied embedding reads the head's blocks: the model builder's (its
+``GatherBlockQuantized`` path refuses int8), though onnxruntime's CPU kernel also takes 8."""
+
+
+def gather_quantized(graph: ir.Graph, scheme: NBits, done: list[NBitsWeight]) -> list[str]:
+    """Rewrite each ``Gather(W, ids)`` (axis 0) of a weight ``W`` already quantized for a
+    ``MatMulNBits`` (a head tied to the embedding) as ``GatherBlockQuantized`` over ``W``'s
+    packed blocks, scales and zero points, as the model builder writes it; ``W`` then leaves
+    the graph. Only at :data:`GATHERED_BITS`. Returns the names of the weights so rewritten."""
+    import onnx_ir as ir
+
+    if scheme.bits not in GATHERED_BITS:
+        return []
+    gathered: list[str] = []
+    for weight in done:
+        value = graph.initializers.get(weight.name)
+        if value is None:
+            continue
+        uses = [use.node for use in value.uses()]
+        if not uses or not all(_embedding_gather(node, value) for node in uses):
+            continue
+        suffixes = {"packed": f"Q{scheme.bits}", "scales": "scales", "zero_points": "zp"}
+        parts = [graph.initializers[f"{weight.name}_{suffixes[p]}"] for p in weight.parts()]
+        packed_shape = scheme.shapes(weight.n, weight.k)["packed"]
+        flat = packed_shape[1] * packed_shape[2]
+        padded = scheme.blocks(weight.k) * scheme.block_size
+        for gather in uses:
+            base = gather.name or f"{weight.name}_gather"
+            shape = _int64s(f"{base}_rows_shape", [weight.n, flat])
+            reshape = ir.Node("", "Reshape", [parts[0], shape.outputs[0]], name=f"{base}_rows")
+            ids = gather.inputs[1]
+            gbq = ir.Node(
+                MS_DOMAIN, "GatherBlockQuantized", [reshape.outputs[0], ids, *parts[1:]],
+                attributes=[ir.AttrInt64("bits", scheme.bits),
+                            ir.AttrInt64("block_size", scheme.block_size),
+                            ir.AttrInt64("gather_axis", 0), ir.AttrInt64("quantize_axis", 1)],
+                name=f"{base}_Q{scheme.bits}",
+            )  # fmt: skip
+            reshape.outputs[0].name = f"{base}_rows_out"
+            new = [shape, reshape, gbq]
+            result = gather.outputs[0]
+            out = gbq.outputs[0]
+            if padded != weight.k:  # the padding of the last block, sliced off as the builder does
+                bounds = [
+                    _int64s(f"{base}_slice_{label}", [v])
+                    for label, v in (("start", 0), ("end", weight.k), ("axis", -1))
+                ]
+                out.name = f"{base}_padded_out"
+                out.type = result.type
+                sliced = ir.Node("", "Slice", [out, *(b.outputs[0] for b in bounds)],
+                                 name=f"{base}_slice")  # fmt: skip
+                new += [*bounds, sliced]
+                out = sliced.outputs[0]
+            out.shape, out.type = result.shape, result.type
+            graph.insert_before(gather, new)
+            result.replace_all_uses_with(out, replace_graph_outputs=True)
+            name = result.name
+            result.name = f"{name}_float"
+            out.name = name
+            graph.remove(gather, safe=True)
+        graph.initializers.pop(weight.name)
+        gathered.append(weight.name)
+    return gathered
+
+
+def _int64s(name: str, values: list[int]) -> ir.Node:
+    """A ``Constant`` node of int64 ``values`` whose output is named ``{name}_out``."""
+    import numpy as np
+    import onnx_ir as ir
+
+    value = ir.AttrTensor("value", ir.tensor(np.asarray(values, dtype=np.int64)))
+    node = ir.Node("", "Constant", [], attributes=[value], name=name)
+    node.outputs[0].name = f"{name}_out"
+    return node
+
+
+def _embedding_gather(node: ir.Node, weight: ir.Value) -> bool:
+    """Whether ``node`` is ``Gather(weight, ids)`` along rows: an embedding lookup."""
+    axis = node.attributes.get("axis")
+    return (
+        node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.inputs) == 2
+        and node.inputs[0] is weight and (axis is None or axis.as_int() == 0)
+    )  # fmt: skip
 
 
 def quantized_bytes(scheme: NBits, n: int, k: int, itemsize: int) -> int:

@@ -43,7 +43,7 @@ from service.verification.reference import GreedyReference, greedy_reference, pr
 if TYPE_CHECKING:
     from torch import nn
 
-    from service.exporters.onnx.quantize import NBits
+    from service.exporters.onnx.quantize import NBits, QuantizedWeights
 
 ORT_BASE_BYTES = 256 * 2**20
 """onnxruntime's own footprint (runtime, arena, a short prompt's tensors and KV cache): the
@@ -108,24 +108,24 @@ def verify_causal_lm(
     *,
     work: Path,
     check_abort: Callable[[], None] | None = None,
-    nbits: tuple[NBits, list[str]] | None = None,
+    quantized: QuantizedWeights | None = None,
     genai: bool = False,
 ) -> ParityReport:
     """PyTorch's greedy decode (``module``, a transformers causal LM) replayed in onnxruntime.
 
-    With ``nbits`` (the scheme and the quantized weights' names) PyTorch runs each quantized
-    linear layer on the weight the artifact holds, dequantized from its own bytes
-    (:func:`artifact_weights`): an exact check of the file, at the float tolerances, that a
-    correct int4/int8 file cannot fail for being quantized. With ``genai`` onnxruntime-genai's
+    With ``quantized`` (what the export quantized) PyTorch runs each quantized linear layer, and
+    an embedding read through ``GatherBlockQuantized``, on the weight the artifact holds,
+    dequantized from its own bytes (:func:`artifact_weights`): an exact check of the file, at
+    the float tolerances, that a correct int4/int8 file cannot fail for being quantized. With ``genai`` onnxruntime-genai's
     generator then decodes the same prompt greedily from the package directory
     (:func:`check_genai`)."""
     config: Any = module.config
     prompt = prompt_ids(prompt_tokens, int(config.vocab_size))
-    if nbits is None:
+    if quantized is None:
         with weights_in_blocks(module):
             expected = greedy_reference(module, prompt, decode_steps)
     else:
-        with artifact_weights(module, model_path, *nbits), weights_in_blocks(module):
+        with artifact_weights(module, model_path, quantized), weights_in_blocks(module):
             expected = greedy_reference(module, prompt, decode_steps)
     if check_abort is not None:
         check_abort()
@@ -151,7 +151,7 @@ def verify_causal_lm(
                 f"(PyTorch's margin {float(top2[1] - top2[0]):.3g}, error {err:.3g})"
             )
     extra = _mapped_run(run)
-    if nbits is not None:
+    if quantized is not None:
         extra["reference_weights"] = "dequantized from the artifact"
     if genai:
         extra["genai"] = check_genai(model_path.parent, expected, err, work, check_abort)
@@ -197,64 +197,112 @@ def check_genai(
 
 
 @contextlib.contextmanager
-def artifact_weights(module: nn.Module, model_path: Path, scheme: NBits, names: list[str]) -> Any:
-    """While inside, each linear layer of ``module`` whose weight was quantized (initializer
-    ``names``) multiplies by the weight ``MatMulNBits`` reads from the artifact: its packed
-    blocks, scales and zero points dequantized (:func:`service.exporters.onnx.quantize.dequantize`)
-    from the mapped data file a block of rows at a time (:data:`blocks.WRITE_BLOCK_BYTES` of
-    float32), when the layer runs: never a whole weight in float32."""
-    import torch
+def artifact_weights(module: nn.Module, model_path: Path, quantized: QuantizedWeights) -> Any:
+    """While inside, each linear layer of ``module`` whose weight was quantized
+    (``quantized.matmuls``) multiplies by the weight ``MatMulNBits`` reads from the artifact: its
+    packed blocks, scales and zero points dequantized (:func:`service.exporters.onnx.quantize.
+    dequantize`) from the mapped data file a block of rows at a time (:data:`blocks.
+    WRITE_BLOCK_BYTES` of float32), when the layer runs: never a whole weight in float32. Each
+    embedding whose weight ``GatherBlockQuantized`` reads (``quantized.gathered``) looks up the
+    rows of its ids dequantized from the same blocks."""
     from torch import nn
-
-    from service.exporters.onnx.quantize import dequantize
 
     stored = _external_initializers(model_path)
     by_tensor: dict[int, set[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(param), set()).add(name)
-    wanted = set(names)
+    scheme = quantized.scheme
+    wanted, gathered = set(quantized.matmuls), set(quantized.gathered)
+
+    def parts(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        suffix = {"packed": f"Q{scheme.bits}", "scales": "scales", "zero_points": "zp"}
+        found = {p: stored(f"{name}_{s}") for p, s in suffix.items()}
+        packed, scales = found["packed"], found["scales"]
+        if packed is None or scales is None:
+            raise VerificationFailed(f"the artifact lacks {name}'s quantized blocks")
+        return packed, scales, found["zero_points"]
+
     patched: list[nn.Module] = []
-
-    def forward_with(layer: nn.Linear, name: str) -> Any:
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            suffix = {"packed": f"Q{scheme.bits}", "scales": "scales", "zero_points": "zp"}
-            parts = {p: stored(f"{name}_{s}") for p, s in suffix.items()}
-            packed, scales = parts["packed"], parts["scales"]
-            if packed is None or scales is None:
-                raise VerificationFailed(f"the artifact lacks {name}'s quantized blocks")
-            zero_points = parts["zero_points"]
-            x = x.as_subclass(torch.Tensor)
-            bias = None if layer.bias is None else _plain(layer.bias)
-            rows, k = layer.out_features, layer.in_features
-            out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
-            step = max(1, blocks.WRITE_BLOCK_BYTES // (k * DEQUANTIZED_ITEMSIZE))
-            for start in range(0, rows, step):
-                stop = min(rows, start + step)
-                zp = None if zero_points is None else zero_points[start:stop]
-                weight = dequantize(scheme, k, packed[start:stop], scales[start:stop], zp)
-                w = torch.from_numpy(weight).to(x.dtype)
-                out[..., start:stop] = torch.nn.functional.linear(
-                    x, w, None if bias is None else bias[start:stop]
-                )
-            return out
-
-        return forward
-
+    embeddings = 0
     try:
         for layer in module.modules():
-            if isinstance(layer, nn.Linear):
-                found = by_tensor.get(id(layer.weight), set()) & wanted
-                if found:
-                    layer.forward = forward_with(layer, min(found))  # type: ignore[method-assign]
-                    patched.append(layer)
-        if len(wanted) > len(patched):
+            names = by_tensor.get(id(getattr(layer, "weight", None)), set())
+            if isinstance(layer, nn.Linear) and names & wanted:
+                layer.forward = _dequantized_linear(layer, scheme, parts(min(names & wanted)))  # type: ignore[method-assign]
+                patched.append(layer)
+            elif isinstance(layer, nn.Embedding) and names & gathered:
+                layer.forward = _dequantized_rows(layer, scheme, parts(min(names & gathered)))  # type: ignore[method-assign]
+                patched.append(layer)
+                embeddings += 1
+        if len(wanted) > len(patched) - embeddings or len(gathered) > embeddings:
             raise VerificationFailed(
-                f"{len(wanted)} weights were quantized, {len(patched)} linear layers read them"
+                f"{len(wanted)} weights were quantized and {len(gathered)} gathered quantized, "
+                f"{len(patched) - embeddings} linear layers and {embeddings} embeddings read them"
             )
         yield
     finally:
         for layer in patched:
             del layer.forward
+
+
+def _dequantized_linear(layer: nn.Linear, scheme: NBits, parts: Any) -> Any:
+    """``layer``'s forward on its weight dequantized from the artifact, a block of rows at a time."""
+    import torch
+
+    from service.exporters.onnx.quantize import dequantize
+
+    packed, scales, zero_points = parts
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = x.as_subclass(torch.Tensor)
+        bias = None if layer.bias is None else _plain(layer.bias)
+        rows, k = layer.out_features, layer.in_features
+        out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
+        step = max(1, blocks.WRITE_BLOCK_BYTES // (k * DEQUANTIZED_ITEMSIZE))
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            zp = None if zero_points is None else zero_points[start:stop]
+            weight = dequantize(scheme, k, packed[start:stop], scales[start:stop], zp)
+            w = torch.from_numpy(weight).to(x.dtype)
+            out[..., start:stop] = torch.nn.functional.linear(
+                x, w, None if bias is None else bias[start:stop]
+            )
+        return out
+
+    return forward
+
+
+def _dequantized_rows(layer: nn.Embedding, scheme: NBits, parts: Any) -> Any:
+    """``layer``'s own forward (a subclass's scaling included) on the rows of its ids alone,
+    dequantized from the artifact: the weight is lent, for the call, a table of those rows and
+    the ids are renumbered into it."""
+    import torch
+    from torch import nn
+
+    from service.exporters.onnx.quantize import dequantize
+
+    packed, scales, zero_points = parts
+    original = type(layer).forward
+    k = layer.embedding_dim
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.as_subclass(torch.Tensor)
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        rows = unique.numpy()
+        zp = None if zero_points is None else np.asarray(zero_points[rows])
+        table = dequantize(scheme, k, np.asarray(packed[rows]), np.asarray(scales[rows]), zp)
+        weight = layer._parameters["weight"]
+        dtype = weight.dtype if weight is not None else torch.float32
+        layer._parameters["weight"] = nn.Parameter(
+            torch.from_numpy(table).to(dtype), requires_grad=False
+        )
+        try:
+            out: torch.Tensor = original(layer, inverse.reshape(ids.shape))
+        finally:
+            layer._parameters["weight"] = weight
+        return out
+
+    return forward
 
 
 def _plain(tensor: Any) -> Any:

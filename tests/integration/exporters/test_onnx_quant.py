@@ -1,6 +1,7 @@
 """int4/int8 ONNX (onnxruntime's MatMulNBits) in both layouts, on a tiny random Llama (untied
-head) and on real SmolLM2 cut to two layers (tied head), each run here in onnxruntime and, for
-the genai layout, in onnxruntime-genai's generator.
+head) and on real SmolLM2 cut to two layers (tied head, and untied: its head stored apart), each
+run here in onnxruntime and, for the genai layout, in onnxruntime-genai's generator. A tied int4
+embedding is ``GatherBlockQuantized`` over the head's blocks, as the model builder writes it.
 
 The exporter's own check (PyTorch on the weights dequantized from the artifact vs onnxruntime,
 then onnxruntime-genai's greedy tokens) must pass; the tests then check from outside: a quantized
@@ -12,6 +13,7 @@ onnxruntime-genai session decodes the tokens the check reported.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +43,43 @@ CASES = [
     ("llama", {"weights": "int8", "block_size": 32, "symmetric": True, "layout": "genai"}),
     ("smollm2", {"weights": "int4", "block_size": 32, "symmetric": True, "layout": "genai"}),
     ("smollm2", {"weights": "int8", "block_size": 128, "symmetric": False, "layout": "optimum"}),
+    ("smollm2", {"weights": "int4", "block_size": 128, "symmetric": False, "layout": "genai"}),
+    ("smollm2-untied", {"weights": "int4", "block_size": 32, "symmetric": True, "layout": "genai"}),
 ]
 
 
-def _source(name: str, tiny_checkpoint: TinyCheckpointFactory) -> Path:
+def _source(name: str, tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path) -> Path:
     if name == "llama":
         return tiny_checkpoint("llama", "safetensors")
-    return real_variant("smollm2", Variant(layers=2))
+    tied = real_variant("smollm2", Variant(layers=2))
+    if name == "smollm2":
+        return tied
+    return _untied(tied, tmp_path / "untied")
+
+
+def _untied(tied: Path, out: Path) -> Path:
+    """``tied`` with its head stored apart (a copy of the embedding) and untied in its config:
+    real weights, the layout of an untied model."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tied, out)
+    state = load_file(out / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return out
 
 
 @pytest.mark.parametrize(
-    "name,fields", CASES, ids=[f"{n}-{f['weights']}-{f['layout']}" for n, f in CASES]
+    "name,fields",
+    CASES,
+    ids=[f"{n}-{f['weights']}-b{f['block_size']}-{f['layout']}" for n, f in CASES],
 )
 def test_quantized_export_is_onnxruntimes_quantization_and_runs_in_its_layout(
     name: str, fields: dict[str, Any], tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
 ) -> None:
-    source = _source(name, tiny_checkpoint)
+    source = _source(name, tiny_checkpoint, tmp_path)
     spec = ONNXSpec(decode_steps=5, **fields)
     ctx = InMemoryContext(Settings(data_dir=tmp_path / "data"), tmp_path / "work")
     ctx.work_dir.mkdir()
@@ -77,9 +100,22 @@ def test_quantized_export_is_onnxruntimes_quantization_and_runs_in_its_layout(
     assert ops.count("MatMulNBits") == 7 * layers + 1
     names = {i.name for i in graph.initializer}
     assert "model.layers.0.mlp.down_proj.weight" not in names  # no float copy left
-    (gather,) = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in names]
+    (lookup,) = [n for n in graph.node if n.op_type.startswith("Gather") and "input_ids" in n.input]
     floats = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
-    assert gather.input[0] in floats  # the embedding stays float, tied to the head or not
+    if lm.config.tie_word_embeddings and nbits.bits == 4:  # the head's blocks, as the builder
+        assert lookup.op_type == "GatherBlockQuantized" and lookup.domain == "com.microsoft"
+        (reshape,) = [n for n in graph.node if n.output[0] == lookup.input[0]]
+        assert reshape.input[0] == "lm_head.weight_Q4"
+        assert (
+            lookup.input[2:]
+            == ["lm_head.weight_scales", "lm_head.weight_zp"][: 2 - nbits.symmetric]
+        )
+        assert not floats & {"lm_head.weight", "model.embed_tokens.weight"}  # no float copy
+        assert summary["weights"]["embedding"].startswith("com.microsoft.GatherBlockQuantized")
+        assert summary["data_bytes"] < lm.model.embed_tokens.weight.numel() * 4
+    else:  # the builder's float embedding: int8, or an untied head
+        assert lookup.op_type == "Gather" and lookup.input[0] in floats
+        assert summary["weights"]["embedding"] == "float"
 
     # One weight's blocks, read back from the data file, are onnxruntime's quantizer's bytes.
     weight = lm.model.layers[1].self_attn.q_proj.weight.detach().numpy()
@@ -161,3 +197,36 @@ def _meta_lm(source: Path) -> torch.nn.Module:
 
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+
+
+def test_the_exact_check_reads_a_gathered_embedding_from_the_artifact(
+    tiny_checkpoint: TinyCheckpointFactory, tmp_path: Path
+) -> None:
+    """The tied int4 embedding is checked on the artifact's blocks: the same check with PyTorch
+    reading the float embedding instead (the rows it would miss) leaves the tolerance."""
+    from service.errors import VerificationFailed
+    from service.exporters.common.offloaded_model import offloaded_model
+    from service.exporters.onnx.quantize import NBits, QuantizedWeights
+    from service.exporters.onnx.verify import verify_causal_lm
+    from service.offload.build import build_on_meta
+
+    source = tiny_checkpoint("llama", "safetensors", tied=True)
+    spec = ONNXSpec(decode_steps=2, weights="int4", block_size=16)
+    ctx = InMemoryContext(Settings(data_dir=tmp_path / "data"), tmp_path / "work")
+    ctx.work_dir.mkdir()
+    out = tmp_path / "out"
+    with open_checkpoint(source) as ckpt:
+        result = ONNXExporter().export(spec, ExportInputs(checkpoint=ckpt), out, ctx)
+        assert result.summary["verify"]["max_abs_err"] <= result.summary["verify"]["tolerance"]
+        graph = onnx.load(str(out / MODEL_NAME), load_external_data=False).graph
+        matmuls = tuple(n.input[1].removesuffix("_Q4") for n in graph.node
+                        if n.op_type == "MatMulNBits")  # fmt: skip
+        assert "lm_head.weight" in matmuls
+        built = offloaded_model(build_on_meta(ckpt, Settings()).model, ckpt, offload_dir=tmp_path)
+        args = (out / MODEL_NAME, built.module, 4, 2, 1e-3, 1e-3)
+        exact = QuantizedWeights(NBits(4, 16, True), matmuls, ("lm_head.weight",))
+        report = verify_causal_lm(*args, work=tmp_path / "v1", quantized=exact)
+        assert report.max_abs_err <= report.tolerance
+        float_rows = QuantizedWeights(NBits(4, 16, True), matmuls)
+        with pytest.raises(VerificationFailed, match="logits differ"):
+            verify_causal_lm(*args, work=tmp_path / "v2", quantized=float_rows)

@@ -38,7 +38,7 @@ def test_int4_artifact_is_every_linear_quantized_and_the_rest_float() -> None:
     assert plan.artifact_bytes < float_plan.artifact_bytes / 3
 
 
-def test_a_tied_head_is_one_quantized_copy_beside_the_float_embedding() -> None:
+def test_a_tied_head_at_int8_is_one_quantized_copy_beside_the_float_embedding() -> None:
     untied = llama(2, hidden=256, inter=512, vocab=1000)
     without_head = tuple(t for t in untied.tensors if t.name != "lm_head.weight")
     config = {**(untied.config or {}), "tie_word_embeddings": True}
@@ -46,6 +46,19 @@ def test_a_tied_head_is_one_quantized_copy_beside_the_float_embedding() -> None:
     stored = replace(untied, config=config)  # tied, and the checkpoint stores the head too
     scheme = NBits(8, 128, False)
     expected = nbits_weight_bytes(untied, scheme, 4)
+    assert nbits_weight_bytes(tied, scheme, 4) == expected
+    assert nbits_weight_bytes(stored, scheme, 4) == expected
+
+
+def test_a_tied_head_at_int4_is_the_embedding_too_no_float_copy() -> None:
+    untied = llama(2, hidden=256, inter=512, vocab=1000)
+    without_head = tuple(t for t in untied.tensors if t.name != "lm_head.weight")
+    config = {**(untied.config or {}), "tie_word_embeddings": True}
+    tied = replace(untied, tensors=without_head, config=config)
+    stored = replace(untied, config=config)
+    scheme = NBits(4, 32, True)
+    float_embedding = 1000 * 256 * 4
+    expected = nbits_weight_bytes(untied, scheme, 4) - float_embedding
     assert nbits_weight_bytes(tied, scheme, 4) == expected
     assert nbits_weight_bytes(stored, scheme, 4) == expected
 

@@ -76,7 +76,8 @@ def test_dequantized_weight_is_what_matmulnbits_multiplies_by(scheme: NBits) -> 
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [k, n])], inits,
     )  # fmt: skip
     model = helper.make_model(
-        graph, ir_version=10,
+        graph,
+        ir_version=10,
         opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
     )
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -114,3 +115,56 @@ def test_dequantize_slice_by_slice_is_dequantize_whole(scheme: NBits, tmp_path: 
     whole = dequantize(scheme, 200, parts["packed"], parts["scales"], zero, rows_per_slice=23)
     sliced = dequantize(scheme, 200, parts["packed"], parts["scales"], zero, rows_per_slice=5)
     assert sliced.dtype == np.float32 and np.array_equal(whole, sliced)
+
+
+def _tied_graph(w: np.ndarray) -> Any:
+    """``emb = Gather(W, ids)`` and ``y = MatMul(x, Transpose(W))``: a head tied to the
+    embedding, as torch.onnx captures it."""
+    import onnx_ir as ir
+
+    v, k = w.shape
+    nodes = [
+        helper.make_node("Gather", ["W", "ids"], ["emb"], name="embedding"),
+        helper.make_node("Transpose", ["W"], ["w_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "w_t"], ["y"], name="head"),
+    ]
+    graph = helper.make_graph(
+        nodes, "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [3]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+        [helper.make_tensor_value_info("emb", TensorProto.FLOAT, [3, k]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, v])],
+        [numpy_helper.from_array(w, "W")],
+    )  # fmt: skip
+    proto = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    return ir.from_proto(proto)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_a_tied_int4_embedding_gathers_the_heads_blocks_as_the_model_builder_does(
+    scheme: NBits, tmp_path: Any
+) -> None:
+    import onnx_ir as ir
+
+    from service.exporters.onnx.quantize import gather_quantized, quantize_matmuls
+
+    w = _weight(n=50, k=200)  # 200 is not a whole number of blocks: the padding is sliced off
+    model = _tied_graph(w)
+    done = quantize_matmuls(model.graph, scheme, lambda _: (lambda a, b: w[a:b], 4), tmp_path)
+    gathered = gather_quantized(model.graph, scheme, done)
+    ops = [node.op_type for node in model.graph]
+    if scheme.bits == 8:  # the builder keeps a float embedding beside an int8 head
+        assert gathered == [] and "Gather" in ops and "W" in model.graph.initializers
+        return
+    assert gathered == ["W"] and "W" not in model.graph.initializers
+    assert "Gather" not in ops and ops.count("GatherBlockQuantized") == 1
+    ir.save(model, tmp_path / "m.onnx", external_data="m.onnx_data")
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.asarray([49, 0, 7], dtype=np.int64)
+    x = np.random.default_rng(1).standard_normal((3, 200)).astype(np.float32)
+    emb, y = session.run(["emb", "y"], {"ids": ids, "x": x})
+    parts = scheme.quantize_rows(w)
+    zero = None if scheme.symmetric else parts["zero_points"]
+    ours = dequantize(scheme, 200, parts["packed"], parts["scales"], zero)
+    assert emb.shape == (3, 200) and np.array_equal(emb, ours[ids])  # the rows, exactly
+    np.testing.assert_allclose(y, x @ ours.T, rtol=0, atol=1e-4)  # the head reads the same
