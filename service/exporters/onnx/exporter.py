@@ -626,7 +626,8 @@ def _reader(source: Any, dtype: ir.DataType) -> Any:
 
 
 def _save(model: ir.Model, out_dir: Path) -> None:
-    """Fold the graph's own constants, then write the graph and its external data.
+    """Fold the graph's own constants and drop its no-ops (:mod:`~service.exporters.onnx.
+    simplify`), then write the graph and its external data.
 
     Nodes reading a weight are never folded: each weight stays one lazy tensor under its module
     name (a folded transpose would be a nameless copy held in RAM until written); onnxruntime
@@ -634,7 +635,8 @@ def _save(model: ir.Model, out_dir: Path) -> None:
     worker, one tensor in flight) into a temporary file that replaces ``model.onnx_data`` when
     complete."""
     import onnx_ir as ir
-    import onnxscript.optimizer
+
+    from service.exporters.onnx.simplify import simplify
 
     weights = set(model.graph.initializers)
 
@@ -642,7 +644,7 @@ def _save(model: ir.Model, out_dir: Path) -> None:
         return False if any(v is not None and v.name in weights for v in node.inputs) else None
 
     try:
-        onnxscript.optimizer.optimize_ir(model, should_fold=should_fold)
+        simplify(model, should_fold)
     except Exception as exc:  # the optimizer wraps its passes' errors in PassError
         raise ExportFailed(f"onnxscript could not optimize the graph: {exc}") from exc
     from service.exporters.onnx.mapped import ALIGNMENT, weights_read_in_place

@@ -291,15 +291,16 @@ def _dequantized_rows(layer: nn.Embedding, scheme: NBits, parts: Any) -> Any:
         rows = unique.numpy()
         zp = None if zero_points is None else np.asarray(zero_points[rows])
         table = dequantize(scheme, k, np.asarray(packed[rows]), np.asarray(scales[rows]), zp)
-        weight = layer._parameters["weight"]
+        weight, padding = layer._parameters["weight"], layer.padding_idx
         dtype = weight.dtype if weight is not None else torch.float32
         layer._parameters["weight"] = nn.Parameter(
             torch.from_numpy(table).to(dtype), requires_grad=False
         )
+        layer.padding_idx = None  # a row number of the whole table; it only shapes gradients
         try:
             out: torch.Tensor = original(layer, inverse.reshape(ids.shape))
         finally:
-            layer._parameters["weight"] = weight
+            layer._parameters["weight"], layer.padding_idx = weight, padding
         return out
 
     return forward

@@ -64,7 +64,9 @@ def _untied(tied: Path, out: Path) -> Path:
 
     shutil.copytree(tied, out)
     state = load_file(out / "model.safetensors")
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    (stored,) = [state[n] for n in names if n in state]  # the tied weight, under either name
+    state.update({n: stored.clone() for n in names})
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
