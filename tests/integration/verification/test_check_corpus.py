@@ -22,7 +22,8 @@ each for a 152k- or 262k-token vocabulary, beyond this module's budget.
 does (their logits are near flat), each fault fails its check, naming the tensor or the stage:
 rows flipped by the GGUF writer (the read-back names the tensor), the q/k permutation skipped,
 the rope base written wrong, Gemma's norm offset dropped (llama.cpp against transformers on the
-file's own weights), the GGUF's vocabulary one id off (llama.cpp's tokenization of the probes:
+file's own weights), llama-quantize's file with a tensor's rows flipped (the file's weights
+against the source's, naming the tensor: its quality moves by less than its rounding), the GGUF's vocabulary one id off (llama.cpp's tokenization of the probes:
 its logit runs read the reference's ids), a NNEF q4_0 weight's rows flipped (tract against
 PyTorch's compressed model, naming the layer). An int4 ONNX whose quantizer was handed a
 weight's rows upside down is *not* caught (strict xfail): onnxruntime is compared with the
@@ -208,6 +209,31 @@ def _vocabulary_shifted(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+def _quantized_file_flips_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-quantize's file with ``blk.0.ffn_down.weight``'s rows upside down (its blocks
+    and scales together): consistent with itself, never read back."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    from service.exporters.gguf import quantize
+    from service.exporters.gguf.directory import read_directory
+
+    run = quantize.quantize
+
+    def flipped(f16: Path, dest: Path, *args: Any, **kwargs: Any) -> Any:
+        result = run(f16, dest, *args, **kwargs)
+        (t,) = [t for t in read_directory(dest).tensors if t.name == "blk.0.ffn_down.weight"]
+        shape = quant_shape_to_byte_shape(t.shape, GGMLQuantizationType(t.ggml_type))
+        data = np.memmap(dest, dtype=np.uint8, mode="r+")
+        rows = data[t.offset : t.offset + int(np.prod(shape))].reshape(shape)
+        rows[:] = rows[::-1].copy()
+        data.flush()
+        return result
+
+    monkeypatch.setattr(quantize, "quantize", flipped)
+
+
 def _nnef_q4_0_writer_flips_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch-to-nnef writes a q4_0 weight as its blocks' codes and scales: both flipped."""
     from torch_to_nnef.tensor.quant import qtract
@@ -258,6 +284,10 @@ MUTATIONS: dict[str, tuple[str, str, Callable[[pytest.MonkeyPatch], None], str]]
     "vocabulary one id off": (
         "near-tie-gemma3-64", "gguf-q8_0", _vocabulary_shifted,
         r"llama\.cpp tokenizes .* the GGUF's tokenizer metadata is wrong",
+    ),
+    "llama-quantize's file with a tensor's rows flipped": (
+        "near-tie-llama-256", "gguf-Q4_K_M", _quantized_file_flips_rows,
+        r"model\.layers\.0\.mlp\.down_proj\.weight: the GGUF's values are not the source's",
     ),
     "nnef q4_0 writer flips a weight's blocks": (
         "near-tie-gemma3-64", "nnef-q4_0", _nnef_q4_0_writer_flips_rows,

@@ -52,3 +52,14 @@ def test_a_direct_type_of_an_unknown_pre_tokenizer_accepted_reports_its_tokenize
     tokenizer = verify["tokenizer"]
     assert tokenizer["match"] is True or tokenizer["judged"] is False, tokenizer
     assert verify["exact"]["judged"], verify["exact"]
+
+
+def test_a_tokenizer_differing_only_by_its_prefix_space_passes_the_probes(tmp_path: Path) -> None:
+    """Gemma's vocabulary in llama.cpp adds no prefix space; the family fixture's tokenizer
+    class (transformers' ``LlamaTokenizer`` on its ``tokenizer.model``) adds one: the probes
+    differ by that one leading piece only, which is the class's convention, not the file's."""
+    from tests.fixtures.families import family_checkpoint
+
+    with CheckedSource(family_checkpoint("gemma"), tmp_path / "job") as job:
+        verify = job.export(GGUFSpec(type="f16"))["verify"]
+    assert verify["tokenizer"]["match"] and verify["tokenizer"]["prefix_space_differs"] > 0
