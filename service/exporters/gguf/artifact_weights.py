@@ -26,6 +26,7 @@ at a time. Disk: 4 bytes per parameter, removed by the caller.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -47,6 +48,14 @@ ROW_BLOCK_BYTES = 32 << 20
 """float32 bytes of rows dequantized at once; a tensor moved unchanged of more than this is
 streamed to a file of its own."""
 PROBES = ("zero", "row", "col", "id", "rand")
+WEIGHT_ERROR_BOUND = 0.5
+"""Largest relative RMS error (``||stored - source|| / ||source||``) of a tensor the file holds.
+The exact check compares llama.cpp with the file's *own* weights, so a file consistent with
+itself but not with the source (a llama-quantize type's rows written upside down: never read
+back, and on a near-tie model its quality figures move by less than its rounding) would pass
+it; this bound catches that. A correct file's rounding is a fraction of its weights: q8_0
+~0.005, q4_0 and Q4_K ~0.1, Q2_K ~0.3 relative RMS on Gaussian weights; a fault moves whole
+rows or scales: flipped or swapped rows sqrt(2), zeroed 1, a scale doubled 1."""
 
 
 class NotInvertible(Exception):
@@ -64,6 +73,9 @@ class ArtifactWeights:
     """GGUF tensors the converter transformed (inverted through the probes)."""
     from_source: list[str] = field(default_factory=list)
     """Checkpoint tensors the file does not hold (llama.cpp computes or ignores them)."""
+    largest_error: tuple[str, float] = ("", 0.0)
+    """The tensor whose stored values are farthest from the source's, and that distance
+    (relative RMS error, :func:`relative_error`)."""
 
 
 class _ProbeReader:
@@ -231,6 +243,34 @@ def _row_blocks(data: np.ndarray, kind: Any, row_elements: int) -> Iterator[np.n
         yield quants.dequantize(rows[start : start + step], kind).reshape(-1)
 
 
+def relative_error(stored: Iterator[np.ndarray], source: Iterator[np.ndarray]) -> float:
+    """``||stored - source|| / ||source||`` over two flat float32 streams of the same tensor in
+    row-major order, in pieces of any sizes (0 when both are zero)."""
+    import numpy as np
+
+    err = ref = 0.0
+    left = np.zeros(0, dtype=np.float64)
+    for piece in stored:
+        left = np.concatenate([left, np.asarray(piece, dtype=np.float64).reshape(-1)])
+        while left.size:
+            chunk = next(source, None)
+            if chunk is None:
+                raise VerificationFailed("the file holds more values than the source tensor")
+            flat = np.asarray(chunk, dtype=np.float64).reshape(-1)
+            n = min(flat.size, left.size)
+            err += float(np.sum((left[:n] - flat[:n]) ** 2))
+            ref += float(np.sum(flat[:n] ** 2))
+            left = left[n:]
+            if n < flat.size:  # the source's chunk outlasts the stored piece: keep its tail
+                source = _prepend(flat[n:], source)
+    return math.sqrt(err / ref) if ref > 0 else (0.0 if err == 0 else math.inf)
+
+
+def _prepend(head: np.ndarray, rest: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+    yield head
+    yield from rest
+
+
 def write_artifact_weights(
     gguf_path: Path,
     root: Path,
@@ -266,16 +306,40 @@ def write_artifact_weights(
             weight_map.update(dict.fromkeys(shard, file))
             shard.clear()
 
-    def emit(name: str, values: np.ndarray) -> None:
+    def source_chunks(name: str) -> Iterator[np.ndarray]:
+        for chunk in reader.iter_chunks(name, ROW_BLOCK_BYTES):
+            yield chunk.to(torch.float32).numpy()
+
+    def compared(name: str, stored: Iterator[np.ndarray]) -> None:
+        """The stored values of ``name`` against the source's (:data:`WEIGHT_ERROR_BOUND`)."""
+        error = relative_error(stored, source_chunks(name))
+        if not error <= WEIGHT_ERROR_BOUND:  # NaN fails too
+            raise VerificationFailed(
+                f"{name}: the GGUF's values are not the source's (relative RMS error "
+                f"{error:.3g} > {WEIGHT_ERROR_BOUND}, where the type's rounding costs a fraction "
+                "of that): the file holds other rows, scales or a transform of this tensor"
+            )
+        if error >= result.largest_error[1]:
+            result.largest_error = (name, error)
+
+    def emit(name: str, values: np.ndarray, stored: bool = True) -> None:
         shard[name] = np.ascontiguousarray(values, dtype=np.float32)
+        if stored:
+            compared(name, iter([shard[name]]))
         if sum(a.nbytes for a in shard.values()) >= SHARD_BYTES:
             flush()
 
     def stream(source: str, blocks: Iterator[np.ndarray]) -> None:
         file = f"model-streamed-{len(streamed) + 1:05d}.safetensors"
-        _stream_tensor(out / file, source, tuple(infos[source].shape), blocks)
+        shape = tuple(infos[source].shape)
+        _stream_tensor(out / file, source, shape, blocks)
         weight_map[source] = file
         streamed.append(source)
+        data = np.memmap(out / file, dtype=np.float32, mode="r", shape=(int(np.prod(shape)),),
+                         offset=(out / file).stat().st_size - 4 * int(np.prod(shape)))  # fmt: skip
+        step = max(1, ROW_BLOCK_BYTES // 4)
+        compared(source, (data[i : i + step] for i in range(0, data.size, step)))
+        del data
 
     def with_source_tail(source: str, head: Iterator[np.ndarray], held: int) -> Iterator[
             np.ndarray]:  # fmt: skip
@@ -335,11 +399,11 @@ def write_artifact_weights(
         del values
     for source in list(pending):  # partly held: the rest from the source (llama.cpp lacks it)
         result.from_source.append(source)
-        emit(source, pending.pop(source).reshape(infos[source].shape))
+        emit(source, pending.pop(source).reshape(infos[source].shape), stored=False)
     for name in infos:
         if name not in result.ggml_types and name not in aliases:
             result.from_source.append(name)
-            emit(name, reader.read(name).to(torch.float32).numpy())
+            emit(name, reader.read(name).to(torch.float32).numpy(), stored=False)
     flush()
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)

@@ -140,6 +140,9 @@ def check_exact(
         "tolerance": tolerance,
         "ratio_to_arithmetic": figures.kl_mean / max(arith.kl_mean, 1e-30),
         "transformed_tensors": len(weights.transformed),
+        "largest_weight_error": {
+            "tensor": weights.largest_error[0], "relative_rms": weights.largest_error[1],
+        },
         "from_source": weights.from_source,
     }
     if not figures.kl_mean <= tolerance:  # NaN fails too

@@ -46,6 +46,7 @@ from service.errors import (
     NoModelConfig,
     UnsupportedExport,
     UnsupportedTokenizer,
+    VerificationFailed,
 )
 from service.exporters.base import (
     Exporter,
@@ -133,6 +134,11 @@ class GGUFExporter(Exporter):
         )
         work = ctx.work_dir / f"gguf-logits-{out_dir.name}"
         work.mkdir(parents=True, exist_ok=True)
+        # llama.cpp's logit runs read the reference's token ids, never the file's tokenizer: a
+        # type written directly has its vocabulary and pre-tokenizer checked here (a
+        # llama-quantize type had them checked on its quantized file, in _quantize)
+        root = inputs.checkpoint.root
+        tokenizer = None if spec.quantized else self._llama_tokenize(spec, files[0], root, ctx)
         # what was written first (model-independent), then what the type cost (the quality
         # report): a fault is named as one, not as a quality shortfall
         exact = self._check_exact(spec, inputs, files[0], work, ctx)
@@ -141,6 +147,8 @@ class GGUFExporter(Exporter):
             thresholds=spec.thresholds,
         )
         checked = {"logits": report, "exact": exact}
+        if tokenizer is not None:
+            checked["tokenizer"] = tokenizer
         if not spec.lora:
             return checked
         from service.exporters.gguf.lora import verify_lora
@@ -466,12 +474,21 @@ class GGUFExporter(Exporter):
         return summary
 
     @staticmethod
-    def _llama_tokenize(path: Path, root: Path, ctx: JobContext) -> dict[str, Any]:
+    def _llama_tokenize(spec: GGUFSpec, path: Path, root: Path, ctx: JobContext) -> dict[str, Any]:
+        """llama.cpp's ids of the probes against the checkpoint tokenizer's
+        (``llama_check.check_tokenizer``). A request that accepted a fallback pre-tokenizer
+        accepted llama.cpp's other splitting: a mismatch is then reported, not failed."""
         from service.exporters.gguf.llama_check import check_tokenizer
 
         work = ctx.work_dir / "gguf-check"
         work.mkdir(parents=True, exist_ok=True)
-        return check_tokenizer(path, root, work, ctx.check_abort, ctx.settings.llama_cpp_dir)
+        try:
+            return check_tokenizer(path, root, work, ctx.check_abort, ctx.settings.llama_cpp_dir)
+        except VerificationFailed as exc:
+            if spec.pre_tokenizer_fallback is None:
+                raise
+            return {"match": False, "judged": False, "reason": f"pre_tokenizer_fallback "
+                    f"{spec.pre_tokenizer_fallback!r} accepted: {exc}"}  # fmt: skip
 
     def _quantize(
         self,
@@ -506,7 +523,7 @@ class GGUFExporter(Exporter):
         ctx.add_metric("quantizer_peak_rss_bytes", run.peaks.rss)
         if check:
             try:
-                checks["tokenizer"] = self._llama_tokenize(dest, root, ctx)
+                checks["tokenizer"] = self._llama_tokenize(spec, dest, root, ctx)
                 ppl = perplexity(dest, f16.parent, ctx.check_abort, bin_dir, text)
                 checks["perplexity"] = check_perplexity(spec.type, ppl, ppl_f16)
             except BaseException:
