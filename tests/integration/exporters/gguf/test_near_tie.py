@@ -5,9 +5,9 @@ Its correct q8_0 and Q4_K_M files flip top-1 tokens against the float source by 
 jobs succeed, with the quality report (KL, top-1, near ties, top-1 on decided positions) in the
 manifest, and the exact check (llama.cpp against transformers on the file's own weights)
 within its arithmetic tolerance. A request's thresholds fail the job with
-``quality_below_threshold``. A converter fault (rows flipped, the q/k permutation skipped, a
-norm offset), which the quality figures of such a model could not tell from rounding, fails the
-exact check: each is a monkeypatch of llama.cpp's converter class for the test's duration, as
+``quality_below_threshold``. A converter fault (rows flipped, a norm offset; the q/k
+permutation skipped is the check corpus's), which the quality figures of such a model could not
+tell from rounding, fails the exact check: each is a monkeypatch of llama.cpp's converter class for the test's duration, as
 in ``tests/integration/real_models/test_checks_fail.py``.
 """
 
@@ -123,19 +123,12 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("mutation", [*MUTATIONS, "q/k permutation skipped"])
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_a_converter_fault_on_a_near_tie_model_fails_the_exact_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutation: str
 ) -> None:
-    if mutation in MUTATIONS:
-        _converter(monkeypatch, MUTATIONS[mutation])
-    else:
-        from service.shims.llama_cpp_convert import load_converter
-
-        load_converter()
-        llama = importlib.import_module("conversion.llama").LlamaModel
-        monkeypatch.setattr(
-            llama, "permute", staticmethod(lambda weights, n_head, n_head_kv=None: weights)
-        )
+    """(The q/k permutation skipped, on near-tie models, is the check corpus's:
+    tests/integration/verification/test_check_corpus.py; on SmolLM2's job, test_checks_fail's.)"""
+    _converter(monkeypatch, MUTATIONS[mutation])
     with pytest.raises(VerificationFailed, match="q8_0 GGUF is not what was meant to be written"):
         _run(tmp_path, {"format": "gguf", "type": "q8_0"})
