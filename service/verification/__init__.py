@@ -27,6 +27,9 @@ The modules:
   default.
 - ``llama_kl``: llama.cpp's KL file format: the reference's logits written as
   ``llama-perplexity``'s base file, and the figures it prints read back.
+- ``weight_error``: a quantized file's stored weights against the source's (relative RMS
+  error, streamed in the pieces the check holds, :data:`~weight_error.WEIGHT_ERROR_BOUND`): what
+  an exact check on the file's own weights cannot see.
 
 What each consumer check compares, against what:
 
@@ -52,7 +55,9 @@ What each consumer check compares, against what:
 - **ONNX** (``exporters.onnx.verify``): onnxruntime's prompt and decode steps against
   PyTorch's greedy decode with its KV cache, ``parity`` with the ``runtime`` tolerances and the
   same argmax at every step; then onnxruntime's logits on the fixed text against
-  ``independent``'s, the ``logits`` figures within the runtime bounds.
+  ``independent``'s, the ``logits`` figures within the runtime bounds. int4/int8: PyTorch runs
+  on the file's own weights dequantized (``exporters.onnx.artifact_weights``), each held to the
+  source's (``weight_error``), the logits figures reported as quality, not judged.
 
 It sits between ``service.plan`` and ``service.checkpoint`` in the layers: the exporters and
 the pipeline import it; it imports only the checkpoint readers and the leaves.

@@ -26,7 +26,6 @@ at a time. Disk: 4 bytes per parameter, removed by the caller.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import VerificationFailed
+from service.verification.weight_error import WEIGHT_ERROR_BOUND, relative_error
 
 if TYPE_CHECKING:
     import numpy as np
@@ -48,14 +48,6 @@ ROW_BLOCK_BYTES = 32 << 20
 """float32 bytes of rows dequantized at once; a tensor moved unchanged of more than this is
 streamed to a file of its own."""
 PROBES = ("zero", "row", "col", "id", "rand")
-WEIGHT_ERROR_BOUND = 0.5
-"""Largest relative RMS error (``||stored - source|| / ||source||``) of a tensor the file holds.
-The exact check compares llama.cpp with the file's *own* weights, so a file consistent with
-itself but not with the source (a llama-quantize type's rows written upside down: never read
-back, and on a near-tie model its quality figures move by less than its rounding) would pass
-it; this bound catches that. A correct file's rounding is a fraction of its weights: q8_0
-~0.005, q4_0 and Q4_K ~0.1, Q2_K ~0.3 relative RMS on Gaussian weights; a fault moves whole
-rows or scales: flipped or swapped rows sqrt(2), zeroed 1, a scale doubled 1."""
 
 
 class NotInvertible(Exception):
@@ -241,34 +233,6 @@ def _row_blocks(data: np.ndarray, kind: Any, row_elements: int) -> Iterator[np.n
     step = max(1, ROW_BLOCK_BYTES // (4 * max(1, row_elements)))
     for start in range(0, rows.shape[0], step):
         yield quants.dequantize(rows[start : start + step], kind).reshape(-1)
-
-
-def relative_error(stored: Iterator[np.ndarray], source: Iterator[np.ndarray]) -> float:
-    """``||stored - source|| / ||source||`` over two flat float32 streams of the same tensor in
-    row-major order, in pieces of any sizes (0 when both are zero)."""
-    import numpy as np
-
-    err = ref = 0.0
-    left = np.zeros(0, dtype=np.float64)
-    for piece in stored:
-        left = np.concatenate([left, np.asarray(piece, dtype=np.float64).reshape(-1)])
-        while left.size:
-            chunk = next(source, None)
-            if chunk is None:
-                raise VerificationFailed("the file holds more values than the source tensor")
-            flat = np.asarray(chunk, dtype=np.float64).reshape(-1)
-            n = min(flat.size, left.size)
-            err += float(np.sum((left[:n] - flat[:n]) ** 2))
-            ref += float(np.sum(flat[:n] ** 2))
-            left = left[n:]
-            if n < flat.size:  # the source's chunk outlasts the stored piece: keep its tail
-                source = _prepend(flat[n:], source)
-    return math.sqrt(err / ref) if ref > 0 else (0.0 if err == 0 else math.inf)
-
-
-def _prepend(head: np.ndarray, rest: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
-    yield head
-    yield from rest
 
 
 def write_artifact_weights(

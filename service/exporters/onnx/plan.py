@@ -75,8 +75,9 @@ packed blocks and scales (an eighth to a quarter of it)."""
 
 DEQUANTIZED_ITEMSIZE = 4
 """int4/int8 with the check: a block of a quantized weight's rows (:data:`WRITE_BLOCK_BYTES` of
-float32), dequantized from the artifact for PyTorch's run (``verify.artifact_weights``), plus its
-cast when the export is float16."""
+float32), dequantized from the artifact for PyTorch's run (``artifact_weights``), plus its
+cast when the export is float16, and on the weight's first run the source's rows it is
+compared with (read and, when the export casts, cast: at most 4 bytes each per element)."""
 
 WRITE_BLOCK_BYTES = 64 * MiB
 """A weight's block, written or multiplied (``blocks.WRITE_BLOCK_BYTES``: one figure)."""
@@ -176,6 +177,7 @@ def plan_onnx(spec: Any, inputs: PlanInputs) -> ExportPlan:
         quantized = headers.largest(_quantized)
         if spec.verify and quantized is not None:
             per = DEQUANTIZED_ITEMSIZE + (itemsize if itemsize != DEQUANTIZED_ITEMSIZE else 0)
+            per += itemsize + (4 if cast else 0)  # the source's rows it is compared with
             dequantized = min(WRITE_BLOCK_BYTES, quantized.numel * DEQUANTIZED_ITEMSIZE)
             dequantized = dequantized // DEQUANTIZED_ITEMSIZE * per
             if dequantized > block:

@@ -17,7 +17,6 @@ divergence). Encoders are run once on a fixed input and ``last_hidden_state`` co
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -28,9 +27,9 @@ import numpy as np
 
 from service.errors import VerificationFailed
 from service.exporters.common.child_process import ChildRun, ensure_fits, run_npz_child
-from service.exporters.onnx import blocks, ort_cli
+from service.exporters.onnx import ort_cli
+from service.exporters.onnx.artifact_weights import artifact_weights
 from service.exporters.onnx.blocks import weights_in_blocks
-from service.exporters.onnx.plan import DEQUANTIZED_ITEMSIZE
 from service.verification.logits import compare_logits, placed_rows, runtime_bounds, window_request
 from service.verification.parity import (
     Comparison,
@@ -43,7 +42,7 @@ from service.verification.reference import GreedyReference, greedy_reference, pr
 if TYPE_CHECKING:
     from torch import nn
 
-    from service.exporters.onnx.quantize import NBits, QuantizedWeights
+    from service.exporters.onnx.quantize import QuantizedWeights
 
 ORT_BASE_BYTES = 256 * 2**20
 """onnxruntime's own footprint (runtime, arena, a short prompt's tensors and KV cache): the
@@ -115,8 +114,10 @@ def verify_causal_lm(
 
     With ``quantized`` (what the export quantized) PyTorch runs each quantized linear layer, and
     an embedding read through ``GatherBlockQuantized``, on the weight the artifact holds,
-    dequantized from its own bytes (:func:`artifact_weights`): an exact check of the file, at
-    the float tolerances, that a correct int4/int8 file cannot fail for being quantized. With ``genai`` onnxruntime-genai's
+    dequantized from its own bytes (:func:`~service.exporters.onnx.artifact_weights.
+    artifact_weights`): an exact check of the file, at the float tolerances, that a correct
+    int4/int8 file cannot fail for being quantized; each weight's first multiplication also
+    holds it to the source's (``largest_weight_error``). With ``genai`` onnxruntime-genai's
     generator then decodes the same prompt greedily from the package directory
     (:func:`check_genai`)."""
     config: Any = module.config
@@ -125,8 +126,13 @@ def verify_causal_lm(
         with weights_in_blocks(module):
             expected = greedy_reference(module, prompt, decode_steps)
     else:
-        with artifact_weights(module, model_path, quantized), weights_in_blocks(module):
+        with artifact_weights(module, model_path, quantized) as errors, weights_in_blocks(module):
             expected = greedy_reference(module, prompt, decode_steps)
+        if len(errors.errors) < len(quantized.matmuls):
+            raise VerificationFailed(
+                f"{len(quantized.matmuls)} weights were quantized, {len(errors.errors)} "
+                "compared with the source's: a quantized layer never ran"
+            )
     if check_abort is not None:
         check_abort()
     request = {
@@ -153,6 +159,7 @@ def verify_causal_lm(
     extra = _mapped_run(run)
     if quantized is not None:
         extra["reference_weights"] = "dequantized from the artifact"
+        extra["largest_weight_error"] = errors.largest()
     if genai:
         extra["genai"] = check_genai(model_path.parent, expected, err, work, check_abort)
     return ParityReport.of(
@@ -194,158 +201,6 @@ def check_genai(
         agreed += 1
     return {"tokens": tokens, "agreed_steps": agreed, "steps": len(expected.tokens),
             "peak_rss_bytes": run.peak_rss_bytes, **_seconds(run)}  # fmt: skip
-
-
-@contextlib.contextmanager
-def artifact_weights(module: nn.Module, model_path: Path, quantized: QuantizedWeights) -> Any:
-    """While inside, each linear layer of ``module`` whose weight was quantized
-    (``quantized.matmuls``) multiplies by the weight ``MatMulNBits`` reads from the artifact: its
-    packed blocks, scales and zero points dequantized (:func:`service.exporters.onnx.quantize.
-    dequantize`) from the mapped data file a block of rows at a time (:data:`blocks.
-    WRITE_BLOCK_BYTES` of float32), when the layer runs: never a whole weight in float32. Each
-    embedding whose weight ``GatherBlockQuantized`` reads (``quantized.gathered``) looks up the
-    rows of its ids dequantized from the same blocks."""
-    from torch import nn
-
-    stored = _external_initializers(model_path)
-    by_tensor: dict[int, set[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(param), set()).add(name)
-    scheme = quantized.scheme
-    wanted, gathered = set(quantized.matmuls), set(quantized.gathered)
-
-    def parts(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        suffix = {"packed": f"Q{scheme.bits}", "scales": "scales", "zero_points": "zp"}
-        found = {p: stored(f"{name}_{s}") for p, s in suffix.items()}
-        packed, scales = found["packed"], found["scales"]
-        if packed is None or scales is None:
-            raise VerificationFailed(f"the artifact lacks {name}'s quantized blocks")
-        return packed, scales, found["zero_points"]
-
-    patched: list[nn.Module] = []
-    embeddings = 0
-    try:
-        for layer in module.modules():
-            names = by_tensor.get(id(getattr(layer, "weight", None)), set())
-            if isinstance(layer, nn.Linear) and names & wanted:
-                layer.forward = _dequantized_linear(layer, scheme, parts(min(names & wanted)))  # type: ignore[method-assign]
-                patched.append(layer)
-            elif isinstance(layer, nn.Embedding) and names & gathered:
-                layer.forward = _dequantized_rows(layer, scheme, parts(min(names & gathered)))  # type: ignore[method-assign]
-                patched.append(layer)
-                embeddings += 1
-        if len(wanted) > len(patched) - embeddings or len(gathered) > embeddings:
-            raise VerificationFailed(
-                f"{len(wanted)} weights were quantized and {len(gathered)} gathered quantized, "
-                f"{len(patched) - embeddings} linear layers and {embeddings} embeddings read them"
-            )
-        yield
-    finally:
-        for layer in patched:
-            del layer.forward
-
-
-def _dequantized_linear(layer: nn.Linear, scheme: NBits, parts: Any) -> Any:
-    """``layer``'s forward on its weight dequantized from the artifact, a block of rows at a time."""
-    import torch
-
-    from service.exporters.onnx.quantize import dequantize
-
-    packed, scales, zero_points = parts
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        x = x.as_subclass(torch.Tensor)
-        bias = None if layer.bias is None else _plain(layer.bias)
-        rows, k = layer.out_features, layer.in_features
-        out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
-        step = max(1, blocks.WRITE_BLOCK_BYTES // (k * DEQUANTIZED_ITEMSIZE))
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            zp = None if zero_points is None else zero_points[start:stop]
-            weight = dequantize(scheme, k, packed[start:stop], scales[start:stop], zp)
-            w = torch.from_numpy(weight).to(x.dtype)
-            out[..., start:stop] = torch.nn.functional.linear(
-                x, w, None if bias is None else bias[start:stop]
-            )
-        return out
-
-    return forward
-
-
-def _dequantized_rows(layer: nn.Embedding, scheme: NBits, parts: Any) -> Any:
-    """``layer``'s own forward (a subclass's scaling included) on the rows of its ids alone,
-    dequantized from the artifact: the weight is lent, for the call, a table of those rows and
-    the ids are renumbered into it."""
-    import torch
-    from torch import nn
-
-    from service.exporters.onnx.quantize import dequantize
-
-    packed, scales, zero_points = parts
-    original = type(layer).forward
-    k = layer.embedding_dim
-
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        ids = ids.as_subclass(torch.Tensor)
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        rows = unique.numpy()
-        zp = None if zero_points is None else np.asarray(zero_points[rows])
-        table = dequantize(scheme, k, np.asarray(packed[rows]), np.asarray(scales[rows]), zp)
-        weight, padding = layer._parameters["weight"], layer.padding_idx
-        dtype = weight.dtype if weight is not None else torch.float32
-        layer._parameters["weight"] = nn.Parameter(
-            torch.from_numpy(table).to(dtype), requires_grad=False
-        )
-        layer.padding_idx = None  # a row number of the whole table; it only shapes gradients
-        try:
-            out: torch.Tensor = original(layer, inverse.reshape(ids.shape))
-        finally:
-            layer._parameters["weight"], layer.padding_idx = weight, padding
-        return out
-
-    return forward
-
-
-def _plain(tensor: Any) -> Any:
-    """A weight of the offloaded model as a plain tensor: an offloaded one re-read from the
-    store (``as_subclass`` alone would keep no data: PyTorch's dispatch then fails)."""
-    import torch
-
-    from service.shims.torch_to_nnef import CheckpointTensor
-
-    if isinstance(tensor, CheckpointTensor):
-        return tensor.reload().as_subclass(torch.Tensor)
-    return tensor.as_subclass(torch.Tensor)
-
-
-def _external_initializers(model_path: Path) -> Callable[[str], np.ndarray | None]:
-    """A reader of the graph's initializers by name, memory-mapped from the data file (read
-    only, left mapped: a caller reads the rows it needs; small ones, which ``ir.save`` keeps
-    inside the graph, from the graph); None for a name the graph lacks."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    model = onnx.load(str(model_path), load_external_data=False)
-    where: dict[str, tuple[Path, int, Any, tuple[int, ...]]] = {}
-    inline: dict[str, np.ndarray] = {}
-    for init in model.graph.initializer:
-        info = {e.key: e.value for e in init.external_data}
-        if "location" not in info:
-            inline[init.name] = numpy_helper.to_array(init)
-            continue
-        dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
-        where[init.name] = (
-            model_path.parent / info["location"], int(info.get("offset", 0)), dtype,
-            tuple(int(d) for d in init.dims),
-        )  # fmt: skip
-
-    def read(name: str) -> np.ndarray | None:
-        if name not in where:
-            return inline.get(name)
-        path, offset, dtype, shape = where[name]
-        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
-
-    return read
 
 
 def verify_encoder(

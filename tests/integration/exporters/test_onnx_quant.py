@@ -30,9 +30,9 @@ from transformers import AutoModelForCausalLM
 from service.checkpoint import open_checkpoint
 from service.config import Settings
 from service.exporters.base import ExportInputs
+from service.exporters.onnx.artifact_weights import external_initializers
 from service.exporters.onnx.exporter import DATA_NAME, MODEL_NAME, ONNXExporter, ONNXSpec
 from service.exporters.onnx.genai import GENAI_CONFIG
-from service.exporters.onnx.verify import _external_initializers
 from service.stage import InMemoryContext
 from tests.conftest import TinyCheckpointFactory
 from tests.fixtures.real_models import Variant, real_variant
@@ -95,6 +95,9 @@ def test_quantized_export_is_onnxruntimes_quantization_and_runs_in_its_layout(
     layers = lm.config.num_hidden_layers
     assert summary["weights"]["quantized_matmuls"] == 7 * layers + 1  # q k v o gate up down, head
     assert verify["reference_weights"] == "dequantized from the artifact"
+    largest = verify["largest_weight_error"]  # every weight held to the source's, rounding only
+    assert largest["weights"] == 7 * layers + 1
+    assert 0 < largest["relative_rms"] < (0.2 if nbits.bits == 4 else 0.02), largest
     assert verify["max_abs_err"] <= verify["tolerance"] and all(verify["argmax_agreed"])
 
     graph = onnx.load(str(out / MODEL_NAME), load_external_data=False).graph
@@ -125,7 +128,7 @@ def test_quantized_export_is_onnxruntimes_quantization_and_runs_in_its_layout(
         block_size=nbits.block_size, is_symmetric=nbits.symmetric, bits=nbits.bits
     )
     packed, scales, zero = DefaultWeightOnlyQuantizer(config).qbits_block_quant(weight.T.copy())
-    read = _external_initializers(out / MODEL_NAME)
+    read = external_initializers(out / MODEL_NAME)
     prefix = "model.layers.1.self_attn.q_proj.weight"
     assert read(f"{prefix}_Q{nbits.bits}").tobytes() == packed.tobytes()
     assert read(f"{prefix}_scales").tobytes() == scales.tobytes()
