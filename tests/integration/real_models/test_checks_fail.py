@@ -238,18 +238,7 @@ def test_an_onnx_writer_that_flips_a_tensors_rows_fails_the_job(
 def test_an_nnef_writer_that_flips_a_tensors_rows_fails_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torch_to_nnef.nnef_io import writer
-
-    write = writer.write_nnef_tensor
-    flipped_files: list[str] = []
-
-    def flipped(array: Any, filename: str, quantized: bool) -> None:
-        if Path(filename).name.endswith(f"{FLIPPED}.dat"):  # model.model.layers.0....dat
-            flipped_files.append(filename)
-            array = np.ascontiguousarray(array[::-1])
-        write(array, filename, quantized)
-
-    monkeypatch.setattr(writer, "write_nnef_tensor", flipped)
+    flipped_files = _flip_nnef_rows(monkeypatch)
     _assert_failed_without_artifacts(
         tmp_path, real_variant("smollm2", Variant(layers=LAYERS)),
         {"format": "nnef", "decode_steps": 3}, "tract",
@@ -262,19 +251,10 @@ def test_an_nnef_writer_that_flips_a_tensors_rows_fails_the_job_checked_layer_by
 ) -> None:
     """tract's budget holds one block, not the archive: the job checks it block by block, and
     the block holding the flipped weight differs from PyTorch's layer."""
-    from torch_to_nnef.nnef_io import writer
-
     from service.checkpoint.headers import local_file_header
     from service.exporters.nnef.plan import block_weight_bytes, tract_peaks
 
-    write = writer.write_nnef_tensor
-
-    def flipped(array: Any, filename: str, quantized: bool) -> None:
-        if Path(filename).name.endswith(f"{FLIPPED}.dat"):
-            array = np.ascontiguousarray(array[::-1])
-        write(array, filename, quantized)
-
-    monkeypatch.setattr(writer, "write_nnef_tensor", flipped)
+    flipped_files = _flip_nnef_rows(monkeypatch)
     # 8 float16 layers: the archive outweighs one block with the embedding, so a budget between
     # the two makes the job check block by block (as test_nnef_layerwise.py)
     source = real_variant("smollm2", Variant(tie="output", config_keys="v4", dtype="float16",
@@ -286,6 +266,39 @@ def test_an_nnef_writer_that_flips_a_tensors_rows_fails_the_job_checked_layer_by
     with pytest.raises(VerificationFailed, match="tract's block for .*layers.0"):
         _run(tmp_path, source, {"format": "nnef", "decode_steps": 3}, ctx)
     assert not JobLayout.for_job(ctx.settings, ctx.job_id).artifacts.exists()
+    assert len(flipped_files) == 1, flipped_files
+
+
+def _flip_nnef_rows(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The NNEF writer flips :data:`FLIPPED`'s rows as it writes the ``.dat``, on either path a
+    weight takes: torch-to-nnef's ``write_nnef_tensor`` (a value held in memory) or the block
+    writer of a weight read from the checkpoint (``shims.torch_to_nnef.write_dat_in_blocks``,
+    whose file is flipped once written: the same bytes a flipped array would give). Returns
+    the files flipped."""
+    from torch_to_nnef.nnef_io import writer
+
+    from service.shims import torch_to_nnef as shim
+
+    write, write_blocks = writer.write_nnef_tensor, shim.write_dat_in_blocks
+    flipped_files: list[str] = []
+
+    def flipped(array: Any, filename: str, quantized: bool) -> None:
+        if Path(filename).name.endswith(f"{FLIPPED}.dat"):  # model.model.layers.0....dat
+            flipped_files.append(filename)
+            array = np.ascontiguousarray(array[::-1])
+        write(array, filename, quantized)
+
+    def flipped_blocks(tensor: Any, path: Path, max_bytes: int = shim.WRITE_BLOCK_BYTES) -> None:
+        write_blocks(tensor, path, max_bytes)
+        if Path(path).name.endswith(f"{FLIPPED}.dat"):
+            flipped_files.append(str(path))
+            raw = Path(path).read_bytes()
+            rows = np.frombuffer(raw, dtype=np.uint8, offset=128).reshape(tensor.elem.shape[0], -1)
+            Path(path).write_bytes(raw[:128] + np.ascontiguousarray(rows[::-1]).tobytes())
+
+    monkeypatch.setattr(writer, "write_nnef_tensor", flipped)
+    monkeypatch.setattr(shim, "write_dat_in_blocks", flipped_blocks)
+    return flipped_files
 
 
 def test_an_nnef_q4_0_writer_that_flips_a_tensors_rows_fails_the_job(
