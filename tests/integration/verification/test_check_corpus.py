@@ -18,7 +18,8 @@ quantized GGUF types (Qwen2.5 q8_0 and Q4_K_M, Gemma 3 q4_0) and NNEF/ONNX ones 
 q4_0, SmolLM2 NNEF q4_0 and ONNX int4) passed this module's checks when written, at 50-140 s
 each for a 152k- or 262k-token vocabulary, beyond this module's budget.
 
-**No missed fault.** On the near-tie models, where a fault costs as little KL as quantization
+**No missed fault** (but one, in ``MISSED``: a q8_0's vocabulary one id off, whose probes run
+on K-quants only for now). On the near-tie models, where a fault costs as little KL as quantization
 does (their logits are near flat), each fault fails its check, naming the tensor or the stage:
 rows flipped by the GGUF writer (the read-back names the tensor), the q/k permutation skipped,
 the rope base written wrong, Gemma's norm offset dropped (llama.cpp against transformers on the
@@ -300,7 +301,12 @@ MUTATIONS: dict[str, tuple[str, str, Callable[[pytest.MonkeyPatch], None], str]]
 """fault -> (model, export, how the fault is made, what the failure says)."""
 
 
-MISSED: dict[str, str] = {}
+MISSED: dict[str, str] = {
+    "vocabulary one id off": "llama.cpp's tokenization of the probes runs on a llama-quantize "
+    "type's file only (a K-quant); on a type written directly (q8_0 here) it is not run yet: "
+    "llama-tokenize aborts (ggml_abort in llama_vocab's tokenize) on the suite's tiny byte-level "
+    "BPE fixtures, which must be understood first",
+}
 """Faults no check catches yet, and why (strict xfail: one that starts failing its check
 turns the test red until it moves out of here)."""
 
