@@ -50,14 +50,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _store(server: S3Server, bucket: str) -> S3Store:
     """A client of the bucket that trusts the private CA (the test's own view of the store)."""
     assert server.ca_bundle is not None
-    return S3Store(
-        bucket,
-        endpoint=server.endpoint,
-        region="us-east-1",
-        access_key_id=server.access_key,
-        secret_access_key=server.secret_key,
-        client_options={"root_certificate": server.ca_bundle.read_bytes()},
-    )
+    store: S3Store = server.store(bucket)
+    return store
 
 
 @pytest.fixture(scope="module")

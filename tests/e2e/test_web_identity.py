@@ -32,14 +32,8 @@ from tests.fixtures.service import running_service
 
 def _setup_client(server: S3Server, bucket: str) -> S3Store:
     """The test's own view of the bucket (its key pair), to seed and check it."""
-    return S3Store(
-        bucket,
-        endpoint=server.endpoint,
-        region="us-east-1",
-        access_key_id=server.access_key,
-        secret_access_key=server.secret_key,
-        client_options={"allow_http": True},
-    )
+    store: S3Store = server.store(bucket)
+    return store
 
 
 @pytest.fixture(autouse=True)

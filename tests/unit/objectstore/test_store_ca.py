@@ -133,28 +133,23 @@ def test_sts_requests_use_the_stores_bundle(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sts = client_for("sts", _settings(store_server, tmp_path), store_server.base_url, None, 5.0)
-    try:
-        with pytest.raises(CertificateUntrusted, match="AWS_CA_BUNDLE"):
+    def assume_role() -> None:
+        sts = client_for("sts", _settings(store_server, tmp_path), store_server.base_url, None, 5.0)
+        try:
             sts.api.assume_role_with_web_identity(
                 RoleArn="arn:aws:iam::000000000000:role/r",
                 RoleSessionName="modelprep",
                 WebIdentityToken="t" * 20,
             )
-    finally:
-        sts.close()
+        finally:
+            sts.close()
+
+    with pytest.raises(CertificateUntrusted, match="AWS_CA_BUNDLE"):
+        assume_role()
     monkeypatch.setenv("AWS_CA_BUNDLE", str(private_ca[1]))
-    sts = client_for("sts", _settings(store_server, tmp_path), store_server.base_url, None, 5.0)
-    try:
-        # TLS established: the server's own answer, its HTML 501 page to a POST
-        with pytest.raises(ResponseParserError, match="Unsupported method"):
-            sts.api.assume_role_with_web_identity(
-                RoleArn="arn:aws:iam::000000000000:role/r",
-                RoleSessionName="modelprep",
-                WebIdentityToken="t" * 20,
-            )
-    finally:
-        sts.close()
+    # TLS established: the server's own answer, its HTML 501 page to a POST
+    with pytest.raises(ResponseParserError, match="Unsupported method"):
+        assume_role()
 
 
 def test_an_sts_certificate_refused_inside_obstores_credential_provider_stays_typed() -> None:
