@@ -1,7 +1,6 @@
 """The exact check reads a GGUF's tensors from its directory and one map of the file
 (``artifact_weights.stored_tensors``), not through ``gguf.GGUFReader``, whose parse of the
-vocabulary cost 8.4 s of a 12 s check at SmolLM2's 49152 tokens; and every GGUF a job verifies
-has its tokenizer checked by llama.cpp, whatever its type."""
+vocabulary cost 8.4 s of a 12 s check at SmolLM2's 49152 tokens."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from service.exporters.gguf import GGUFSpec
 from service.exporters.gguf.artifact_weights import stored_tensors
-from tests.fixtures.check_corpus import CheckedSource
 from tests.fixtures.gguf_files import export_gguf
 
 
@@ -25,7 +22,8 @@ def test_stored_tensors_are_what_gguf_reader_reads(
     """q8_0 of a Llama whose 80-wide rows fall back to f16 (F32 norms, F16, Q8_0); Q4_K_M of
     one 256 wide (Q4_K, Q6_K, F32)."""
     source = llama[0] if type_ == "q8_0" else wide_llama
-    result, _ = export_gguf(source, tmp_path / "out", type_)
+    # unverified: this reads the file back; the tiny BPE's K-quant checks are test_quantize's
+    result, _ = export_gguf(source, tmp_path / "out", type_, verify=False)
     path = tmp_path / "out" / result.files[0]
     mapped = list(stored_tensors(path))
     read = gguf.GGUFReader(path).tensors
@@ -39,27 +37,3 @@ def test_stored_tensors_are_what_gguf_reader_reads(
         assert data.shape == theirs.data.shape, ours.name
         assert np.array_equal(data, theirs.data), ours.name
     assert len(kinds) >= 3, kinds
-
-
-def test_a_direct_type_of_an_unknown_pre_tokenizer_accepted_reports_its_tokenizer(
-    llama: tuple[Path, Any], tmp_path: Path
-) -> None:
-    """The tokenizer probes run on every verified GGUF; a request that accepted llama.cpp's
-    generic splitting for a pre-tokenizer it does not know gets the probes' verdict reported,
-    not failed (the same file without the fallback is refused before it is written)."""
-    with CheckedSource(llama[0], tmp_path / "job") as job:
-        verify = job.export(GGUFSpec(type="f16", pre_tokenizer_fallback="default"))["verify"]
-    tokenizer = verify["tokenizer"]
-    assert tokenizer["match"] is True or tokenizer["judged"] is False, tokenizer
-    assert verify["exact"]["judged"], verify["exact"]
-
-
-def test_a_tokenizer_differing_only_by_its_prefix_space_passes_the_probes(tmp_path: Path) -> None:
-    """Gemma's vocabulary in llama.cpp adds no prefix space; the family fixture's tokenizer
-    class (transformers' ``LlamaTokenizer`` on its ``tokenizer.model``) adds one: the probes
-    differ by that one leading piece only, which is the class's convention, not the file's."""
-    from tests.fixtures.families import family_checkpoint
-
-    with CheckedSource(family_checkpoint("gemma"), tmp_path / "job") as job:
-        verify = job.export(GGUFSpec(type="f16"))["verify"]
-    assert verify["tokenizer"]["match"] and verify["tokenizer"]["prefix_space_differs"] > 0
